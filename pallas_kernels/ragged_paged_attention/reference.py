@@ -1,0 +1,145 @@
+"""Pure-jnp ragged paged attention: the specification every kernel must match,
+and jaxkv's serving path on CPU.
+
+Contract (shared by every backend)::
+
+    ragged_paged_attention(q[T, H, D], k_pages[KVH, P, page_size, D], v_pages,
+                           kv_lens[S], block_tables[S, pages_per_seq],
+                           cu_q_lens[S + 1], num_seqs[], *, sm_scale,
+                           sliding_window=None, soft_cap=None,
+                           k_scale=None, v_scale=None) -> [T, H, D]
+
+Sequence s (s < num_seqs) owns query rows cu_q_lens[s] : cu_q_lens[s + 1] and
+its first kv_lens[s] cached tokens live in pages block_tables[s, :]; the cache
+already holds this step's new keys and values. Query i of sequence s sits at
+position kv_lens[s] - q_len + i and attends causally to positions <= its own
+(and > position - sliding_window when a window is set). Query head h reads KV
+head h // (H // KVH): GQA without repeating K/V. Rows outside every sequence
+(padding) come back as zeros. k_scale / v_scale [KVH, P, page_size] float32
+dequantize int8 pages (value = int8 * scale).
+
+How it stays cheap without a kernel: queries are cut into blocks that never
+span two sequences, and each block gathers its sequence's pages once (so
+memory traffic is blocks x context, not tokens x context). A batch of decodes
+(every q_len <= 1) takes a one-row-per-sequence path; a batch with prefill
+chunks takes blocks of `_PREFILL_BLOCK` rows. Both are traced; `lax.cond`
+picks one at run time. Callers keep `pages_per_seq` (the block table width)
+as small as their longest sequence needs: it sets the gathered context.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_PREFILL_BLOCK = 16
+_MASK_VALUE = -1e30
+
+
+def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                       num_seqs, *, block_q, num_blocks, sm_scale, sliding_window,
+                       soft_cap, k_scale, v_scale):
+    """Attention over `num_blocks` query blocks of `block_q` rows, each inside
+    one sequence. Returns [T, H, D] float32."""
+    T, H, D = q.shape
+    KVH, P, page_size, _ = k_pages.shape
+    S, pages_per_seq = block_tables.shape
+    G = H // KVH
+    C = pages_per_seq * page_size
+
+    seq_ids = jnp.arange(S)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_lens = jnp.where(seq_ids < num_seqs, q_lens, 0)
+    blocks_per_seq = (q_lens + block_q - 1) // block_q  # [S]
+    block_end = jnp.cumsum(blocks_per_seq)  # [S]
+    block_start = block_end - blocks_per_seq
+
+    b = jnp.arange(num_blocks)
+    blk_seq = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), S - 1)  # [NB]
+    blk_valid = b < block_end[-1]
+    blk_local = b - block_start[blk_seq]  # block index inside its sequence
+    r = jnp.arange(block_q)
+    row_in_seq = blk_local[:, None] * block_q + r[None, :]  # [NB, bq]
+    row_valid = blk_valid[:, None] & (row_in_seq < q_lens[blk_seq][:, None])
+    rows = cu_q_lens[blk_seq][:, None] + row_in_seq  # [NB, bq] token index
+    rows = jnp.where(row_valid, rows, T)  # T = out of range: dropped on scatter
+
+    kv_len = kv_lens[blk_seq]  # [NB]
+    q_pos = (kv_len - q_lens[blk_seq])[:, None] + row_in_seq  # [NB, bq]
+
+    qb = q[jnp.minimum(rows, T - 1)].astype(jnp.float32)  # [NB, bq, H, D]
+    qb = qb.reshape(num_blocks, block_q, KVH, G, D)
+    pages = block_tables[blk_seq]  # [NB, pages_per_seq]
+    kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, NB, pages_per_seq, page_size, D]
+    vb = v_pages[:, pages].astype(jnp.float32)
+    if k_scale is not None:
+        kb = kb * k_scale[:, pages][..., None]
+        vb = vb * v_scale[:, pages][..., None]
+    kb = kb.reshape(KVH, num_blocks, C, D)
+    vb = vb.reshape(KVH, num_blocks, C, D)
+
+    key_pos = jnp.arange(C)
+    key_live = key_pos[None, :] < kv_len[:, None]  # [NB, C]
+    # Unwritten slots may hold anything (NaN included); zero them so 0 * NaN
+    # never reaches the output.
+    vb = jnp.where(key_live[None, :, :, None], vb, 0.0)
+
+    s = jnp.einsum("nqkgd,kncd->nkgqc", qb, kb) * sm_scale  # [NB, KVH, G, bq, C]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [NB, bq, C]
+    if sliding_window is not None:
+        mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+    mask = mask[:, None, None, :, :]
+    s = jnp.where(mask, s, _MASK_VALUE)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("nkgqc,kncd->nqkgd", p, vb) / jnp.maximum(
+        jnp.moveaxis(denom, -2, 1).reshape(num_blocks, block_q, KVH, G, 1), 1e-30)
+    o = o.reshape(num_blocks * block_q, H, D)
+    out = jnp.zeros((T, H, D), jnp.float32)
+    return out.at[rows.reshape(-1)].set(o, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                           num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
+                           k_scale=None, v_scale=None):
+    """Reference ragged paged attention; see the module docstring for the
+    contract. q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
+    block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D]."""
+    T, H, D = q.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
+                         f"{k_pages.shape} and {v_pages.shape}")
+    KVH = k_pages.shape[0]
+    if k_pages.shape[3] != D:
+        raise ValueError(f"head dim mismatch: q has D={D}, pages have {k_pages.shape[3]}")
+    if H % KVH:
+        raise ValueError(f"num query heads {H} is not a multiple of num kv heads {KVH}")
+    S = kv_lens.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != S or cu_q_lens.shape != (S + 1,):
+        raise ValueError(f"inconsistent sequence metadata: kv_lens {kv_lens.shape}, "
+                         f"block_tables {block_tables.shape}, cu_q_lens {cu_q_lens.shape}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              k_scale=k_scale, v_scale=v_scale)
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+
+    def decode(args):
+        return _blocked_attention(*args, block_q=1, num_blocks=S, **kw)
+
+    def prefill(args):
+        bq = min(_PREFILL_BLOCK, T)
+        return _blocked_attention(*args, block_q=bq, num_blocks=-(-T // bq) + S, **kw)
+
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    live = jnp.arange(S) < num_seqs
+    all_decode = jnp.all(jnp.where(live, q_lens, 0) <= 1)
+    out = jax.lax.cond(all_decode, decode, prefill, args)
+    return out.astype(q.dtype)
+
