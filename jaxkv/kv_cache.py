@@ -1,0 +1,120 @@
+"""The paged KV cache: a functional, fixed-shape pytree.
+
+Layout (one, for every backend): per layer l,
+    k[l], v[l]: [KVH, P, page_size, D]      (kv_dtype: float32 / bfloat16 / int8)
+    k_scale[l], v_scale[l]: [KVH, P, page_size] float32, only for int8
+A slot is `page * page_size + offset`. Page 0 is the trash page: padded
+tokens write there and no sequence ever owns it.
+
+Layers are separate arrays (a tuple), not one [L, ...] array, so the jitted
+step updates each layer in place (the whole cache is donated) and attention
+reads a layer without slicing it out of a larger buffer. The per-layer shape
+[KVH, P, page_size, D] is the one the Pallas kernels take; sharding splits
+KVH over the "model" mesh axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.config import CacheConfig, ModelConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+           "int8": jnp.int8}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """k, v: L x [KVH, P, page_size, D]; k_scale, v_scale: L x [KVH, P, page_size]
+    float32 when the cache is int8, else None."""
+
+    k: tuple
+    v: tuple
+    k_scale: tuple | None = None
+    v_scale: tuple | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+
+
+def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
+    """The cache as jax.ShapeDtypeStructs (for sizing and ahead-of-time compiles)."""
+    dtype = _DTYPES[cache.kv_dtype]
+    page = (model.num_kv_heads, cache.num_pages, cache.page_size, model.head_dim)
+    layer = jax.ShapeDtypeStruct(page, dtype)
+    scale = jax.ShapeDtypeStruct(page[:3], jnp.float32)
+    L = model.num_layers
+    q = cache.kv_dtype == "int8"
+    return KVCache(k=(layer,) * L, v=(layer,) * L,
+                   k_scale=(scale,) * L if q else None, v_scale=(scale,) * L if q else None)
+
+
+def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCache:
+    """A zeroed cache; `sharding` (optional) is applied to every leaf."""
+    shapes = cache_shapes(model, cache)
+
+    def zeros(s):
+        return jnp.zeros(s.shape, s.dtype, device=sharding)
+
+    return jax.tree_util.tree_map(zeros, shapes)
+
+
+def quantize_int8(x):
+    """x [..., D] -> (int8 [..., D], scale [...] float32), symmetric per vector."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def write_layer(cache: KVCache, layer: int, new_k, new_v, slot_mapping) -> KVCache:
+    """Scatter this step's keys/values new_k, new_v [T, KVH, D] into `layer`
+    at slot_mapping [T] (padding rows point into the trash page)."""
+    k, v = cache.k[layer], cache.v[layer]
+    KVH, P, ps, D = k.shape
+    page, off = slot_mapping // ps, slot_mapping % ps
+    nk = jnp.swapaxes(new_k, 0, 1)  # [KVH, T, D]
+    nv = jnp.swapaxes(new_v, 0, 1)
+    ks = vs = None
+    if cache.quantized:
+        nk, sk = quantize_int8(nk)
+        nv, sv = quantize_int8(nv)
+        ks = cache.k_scale[layer].at[:, page, off].set(sk)
+        vs = cache.v_scale[layer].at[:, page, off].set(sv)
+    k = k.at[:, page, off].set(nk.astype(k.dtype))
+    v = v.at[:, page, off].set(nv.astype(v.dtype))
+
+    def put(t, x):
+        return None if t is None else t[:layer] + (x,) + t[layer + 1:]
+
+    return KVCache(k=put(cache.k, k), v=put(cache.v, v),
+                   k_scale=put(cache.k_scale, ks), v_scale=put(cache.v_scale, vs))
+
+
+def copy_pages(cache: KVCache, src, dst) -> KVCache:
+    """Copy whole pages src[N] -> dst[N] in every layer (copy-on-write)."""
+    def cp(x):
+        return x.at[:, dst].set(x[:, src])
+
+    return jax.tree_util.tree_map(cp, cache)

@@ -1,0 +1,160 @@
+"""A Flax NNX Llama-family decoder (Llama, Mistral, Qwen2) that reads and
+writes the paged KV cache through StepBatch metadata.
+
+Parameters live in the module under the flat names of
+`checkpoints.params.expected_shapes` (embed [V, E], layers.i.wq [E, H, D], ...);
+the cache is passed in and returned. GQA: H query heads share KVH kv heads
+(MHA when H == KVH, MQA when KVH == 1).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.attention import StepBatch, paged_attention
+from jaxkv.config import ModelConfig
+from jaxkv.kv_cache import KVCache, write_layer
+
+Init = Callable[[str, tuple], jax.Array]
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] with Llama-3 scaling applied when configured:
+    long wavelengths are divided by `factor`, short ones kept, and the band in
+    between interpolated smoothly."""
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    wavelen = 2 * np.pi / inv
+    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
+    scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+    scaled = np.where(mid, (1 - smooth) * scaled / rs.factor + smooth * scaled, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [T, N, D] rotated by positions [T] in the half-split layout (the
+    first D/2 features pair with the last D/2)."""
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x, scale, eps):
+    """Normalize in float32, cast back, then scale (as Hugging Face does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return xf.astype(x.dtype) * scale
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, prefix: str, init: Init):
+        E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.wq = nnx.Param(init(f"{prefix}.wq", (E, H, D)))
+        self.wk = nnx.Param(init(f"{prefix}.wk", (E, K, D)))
+        self.wv = nnx.Param(init(f"{prefix}.wv", (E, K, D)))
+        self.wo = nnx.Param(init(f"{prefix}.wo", (H, D, E)))
+        if config.attention_bias:
+            self.bq = nnx.Param(init(f"{prefix}.bq", (H, D)))
+            self.bk = nnx.Param(init(f"{prefix}.bk", (K, D)))
+            self.bv = nnx.Param(init(f"{prefix}.bv", (K, D)))
+        self.bias = config.attention_bias
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, i: int, init: Init):
+        E, F = config.hidden_size, config.intermediate_size
+        p = f"layers.{i}"
+        self.attn_norm = nnx.Param(init(f"{p}.attn_norm", (E,)))
+        self.attn = Attention(config, p, init)
+        self.mlp_norm = nnx.Param(init(f"{p}.mlp_norm", (E,)))
+        self.w_gate = nnx.Param(init(f"{p}.w_gate", (E, F)))
+        self.w_up = nnx.Param(init(f"{p}.w_up", (E, F)))
+        self.w_down = nnx.Param(init(f"{p}.w_down", (F, E)))
+
+
+class Llama(nnx.Module):
+    """The decoder. `init(name, shape)` supplies each parameter by its flat
+    name; see `from_params` and `random_init`."""
+
+    def __init__(self, config: ModelConfig, init: Init, *, attention_backend: str = "auto"):
+        self.config = config
+        self.attention_backend = attention_backend
+        V, E = config.vocab_size, config.hidden_size
+        self.embed = nnx.Param(init("embed", (V, E)))
+        self.layers = nnx.List([Block(config, i, init) for i in range(config.num_layers)])
+        self.final_norm = nnx.Param(init("final_norm", (E,)))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(init("lm_head", (E, V)))
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_frequencies(config)))
+
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
+                    dtype=jnp.float32, attention_backend: str = "auto") -> "Llama":
+        """Build from a flat name -> array dict (checkpoints.* loaders)."""
+        from checkpoints.params import check_params
+
+        check_params(config, params)
+        return cls(config, lambda name, shape: jnp.asarray(params[name], dtype),
+                   attention_backend=attention_backend)
+
+    @classmethod
+    def random_init(cls, config: ModelConfig, seed: int = 0, *, dtype=jnp.float32,
+                    attention_backend: str = "auto") -> "Llama":
+        """Random weights (norm scales near 1), for tests and benchmarks."""
+        rng = np.random.default_rng(seed)
+
+        def init(name, shape):
+            if name.endswith("norm"):
+                return jnp.asarray(1.0 + 0.1 * rng.standard_normal(shape), dtype)
+            fan_in = shape[0] if len(shape) > 1 else 1
+            if name.endswith(".wo"):
+                fan_in = shape[0] * shape[1]
+            std = 0.02 if name == "embed" else 1.0 / np.sqrt(fan_in)
+            return jnp.asarray(std * rng.standard_normal(shape), dtype)
+
+        return cls(config, init, attention_backend=attention_backend)
+
+    def __call__(self, cache: KVCache, batch: StepBatch):
+        """One ragged step: returns (logits [S, V] float32 at each sequence's
+        logits_indices row, updated cache)."""
+        cfg = self.config
+        x = self.embed.value[batch.token_ids]  # [T, E]
+        inv_freq = self.inv_freq.value
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm.value, cfg.rms_norm_eps)
+            a = layer.attn
+            q = jnp.einsum("TE,EHD->THD", h, a.wq.value)
+            k = jnp.einsum("TE,EKD->TKD", h, a.wk.value)
+            v = jnp.einsum("TE,EKD->TKD", h, a.wv.value)
+            if a.bias:
+                q, k, v = q + a.bq.value, k + a.bk.value, v + a.bv.value
+            q = apply_rope(q, batch.positions, inv_freq)
+            k = apply_rope(k, batch.positions, inv_freq)
+            cache = write_layer(cache, i, k, v, batch.slot_mapping)
+            o = paged_attention(q, cache, i, batch, backend=self.attention_backend,
+                                sliding_window=cfg.sliding_window).astype(x.dtype)
+            x = x + jnp.einsum("THD,HDE->TE", o, a.wo.value)
+            h = rms_norm(x, layer.mlp_norm.value, cfg.rms_norm_eps)
+            g = jnp.einsum("TE,EF->TF", h, layer.w_gate.value)
+            u = jnp.einsum("TE,EF->TF", h, layer.w_up.value)
+            x = x + jnp.einsum("TF,FE->TE", jax.nn.silu(g) * u, layer.w_down.value)
+        h = x[batch.logits_indices]  # [S, E]
+        h = rms_norm(h, self.final_norm.value, cfg.rms_norm_eps)
+        head = self.embed.value.T if cfg.tie_word_embeddings else self.lm_head.value
+        logits = jnp.einsum("SE,EV->SV", h, head, preferred_element_type=jnp.float32)
+        return logits, cache
