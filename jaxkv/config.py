@@ -273,3 +273,44 @@ class CacheConfig:
             raise ValueError(f"page_size: must be positive, got {self.page_size}")
         if self.kv_dtype not in ("float32", "bfloat16", "float16", "int8"):
             raise ValueError(f"kv_dtype: unsupported {self.kv_dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    The page pool is `num_pages` pages when given, else sized from
+    `kv_cache_memory` bytes, else from `gpu_memory_utilization` of the
+    device's free memory where the device reports it, else 1 GiB.
+    `max_model_len` caps prompt + output (default: the model's maximum
+    positions, or the pool, whichever is smaller).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.8
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    dtype: str = "float32"
+    kv_dtype: str | None = None  # default: same as dtype
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        if self.attention_backend not in ("auto", "reference", "pallas"):
+            raise ValueError(f"attention_backend: must be 'auto', 'reference' or 'pallas', "
+                             f"got {self.attention_backend!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.kv_dtype not in (None, "float32", "bfloat16", "int8"):
+            raise ValueError(f"kv_dtype: must be 'float32', 'bfloat16' or 'int8', got {self.kv_dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -1,0 +1,116 @@
+"""The offline API, shaped like vLLM's:
+
+    from jaxkv import LLM, SamplingParams
+    llm = LLM("smollm2-135m-instruct")
+    outs = llm.generate(["What is a KV cache?"], SamplingParams(max_tokens=64))
+    print(outs[0].outputs[0].text)
+
+`model` is the name of a known model (fetched and converted once into the
+cache folder) or a path: a Hugging Face folder, a GGUF file or a jaxkv
+checkpoint. Engine options (EngineConfig fields) pass as keywords.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+
+from jaxkv.engine import LLMEngine
+from jaxkv.sequence import RequestOutput, SamplingParams
+
+KNOWN_MODELS = ("smollm2-135m-instruct",)
+
+
+def cache_dir() -> Path:
+    """$JAXKV_CACHE, default ~/.cache/jaxkv."""
+    return Path(os.environ.get("JAXKV_CACHE") or Path.home() / ".cache" / "jaxkv")
+
+
+def resolve_model_path(model: str) -> Path:
+    """A known model name -> its converted jaxkv checkpoint (fetching and
+    converting it on first use); anything else must be an existing path."""
+    if model.lower() in KNOWN_MODELS:
+        from checkpoints.convert import convert
+        from jaxkv.default_model import fetch_smollm2_gguf
+
+        dst = cache_dir() / "models" / model.lower()
+        if not (dst / "jaxkv.json").exists() and not dst.exists():
+            gguf = fetch_smollm2_gguf(cache_dir())
+            convert(gguf, dst, "float32")
+        return dst
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model: {model!r} is neither a known model name "
+                         f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+    return path
+
+
+def load_model(model: str, *, dtype: str = "float32", attention_backend: str = "auto"):
+    """-> (Llama module, Tokenizer or None)."""
+    from checkpoints import load_checkpoint
+    from jaxkv.model import Llama
+
+    config, params, tokenizer = load_checkpoint(resolve_model_path(model))
+    module = Llama.from_params(config, params, dtype=jnp.dtype(dtype),
+                               attention_backend=attention_backend)
+    return module, tokenizer
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_options: Any):
+        self.engine = LLMEngine.from_pretrained(model, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. Prompts: a string, a list of
+        strings, or dicts {"prompt": ...} / {"prompt_token_ids": [...]} (a list
+        of ints alone is read as one tokenized prompt). A bad prompt gets an
+        output with finish_reason "error"; the rest are generated."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for "
+                                 f"{len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = None
+        if use_tqdm or (use_tqdm is None and len(prompts) >= 16):
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="generate", unit="req", dynamic_ncols=True)
+        generated = [0]
+
+        def progress(done, new):
+            generated[0] += new
+            if bar is not None:
+                bar.n = done
+                el = bar.format_dict.get("elapsed") or 0
+                bar.set_postfix_str(f"{generated[0] / el:.1f} tok/s" if el else "")
+                bar.refresh()
+
+        try:
+            final = self.engine.run_to_completion(ids, progress)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of
+        {"role", "content"} dicts) or a list of them, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer or chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+            add_special_tokens=False)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
