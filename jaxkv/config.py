@@ -51,7 +51,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projection biases
+    attention_out_bias: bool = False  # output projection bias (Llama's attention_bias)
     max_position_embeddings: int = 2048
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -165,10 +166,10 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     if head_dim is None:
         raise ValueError(f"head_dim: hidden_size {hidden} not divisible by num_attention_heads {heads}")
     if arch == "qwen2":
-        bias = True
+        bias, out_bias = True, False
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     else:
-        bias = bool(cfg.get("attention_bias", False))
+        bias = out_bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window") if arch == "mistral" else None
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
@@ -189,6 +190,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bias,
+        attention_out_bias=out_bias,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         sliding_window=int(window) if window else None,
         bos_token_id=cfg.get("bos_token_id"),

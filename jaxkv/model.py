@@ -72,7 +72,10 @@ class Attention(nnx.Module):
             self.bq = nnx.Param(init(f"{prefix}.bq", (H, D)))
             self.bk = nnx.Param(init(f"{prefix}.bk", (K, D)))
             self.bv = nnx.Param(init(f"{prefix}.bv", (K, D)))
+        if config.attention_out_bias:
+            self.bo = nnx.Param(init(f"{prefix}.bo", (E,)))
         self.bias = config.attention_bias
+        self.out_bias = config.attention_out_bias
 
 
 class Block(nnx.Module):
@@ -133,28 +136,29 @@ class Llama(nnx.Module):
         """One ragged step: returns (logits [S, V] float32 at each sequence's
         logits_indices row, updated cache)."""
         cfg = self.config
-        x = self.embed.value[batch.token_ids]  # [T, E]
-        inv_freq = self.inv_freq.value
+        x = self.embed[...][batch.token_ids]  # [T, E]
+        inv_freq = self.inv_freq[...]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm.value, cfg.rms_norm_eps)
+            h = rms_norm(x, layer.attn_norm[...], cfg.rms_norm_eps)
             a = layer.attn
-            q = jnp.einsum("TE,EHD->THD", h, a.wq.value)
-            k = jnp.einsum("TE,EKD->TKD", h, a.wk.value)
-            v = jnp.einsum("TE,EKD->TKD", h, a.wv.value)
+            q = jnp.einsum("TE,EHD->THD", h, a.wq[...])
+            k = jnp.einsum("TE,EKD->TKD", h, a.wk[...])
+            v = jnp.einsum("TE,EKD->TKD", h, a.wv[...])
             if a.bias:
-                q, k, v = q + a.bq.value, k + a.bk.value, v + a.bv.value
+                q, k, v = q + a.bq[...], k + a.bk[...], v + a.bv[...]
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
             cache = write_layer(cache, i, k, v, batch.slot_mapping)
             o = paged_attention(q, cache, i, batch, backend=self.attention_backend,
                                 sliding_window=cfg.sliding_window).astype(x.dtype)
-            x = x + jnp.einsum("THD,HDE->TE", o, a.wo.value)
-            h = rms_norm(x, layer.mlp_norm.value, cfg.rms_norm_eps)
-            g = jnp.einsum("TE,EF->TF", h, layer.w_gate.value)
-            u = jnp.einsum("TE,EF->TF", h, layer.w_up.value)
-            x = x + jnp.einsum("TF,FE->TE", jax.nn.silu(g) * u, layer.w_down.value)
+            o = jnp.einsum("THD,HDE->TE", o, a.wo[...])
+            x = x + (o + a.bo[...] if a.out_bias else o)
+            h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)
+            g = jnp.einsum("TE,EF->TF", h, layer.w_gate[...])
+            u = jnp.einsum("TE,EF->TF", h, layer.w_up[...])
+            x = x + jnp.einsum("TF,FE->TE", jax.nn.silu(g) * u, layer.w_down[...])
         h = x[batch.logits_indices]  # [S, E]
-        h = rms_norm(h, self.final_norm.value, cfg.rms_norm_eps)
-        head = self.embed.value.T if cfg.tie_word_embeddings else self.lm_head.value
+        h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.einsum("SE,EV->SV", h, head, preferred_element_type=jnp.float32)
         return logits, cache

@@ -154,9 +154,13 @@ class Runner:
     """Owns the split model, the cache and the jitted step."""
 
     def __init__(self, model, cache: KVCache, buckets: Buckets, *, seed: int = 0):
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
         self.config = model.config
-        self.cache = cache
+        # Commit every array to its device up front: outputs of the step are
+        # committed, and a committed/uncommitted mismatch would recompile.
+        commit = functools.partial(jax.tree_util.tree_map, lambda x: jax.device_put(x, x.sharding))
+        self.state = commit(state)
+        self.cache = commit(cache)
         self.page_size = cache.page_size
         self.buckets = buckets
         self.rng = jax.random.key(seed)
