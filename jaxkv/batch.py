@@ -1,0 +1,146 @@
+"""Batch generation: JSONL in, JSONL out, in input order, resumable.
+
+Each input line is {"prompt": "..."} or {"messages": [...]} (chat template
+applied) plus optional sampling fields (max_tokens, temperature, top_p, ...,
+any SamplingParams field) and an optional "id". Each output line has the
+input's index and id, text, token ids, finish reason, token counts and
+timing; a line that cannot be run (bad JSON, unknown field, bad value) gets
+an error record and the rest are still generated. Re-running with the same
+output file skips the lines already written and appends the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxkv.sequence import SamplingParams
+
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _done_count(out_path: Path) -> int:
+    """Complete records already in the output file; a torn last line (an
+    interrupted write) is cut off so it is written again."""
+    if not out_path.exists():
+        return 0
+    data = out_path.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        out_path.write_bytes(keep)
+    return keep.count(b"\n")
+
+
+def _parse_line(line: str, defaults: dict[str, Any], tokenizer) -> tuple[Any, SamplingParams]:
+    """-> (prompt for the engine, SamplingParams); ValueError names the field."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line is not valid JSON: {e}") from None
+    if not isinstance(rec, dict):
+        raise ValueError("line must be a JSON object")
+    extra = set(rec) - _FIELDS - {"prompt", "messages", "prompt_token_ids", "id"}
+    if extra:
+        raise ValueError(f"unknown field(s): {sorted(extra)}")
+    kinds = [k for k in ("prompt", "messages", "prompt_token_ids") if k in rec]
+    if len(kinds) != 1:
+        raise ValueError("line needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")
+    fields = {**defaults, **{k: v for k, v in rec.items() if k in _FIELDS}}
+    params = SamplingParams(**fields)
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m
+                                                 and "content" in m for m in msgs):
+            raise ValueError("messages: must be a list of {'role', 'content'} objects")
+        if tokenizer is None:
+            raise ValueError("messages: this model has no chat template")
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    elif "prompt" in rec:
+        if not isinstance(rec["prompt"], str):
+            raise ValueError("prompt: must be a string")
+        prompt = rec["prompt"]
+    else:
+        prompt = {"prompt_token_ids": rec["prompt_token_ids"]}
+    return prompt, params
+
+
+def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = None,
+              progress: bool = True) -> dict[str, int]:
+    """Generate for every line of `in_path` into `out_path`; returns counts."""
+    in_path, out_path = Path(in_path), Path(out_path)
+    lines = in_path.read_text().splitlines()
+    lines = [ln for ln in lines if ln.strip()]
+    done = _done_count(out_path)
+    if done > len(lines):
+        raise ValueError(f"{out_path}: has {done} records but {in_path} has only {len(lines)} lines")
+    defaults = dict(defaults or {})
+    pending: dict[int, dict] = {}  # index -> record skeleton
+    rid_of: dict[str, int] = {}
+    for i in range(done, len(lines)):
+        rec = {"index": i}
+        try:
+            raw = json.loads(lines[i])
+            if isinstance(raw, dict) and "id" in raw:
+                rec["id"] = raw["id"]
+        except json.JSONDecodeError:
+            pass
+        try:
+            prompt, params = _parse_line(lines[i], defaults, engine.tokenizer)
+            rid = engine.add_request(prompt, params, request_id=f"batch-{i}")
+            rid_of[rid] = i
+        except (ValueError, TypeError) as e:
+            rec.update(error=str(e), finish_reason="error")
+        pending[i] = rec
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(lines), initial=done, desc="batch", unit="req", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    gen_tokens = 0
+    counts = {"written": 0, "errors": 0, "skipped": done}
+    nxt = done
+    with out_path.open("a") as f:
+        def flush():
+            nonlocal nxt
+            while nxt in pending and ("finish_reason" in pending[nxt]):
+                rec = pending.pop(nxt)
+                counts["written"] += 1
+                counts["errors"] += rec.get("finish_reason") == "error"
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                nxt += 1
+                if bar is not None:
+                    bar.update(1)
+            f.flush()
+
+        flush()
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                gen_tokens += len(o.outputs[0].delta_token_ids)
+                if not o.finished or o.request_id not in rid_of:
+                    continue
+                i = rid_of.pop(o.request_id)
+                c = o.outputs[0]
+                m = o.metrics
+                rec = pending[i]
+                if o.error:
+                    rec.update(error=o.error, finish_reason="error")
+                else:
+                    rec.update(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
+                               prompt_tokens=len(o.prompt_token_ids),
+                               completion_tokens=len(c.token_ids),
+                               cached_prompt_tokens=o.num_cached_tokens,
+                               ttft_s=round(m["first_token"] - m["arrival"], 4)
+                               if m.get("first_token") else None,
+                               latency_s=round(m["finish"] - m["arrival"], 4))
+            if bar is not None:
+                el = time.perf_counter() - t0
+                bar.set_postfix_str(f"{gen_tokens / el:.1f} tok/s")
+            flush()
+        flush()
+    if bar is not None:
+        bar.close()
+    return counts

@@ -1,0 +1,127 @@
+"""The engine: batch invariance under preemption, chunked prefill and prefix
+caching; prefix caching saves work; every request ends with a reason."""
+
+import numpy as np
+import pytest
+
+from jaxkv.config import EngineConfig, ModelConfig
+from jaxkv.engine import LLMEngine
+from jaxkv.model import Llama
+from jaxkv.sequence import SamplingParams
+
+CFG = ModelConfig(architecture="llama", vocab_size=211, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+                  max_position_embeddings=512, eos_token_ids=())
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama.random_init(CFG, seed=1)
+
+
+def _alone(model, prompt, params=GREEDY):
+    eng = LLMEngine(model, None, EngineConfig(num_pages=80, page_size=8, max_num_seqs=4,
+                                              max_num_batched_tokens=128,
+                                              enable_prefix_caching=False))
+    rid = eng.add_request(prompt, params)
+    return eng.run_to_completion()[rid].outputs[0].token_ids
+
+
+def test_batch_invariance_with_preemption_chunking_and_prefix_hits(model):
+    rng = np.random.default_rng(0)
+    prefixes = [list(rng.integers(0, 211, n)) for n in (24, 40, 17)]
+    prompts = []
+    for i in range(64):
+        pre = prefixes[i % 3] if i % 4 else []
+        prompts.append(pre + list(rng.integers(0, 211, int(rng.integers(1, 30)))))
+    eng = LLMEngine(model, None, EngineConfig(num_pages=40, page_size=8, max_num_seqs=16,
+                                              max_num_batched_tokens=64))
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    final = eng.run_to_completion()
+    assert eng.scheduler.num_preemptions > 0, "pool too large: no preemption happened"
+    assert eng.bm.prefix_hit_tokens > 0, "no prefix cache hit happened"
+    chunked = eng.stats["steps"]
+    assert chunked > 0
+    for i, p in enumerate(prompts):
+        got = final[ids[i]].outputs[0]
+        assert got.finish_reason == "length"
+        assert got.token_ids == _alone(model, p), f"request {i} differs from its lone run"
+
+
+def test_prefix_cache_prefills_only_new_tokens(model):
+    rng = np.random.default_rng(1)
+    shared = list(rng.integers(0, 211, 64))
+    a, b = shared + [5, 6, 7], shared + [9, 10, 11, 12, 13]
+    eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8))
+    ra = eng.add_request(a, GREEDY)
+    eng.run_to_completion()
+    before = eng.stats["prompt_tokens_computed"]
+    rb = eng.add_request(b, GREEDY)
+    out = eng.run_to_completion()[rb]
+    assert out.num_cached_tokens == 64
+    assert eng.stats["prompt_tokens_computed"] - before == len(b) - 64
+    assert out.outputs[0].token_ids == _alone(model, b)
+    assert ra != rb
+
+
+def test_every_request_finishes_with_a_reason(model):
+    eng = LLMEngine(model, None, EngineConfig(num_pages=24, page_size=8, max_num_seqs=8,
+                                              max_num_batched_tokens=64))
+    ok = [eng.add_request(list(range(1, 10 + i)), SamplingParams(max_tokens=30, temperature=0))
+          for i in range(4)]
+    bad = {
+        "empty": eng.add_request([], GREEDY),
+        "unknown token": eng.add_request([1, 5000], GREEDY),
+        "top_p": eng.add_request([1, 2], SamplingParams(top_p=1.5)),
+        "max_tokens": eng.add_request([1, 2], SamplingParams(max_tokens=-1)),
+        "too long for the pool": eng.add_request(list(range(1, 150)), SamplingParams(max_tokens=60)),
+        "text without tokenizer": eng.add_request("hello", GREEDY),
+    }
+    fields = {"empty": "prompt_token_ids", "unknown token": "prompt_token_ids", "top_p": "top_p",
+              "max_tokens": "max_tokens", "too long for the pool": "prompt",
+              "text without tokenizer": "prompt"}
+    stream = {}
+    aborted = ok[1]
+    seen_abort = False
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            stream.setdefault(o.request_id, []).extend(o.outputs[0].delta_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+        if not seen_abort and len(stream.get(aborted, [])) >= 3:
+            eng.abort(aborted)
+            seen_abort = True
+    assert set(final) == set(ok) | set(bad.values())
+    for name, rid in bad.items():
+        assert final[rid].outputs[0].finish_reason == "error"
+        assert fields[name] in final[rid].error, (name, final[rid].error)
+    assert final[aborted].outputs[0].finish_reason == "abort"
+    assert 3 <= len(final[aborted].outputs[0].token_ids) < 30
+    for rid in ok:
+        if rid != aborted:
+            assert final[rid].outputs[0].finish_reason == "length"
+            assert len(final[rid].outputs[0].token_ids) == 30
+            # Streaming deltas add up to the final output.
+            assert stream[rid] == final[rid].outputs[0].token_ids
+
+
+def test_stop_token_and_seeded_sampling(model):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = _alone(model, prompt, SamplingParams(max_tokens=10, temperature=0))
+    stop_at = ref[4]
+    eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8))
+    r = eng.add_request(prompt, SamplingParams(max_tokens=10, temperature=0,
+                                               stop_token_ids=[stop_at]))
+    out = eng.run_to_completion()[r].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert out.token_ids == ref[:ref.index(stop_at) + 1]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    a = _alone(model, prompt, sp)
+    # The same seed gives the same tokens inside a busy batch.
+    eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8))
+    for i in range(5):
+        eng.add_request([7 + i] * (3 + i), SamplingParams(max_tokens=12, temperature=1.0))
+    r = eng.add_request(prompt, sp)
+    assert eng.run_to_completion()[r].outputs[0].token_ids == a
