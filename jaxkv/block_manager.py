@@ -1,0 +1,398 @@
+"""Host-side page pool for the paged KV cache: block tables, refcounts,
+prefix caching by chained page hashes, copy-on-write for shared pages.
+
+Plain Python, no jax: the scheduler asks this module *where* each token's K/V
+lives; the device only ever sees the resulting int32 block tables and slot
+mappings. Pages are ints ``1 .. num_pages-1``; page 0 is the trash page that
+padded tokens write to, so it is never handed out.
+
+Every page is in exactly one of three states:
+
+- free: never used or no longer cached, no holder (``free_pages()``);
+- evictable: no holder, but it holds a full, computed, hashed page of tokens
+  that a later prompt with the same prefix may reuse (``evictable_pages()``,
+  least recently released first: eviction takes from the front);
+- held: ``refcount(page) > 0`` sequences hold it in their block tables.
+
+How the scheduler drives it, per sequence (ids are any hashable):
+
+1. ``cached = allocate(seq_id, prompt_ids)`` admits a prompt. Pages holding an
+   already computed prefix are shared (their refcount goes up) and ``cached``
+   (a multiple of ``page_size``, always ``< len(prompt_ids)``) prompt tokens
+   need no prefill: only ``prompt_ids[cached:]`` are run.
+2. Before a step that writes K/V for ``n`` more tokens (a prefill chunk past
+   what ``allocate`` reserved, or one decode token), call
+   ``copies = append_slots(seq_id, n)``. It grows the block table page by
+   page and returns copy-on-write pairs ``[(src, dst), ...]``: the device
+   must copy page ``src`` to page ``dst`` (all layers, K and V, scales) before
+   that step's K/V writes. Pairs arise only when the sequence's partially
+   filled last page is shared (after ``fork``).
+3. After the step has written the K/V, call
+   ``mark_computed(seq_id, token_ids, num_computed_tokens)`` with all tokens
+   known so far (prompt + generated) and how many now have K/V. Newly full
+   pages are hashed and become reusable by other prompts only then, so a
+   page is never shared before its K/V exists.
+4. ``free(seq_id)`` when the sequence finishes, aborts or is preempted;
+   its hashed pages stay cached (evictable) until the pool runs short.
+
+Running out of pages raises ``OutOfPages`` and leaves the manager unchanged,
+so the scheduler can preempt a sequence and retry; ``can_allocate`` and
+``can_append_slots`` answer the same question without raising.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+
+TRASH_PAGE = 0
+_ROOT_HASH = b""
+
+
+class OutOfPages(RuntimeError):
+    """The pool cannot satisfy an allocation even after evicting every
+    unreferenced cached page. The manager's state is unchanged; the scheduler
+    should preempt a sequence (free it) and retry, or wait."""
+
+
+class UnknownSequenceError(LookupError):
+    """A sequence id that is not allocated: never allocated, or already freed
+    (a double free)."""
+
+
+def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash identifying one full page: blake2b over the parent page's
+    hash and this page's token ids. Chaining makes the hash name the whole
+    prefix, so equal hashes mean equal K/V (positions and all earlier tokens
+    agree). 128 bits make an accidental collision, which would silently reuse
+    wrong K/V, practically impossible; the value is stable across processes."""
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class _SeqPages:
+    """Per-sequence page state. ``pages`` is the block table and always holds
+    exactly ceil(num_tokens / page_size) pages; ``hashes[i]`` is the chain hash
+    of full computed page i (only kept when prefix caching is on)."""
+
+    __slots__ = ("pages", "num_tokens", "num_computed", "hashes")
+
+    def __init__(self, pages: list[int], num_tokens: int, num_computed: int,
+                 hashes: list[bytes]):
+        self.pages = pages
+        self.num_tokens = num_tokens
+        self.num_computed = num_computed
+        self.hashes = hashes
+
+
+class BlockManager:
+    """Page pool of ``num_pages`` pages (page 0 reserved) of ``page_size``
+    token slots each; see the module docstring for the calling protocol.
+
+    ``enable_prefix_caching=False`` turns off hashing and reuse; everything
+    else behaves the same (freed pages go straight back to the free list).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size: must be positive, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._refcount = [0] * num_pages
+        self._page_hash: dict[int, bytes] = {}
+        self._hash_to_page: dict[bytes, int] = {}
+        self._seqs: dict[Hashable, _SeqPages] = {}
+        # Cumulative counters for metrics and tests.
+        self.prefix_query_tokens = 0  # prompt tokens of successful allocate calls
+        self.prefix_hit_pages = 0  # pages reused from the cache by allocate
+        self.prefix_hit_tokens = 0  # prompt tokens those pages covered
+        self.num_evictions = 0  # cached pages dropped to make room
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that can be handed out now: free plus evictable cached pages."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages no sequence holds (reusable on a hit, evicted LRU first)."""
+        return len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages registered in the prefix cache, held or evictable."""
+        return len(self._page_hash)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one sequence."""
+        return self.num_pages - 1 - self.num_free_pages
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of all prompt tokens served from the prefix cache."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's pages in position order (a copy): token at position
+        ``pos`` lives in page ``table[pos // page_size]``."""
+        return list(self._seq(seq_id).pages)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Token slots reserved for the sequence (its K/V length after the
+        next step)."""
+        return self._seq(seq_id).num_tokens
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        """Tokens whose K/V is written, as last reported by ``mark_computed``
+        (or served from the prefix cache by ``allocate``)."""
+        return self._seq(seq_id).num_computed
+
+    def refcount(self, page: int) -> int:
+        """Number of block tables holding ``page``."""
+        return self._refcount[page]
+
+    def page_hash(self, page: int) -> bytes | None:
+        """The prefix-cache hash registered for ``page``, or None."""
+        return self._page_hash.get(page)
+
+    def free_pages(self) -> list[int]:
+        """Unheld, uncached pages in the order they will be handed out."""
+        return list(self._free)
+
+    def evictable_pages(self) -> list[int]:
+        """Unheld cached pages, least recently released (next evicted) first."""
+        return list(self._evictable)
+
+    # ----------------------------------------------------------------- planning
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full pages that prefixes ``token_ids``, never
+        covering the last token (its logits must be computed)."""
+        if not self.enable_prefix_caching:
+            return [], []
+        ps = self.page_size
+        pages: list[int] = []
+        hashes: list[bytes] = []
+        parent = _ROOT_HASH
+        for i in range((len(token_ids) - 1) // ps):
+            h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
+            page = self._hash_to_page.get(h)
+            if page is None:
+                break
+            pages.append(page)
+            hashes.append(h)
+            parent = h
+        return pages, hashes
+
+    def _allocate_plan(self, num_tokens: int, hit_pages: list[int]) -> tuple[int, bool]:
+        """(new pages needed, whether the pool can supply them) for a new
+        sequence reserving ``num_tokens`` slots on top of ``hit_pages``."""
+        need = max(self._pages_for(num_tokens) - len(hit_pages), 0)
+        # Reusing an evictable hit takes it out of the pool it would come from.
+        revived = sum(1 for p in hit_pages if self._refcount[p] == 0)
+        return need, need <= self.num_free_pages - revived
+
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+        """Whether a new sequence reserving ``num_tokens`` slots fits now.
+        With ``token_ids`` (its prompt), cached prefix pages count as free."""
+        hit_pages = self._lookup_prefix(token_ids)[0] if token_ids is not None else []
+        return self._allocate_plan(num_tokens, hit_pages)[1]
+
+    def _append_plan(self, s: _SeqPages, num_new_tokens: int) -> tuple[int, bool]:
+        """(new pages needed for growth, whether a copy-on-write is needed)."""
+        if num_new_tokens <= 0:
+            return 0, False
+        need = self._pages_for(s.num_tokens + num_new_tokens) - len(s.pages)
+        cow = s.num_tokens % self.page_size != 0 and self._refcount[s.pages[-1]] > 1
+        return need, cow
+
+    def can_append_slots(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        """Whether ``append_slots(seq_id, num_new_tokens)`` would succeed."""
+        need, cow = self._append_plan(self._seq(seq_id), num_new_tokens)
+        return need + cow <= self.num_free_pages
+
+    # ---------------------------------------------------------------- mutations
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
+                 num_tokens: int | None = None) -> int:
+        """Admit a new sequence with prompt ``token_ids``; return how many
+        prompt tokens are already cached (their K/V is shared, skip them in
+        prefill). The result is a multiple of ``page_size`` and always less
+        than ``len(token_ids)``, so at least the last prompt token is run and
+        yields logits.
+
+        Reserves ``num_tokens`` slots (default: the whole prompt; pass less to
+        prefill in chunks and grow with ``append_slots``), never fewer than
+        the cached tokens. Raises ``OutOfPages`` (nothing changed) when the
+        pool cannot hold them, ``ValueError`` if ``seq_id`` is already live.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if len(token_ids) == 0:
+            raise ValueError("token_ids: a prompt needs at least one token")
+        if num_tokens is None:
+            num_tokens = len(token_ids)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens: must be non-negative, got {num_tokens}")
+        hit_pages, hit_hashes = self._lookup_prefix(token_ids)
+        cached = len(hit_pages) * self.page_size
+        num_tokens = max(num_tokens, cached)
+        need, ok = self._allocate_plan(num_tokens, hit_pages)
+        if not ok:
+            raise OutOfPages(
+                f"sequence {seq_id!r} needs {need} new pages for {num_tokens} slots "
+                f"({len(hit_pages)} cached), {self.num_free_pages} free or evictable"
+            )
+        for p in hit_pages:
+            if self._refcount[p] == 0:
+                del self._evictable[p]
+            self._refcount[p] += 1
+        pages = hit_pages + [self._take_page() for _ in range(need)]
+        self._seqs[seq_id] = _SeqPages(pages, num_tokens, cached, hit_hashes)
+        self.prefix_query_tokens += len(token_ids)
+        self.prefix_hit_pages += len(hit_pages)
+        self.prefix_hit_tokens += cached
+        return cached
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Reserve slots for ``num_new_tokens`` more positions, adding pages
+        only as the length crosses page boundaries. Returns copy-on-write
+        pairs ``[(src, dst)]``: when the partially filled last page is shared
+        (refcount > 1, after ``fork``) the sequence gets a fresh page ``dst``
+        and the device must copy ``src`` into it before this step writes K/V.
+        A page is thus only ever written by its single holder.
+
+        Raises ``OutOfPages`` (nothing changed) when the pool is short.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens: must be non-negative, got {num_new_tokens}")
+        s = self._seq(seq_id)
+        need, cow = self._append_plan(s, num_new_tokens)
+        if need + cow > self.num_free_pages:
+            raise OutOfPages(
+                f"sequence {seq_id!r} needs {need + cow} new pages to grow by "
+                f"{num_new_tokens} tokens, {self.num_free_pages} free or evictable"
+            )
+        copies = []
+        if cow:
+            src = s.pages[-1]
+            dst = self._take_page()
+            self._refcount[src] -= 1  # stays >= 1: another sequence holds it
+            s.pages[-1] = dst
+            copies.append((src, dst))
+        s.pages.extend(self._take_page() for _ in range(need))
+        s.num_tokens += num_new_tokens
+        return copies
+
+    def mark_computed(self, seq_id: Hashable, token_ids: Sequence[int],
+                      num_computed_tokens: int) -> None:
+        """Record that K/V for the first ``num_computed_tokens`` of
+        ``token_ids`` (all tokens known so far, prompt then generated) is
+        written. Call after every step that wrote K/V for the sequence.
+
+        Each newly full page is hashed and registered in the prefix cache, so
+        later prompts can reuse it. If another page already caches the same
+        prefix, this one stays private. ``ValueError`` on counts outside
+        ``[num_computed_tokens(seq_id), num_tokens(seq_id)]`` or tokens that
+        disagree with a page's cached hash.
+        """
+        s = self._seq(seq_id)
+        if not s.num_computed <= num_computed_tokens <= s.num_tokens:
+            raise ValueError(
+                f"num_computed_tokens {num_computed_tokens} outside "
+                f"[{s.num_computed}, {s.num_tokens}] for sequence {seq_id!r}"
+            )
+        if len(token_ids) < num_computed_tokens:
+            raise ValueError(f"only {len(token_ids)} token ids for {num_computed_tokens} computed tokens")
+        if self.enable_prefix_caching:
+            ps = self.page_size
+            for i in range(len(s.hashes), num_computed_tokens // ps):
+                parent = s.hashes[-1] if s.hashes else _ROOT_HASH
+                h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
+                page = s.pages[i]
+                # Pages past s.hashes are this sequence's own (prefix hits and
+                # fork-shared pages arrive with their hashes), so unregistered.
+                if h not in self._hash_to_page:
+                    self._page_hash[page] = h
+                    self._hash_to_page[h] = page
+                s.hashes.append(h)
+        s.num_computed = num_computed_tokens
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Make ``child_id`` share all of ``parent_id``'s pages (parallel
+        sampling, beam search). The first write either makes into the shared
+        partial last page triggers copy-on-write in ``append_slots``.
+
+        The parent must have no reserved-but-unwritten slots (fork after
+        ``mark_computed``), else both would write the same page.
+        """
+        s = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} is already allocated")
+        if s.num_computed != s.num_tokens:
+            raise ValueError(
+                f"fork of {parent_id!r} with {s.num_tokens - s.num_computed} reserved but "
+                "unwritten slots; call mark_computed first"
+            )
+        for p in s.pages:
+            self._refcount[p] += 1
+        self._seqs[child_id] = _SeqPages(list(s.pages), s.num_tokens, s.num_computed, list(s.hashes))
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release the sequence's pages. Cached pages no one else holds become
+        evictable; the sequence's tail pages are released first so they are
+        evicted before the prefix pages they extend. ``UnknownSequenceError``
+        on a double free."""
+        s = self._seqs.pop(seq_id, None)
+        if s is None:
+            raise UnknownSequenceError(f"free of sequence {seq_id!r}: not allocated (unknown id or double free)")
+        for p in reversed(s.pages):
+            self._release_page(p)
+
+    # ---------------------------------------------------------------- internals
+
+    def _seq(self, seq_id: Hashable) -> _SeqPages:
+        s = self._seqs.get(seq_id)
+        if s is None:
+            raise UnknownSequenceError(f"sequence {seq_id!r} is not allocated")
+        return s
+
+    def _take_page(self) -> int:
+        """Hand out a free page, else evict the least recently released cached
+        page. Callers have checked that one exists."""
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._hash_to_page[self._page_hash.pop(page)]
+            self.num_evictions += 1
+        self._refcount[page] = 1
+        return page
+
+    def _release_page(self, page: int) -> None:
+        rc = self._refcount[page] - 1
+        if rc < 0:
+            raise RuntimeError(f"page {page} released more often than held")
+        self._refcount[page] = rc
+        if rc == 0:
+            if page in self._page_hash:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)

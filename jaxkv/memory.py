@@ -1,0 +1,209 @@
+"""KV cache memory: the size formula and a planner built on it.
+
+The KV cache of one layer holds a K and a V vector of D elements per KV head
+per token, so for L layers, KVH KV heads, a context of `tokens` and `batch`
+sequences:
+
+    bytes = 2 x L x KVH x D x tokens x batch x bytes_per_element
+            (+ 2 x L x KVH x tokens x batch x 4   for int8: one float32
+               scale per token and KV head, for K and for V)
+
+e.g. 48 layers, 64 KV heads, D 128, 4096 tokens, batch 1, float16:
+2 x 48 x 64 x 128 x 4096 x 2 = 6,442,450,944 bytes (6 GiB). Grouped-query
+attention divides this by H / KVH, which is why KVH, not H, appears.
+The int8 scale layout matches `jaxkv.kv_cache` (k_scale, v_scale:
+L x [KVH, P, page_size] float32).
+
+Functions that take a model accept a `jaxkv.config.ModelConfig` (or any
+object with `num_layers`, `num_kv_heads`, `head_dim`), a mapping with those
+keys, or a plain `(num_layers, num_kv_heads, head_dim)` tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# Element sizes of the KV dtypes `CacheConfig.kv_dtype` accepts.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# float32 scale per (token, KV head), for K and for V, when the cache is int8.
+INT8_SCALE_BYTES = 4
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per KV element of `dtype` (a `CacheConfig.kv_dtype` name)."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype: unsupported KV dtype {dtype!r}; supported: {sorted(DTYPE_BYTES)}") from None
+
+
+def _default_scale_bytes(dtype: str, scale_bytes_per_token_head: int | None) -> int:
+    if scale_bytes_per_token_head is not None:
+        return scale_bytes_per_token_head
+    return INT8_SCALE_BYTES if dtype == "int8" else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBreakdown:
+    """Every term of the KV size formula, for reports and planners."""
+
+    num_layers: int  # L
+    num_kv_heads: int  # KVH
+    head_dim: int  # D
+    tokens: int  # context per sequence
+    batch: int  # B
+    dtype: str
+    bytes_per_element: int
+    scale_bytes_per_token_head: int  # per K or V, 0 unless quantized
+
+    @property
+    def elements(self) -> int:
+        """K and V elements: 2 x L x KVH x D x tokens x B."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.tokens * self.batch
+
+    @property
+    def data_bytes(self) -> int:
+        return self.elements * self.bytes_per_element
+
+    @property
+    def scale_bytes(self) -> int:
+        """2 x L x KVH x tokens x B x scale bytes (int8 only)."""
+        return (2 * self.num_layers * self.num_kv_heads * self.tokens * self.batch
+                * self.scale_bytes_per_token_head)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cost of one more token of one sequence."""
+        return (2 * self.num_layers * self.num_kv_heads
+                * (self.head_dim * self.bytes_per_element + self.scale_bytes_per_token_head))
+
+    def table(self) -> str:
+        """The terms as a markdown table."""
+        rows = [
+            ("layers (L)", f"{self.num_layers}"),
+            ("KV heads (KVH)", f"{self.num_kv_heads}"),
+            ("head dim (D)", f"{self.head_dim}"),
+            ("tokens", f"{self.tokens:,}"),
+            ("batch (B)", f"{self.batch}"),
+            ("dtype", f"{self.dtype} ({self.bytes_per_element} B/element)"),
+            ("K+V elements 2·L·KVH·D·tokens·B", f"{self.elements:,}"),
+            ("data bytes", f"{self.data_bytes:,}"),
+            ("scale bytes 2·L·KVH·tokens·B·s", f"{self.scale_bytes:,}"),
+            ("bytes per token", f"{self.bytes_per_token:,}"),
+            ("total bytes", f"{self.total_bytes:,} ({self.total_bytes / 2**30:.3f} GiB)"),
+        ]
+        return "\n".join(["| term | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def kv_cache_breakdown(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
+                       batch: int = 1, dtype: str = "float16",
+                       scale_bytes_per_token_head: int | None = None) -> KVBreakdown:
+    """The KV size formula's terms. `scale_bytes_per_token_head` defaults to
+    4 (a float32 scale) for int8 and 0 otherwise."""
+    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim)):
+        if v <= 0:
+            raise ValueError(f"{name}: must be positive, got {v}")
+    if tokens < 0 or batch < 0:
+        raise ValueError(f"tokens and batch must be non-negative, got {tokens}, {batch}")
+    return KVBreakdown(num_layers, num_kv_heads, head_dim, tokens, batch, dtype, dtype_bytes(dtype),
+                       _default_scale_bytes(dtype, scale_bytes_per_token_head))
+
+
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
+                   batch: int = 1, dtype: str = "float16",
+                   scale_bytes_per_token_head: int | None = None) -> int:
+    """Bytes of K and V (and int8 scales) for `batch` sequences of `tokens`:
+    2 x L x KVH x D x tokens x batch x bytes_per_element (+ scales)."""
+    return kv_cache_breakdown(num_layers, num_kv_heads, head_dim, tokens, batch, dtype,
+                              scale_bytes_per_token_head).total_bytes
+
+
+def _geometry(model: Any) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a config, mapping or tuple."""
+    keys = ("num_layers", "num_kv_heads", "head_dim")
+    if isinstance(model, Mapping):
+        return tuple(int(model[k]) for k in keys)  # type: ignore[return-value]
+    if isinstance(model, (tuple, list)):
+        if len(model) != 3:
+            raise ValueError(f"model: expected (num_layers, num_kv_heads, head_dim), got {model!r}")
+        return tuple(int(x) for x in model)  # type: ignore[return-value]
+    return tuple(int(getattr(model, k)) for k in keys)  # type: ignore[return-value]
+
+
+def bytes_per_token(model: Any, dtype: str = "float16") -> int:
+    """KV bytes one token of one sequence costs (all layers, K and V)."""
+    return kv_cache_breakdown(*_geometry(model), tokens=1, dtype=dtype).bytes_per_token
+
+
+def _kv_budget(budget_bytes: int, weight_bytes: int) -> int:
+    return max(budget_bytes - weight_bytes, 0)
+
+
+def max_batch(model: Any, context: int, budget_bytes: int, weight_bytes: int = 0,
+              dtype: str = "float16", page_size: int | None = None) -> int:
+    """Most sequences of `context` tokens whose KV fits in `budget_bytes`
+    after `weight_bytes` of weights (and whatever else the caller subtracts).
+
+    With `page_size`, counts as jaxkv's paged cache allocates: each sequence
+    takes whole pages and one page is the reserved trash page."""
+    if context <= 0:
+        raise ValueError(f"context: must be positive, got {context}")
+    per_token = bytes_per_token(model, dtype)
+    kv = _kv_budget(budget_bytes, weight_bytes)
+    if page_size is None:
+        return kv // (per_token * context)
+    usable_pages = max(kv // (per_token * page_size) - 1, 0)
+    return usable_pages // -(-context // page_size)
+
+
+def max_context(model: Any, batch: int, budget_bytes: int, weight_bytes: int = 0,
+                dtype: str = "float16", page_size: int | None = None) -> int:
+    """Longest context (tokens per sequence) that `batch` sequences can all
+    hold in `budget_bytes` after `weight_bytes`. With `page_size`, a multiple
+    of it, after the reserved trash page. Not capped by the model's maximum
+    positions: compare with `max_position_embeddings` yourself."""
+    if batch <= 0:
+        raise ValueError(f"batch: must be positive, got {batch}")
+    per_token = bytes_per_token(model, dtype)
+    kv = _kv_budget(budget_bytes, weight_bytes)
+    if page_size is None:
+        return kv // (per_token * batch)
+    usable_pages = max(kv // (per_token * page_size) - 1, 0)
+    return usable_pages // batch * page_size
+
+
+def pages_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                     page_size: int, dtype: str = "float16") -> int:
+    """Pages of `page_size` tokens that fit in `budget_bytes`: the value for
+    `CacheConfig.num_pages`, trash page 0 included (so one fewer is usable)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size: must be positive, got {page_size}")
+    page = kv_cache_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype=dtype)
+    return max(budget_bytes, 0) // page
+
+
+def param_count(cfg: Any) -> int:
+    """Parameters of a `ModelConfig`'s decoder: embeddings, per layer
+    q/k/v/o projections (+ biases), SwiGLU MLP and two RMSNorms, the final
+    norm, and the LM head unless tied."""
+    E, F, H, K, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attn = E * H * D + 2 * E * K * D + H * D * E
+    if cfg.attention_bias:
+        attn += H * D + 2 * K * D
+    if getattr(cfg, "attention_out_bias", False):
+        attn += E
+    layer = attn + 3 * E * F + 2 * E
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * E
+    return cfg.vocab_size * E + cfg.num_layers * layer + E + head
+
+
+def weight_bytes(cfg: Any, dtype: str = "bfloat16") -> int:
+    """Bytes of the weights stored in `dtype` ("float32", "bfloat16", ...)."""
+    return param_count(cfg) * dtype_bytes(dtype)

@@ -1,0 +1,331 @@
+"""Paging efficiency benchmark: jaxkv's BlockManager against a contiguous
+allocator, under one KV budget and one continuous-batching scheduler.
+
+A host-only simulation (no model, no device): requests with long-tailed
+prompt and output lengths arrive over time; each step the scheduler first
+grows every running sequence by one slot (oldest first; when out of pages it
+preempts the most recently admitted by recompute), then admits waiting
+requests FCFS while memory allows. An admitted request's prefill and every
+later decode yield one token per step; a finished request frees its memory.
+
+  (a) paged: jaxkv BlockManager pages, grown lazily page by page;
+  (b) contiguous: reserves max_len slots (prompt + max_tokens, where
+      max_tokens fills the model's max length) per request up front.
+
+Reported per allocator: the fraction of allocated KV slots that hold live
+tokens (mean over steps), mean and peak concurrent sequences, completed
+requests per step, preemptions. A second workload where every prompt starts
+with the same long system prompt reports prefix-cache hit rate and pages
+saved by sharing, with caching on and off.
+
+    python scripts/bench_memory.py [--requests 3000] [--seed 0] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.block_manager import BlockManager, OutOfPages
+
+GOAL_LIVE = 0.95  # fraction of allocated slots that hold live tokens (paged)
+GOAL_CONCURRENCY = 2.5  # mean concurrent sequences, paged / contiguous
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    arrival: int  # step at which it may be admitted
+    tokens: list[int]  # prompt, then the output tokens it will generate
+    prompt_len: int
+    output_len: int
+    generated: int = 0
+    kv_len: int = 0  # K/V slots this step: prompt + generated while running
+
+    def context(self) -> list[int]:
+        """Tokens whose K/V a (re)admission must hold: prompt + generated."""
+        return self.tokens[:self.prompt_len + self.generated]
+
+
+class PagedKV:
+    """jaxkv's BlockManager: pages on demand, prefix caching optional."""
+
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool):
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
+        self.page_size = page_size
+
+    def admit(self, r: Request) -> int | None:
+        """Allocate the request's context; cached tokens, None when full."""
+        try:
+            return self.bm.allocate(r.rid, r.context())
+        except OutOfPages:
+            return None
+
+    def grow(self, r: Request) -> bool:
+        try:
+            self.bm.append_slots(r.rid, 1)  # no forks here, so never a copy
+        except OutOfPages:
+            return False
+        return True
+
+    def computed(self, r: Request) -> None:
+        self.bm.mark_computed(r.rid, r.tokens, r.kv_len)
+
+    def release(self, r: Request) -> None:
+        self.bm.free(r.rid)
+
+    def allocated_slots(self) -> int:
+        return self.bm.num_used_pages * self.page_size
+
+    def pages_saved(self, running) -> int:
+        """Pages the running sequences would hold without sharing, minus
+        the pages held."""
+        ps = self.page_size
+        return sum(-(-r.kv_len // ps) for r in running) - self.bm.num_used_pages
+
+    def live_slots(self, running, pages_saved: int) -> int:
+        """Distinct slots holding live tokens: shared pages are full prefix
+        pages, so each extra holder of one counts page_size slots twice."""
+        return sum(r.kv_len for r in running) - pages_saved * self.page_size
+
+
+class ContiguousKV:
+    """Reserves max_len slots per request at admission, in one piece."""
+
+    def __init__(self, capacity_tokens: int, max_len: int):
+        self.capacity = capacity_tokens
+        self.max_len = max_len
+        self.used = 0
+
+    def admit(self, r: Request) -> int | None:
+        if self.used + self.max_len > self.capacity:
+            return None
+        self.used += self.max_len
+        return 0
+
+    def grow(self, r: Request) -> bool:
+        return True
+
+    def computed(self, r: Request) -> None:
+        pass
+
+    def release(self, r: Request) -> None:
+        self.used -= self.max_len
+
+    def allocated_slots(self) -> int:
+        return self.used
+
+    def pages_saved(self, running) -> int:
+        return 0
+
+    def live_slots(self, running, pages_saved: int) -> int:
+        return sum(r.kv_len for r in running)
+
+
+def simulate(requests: list[Request], kv, max_num_seqs: int) -> dict:
+    """Run the continuous-batching scheduler to completion; return metrics."""
+    for r in requests:
+        r.generated, r.kv_len = 0, 0
+    arrivals = collections.deque(sorted(requests, key=lambda r: (r.arrival, r.rid)))
+    waiting: collections.deque[Request] = collections.deque()
+    running: list[Request] = []  # admission order
+    step = completed = preemptions = prefill_tokens = peak_running = 0
+    live_fraction_sum = running_sum = busy_steps = saved_sum = 0.0
+    peak_saved = 0
+
+    def preempt(victim: Request) -> None:
+        nonlocal preemptions
+        running.remove(victim)
+        kv.release(victim)
+        victim.kv_len = 0
+        waiting.appendleft(victim)
+        preemptions += 1
+
+    while completed < len(requests):
+        while arrivals and arrivals[0].arrival <= step:
+            waiting.append(arrivals.popleft())
+        preempted = False
+        for r in list(running):
+            if r.kv_len == 0:  # preempted earlier in this loop
+                continue
+            while not kv.grow(r):
+                victim = running[-1]
+                preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            else:
+                r.kv_len += 1
+        while waiting and len(running) < max_num_seqs and not preempted:
+            r = waiting[0]
+            cached = kv.admit(r)
+            if cached is None:
+                break
+            waiting.popleft()
+            r.kv_len = r.prompt_len + r.generated
+            prefill_tokens += r.kv_len - cached
+            running.append(r)
+        if running:
+            saved = kv.pages_saved(running)
+            live_fraction_sum += kv.live_slots(running, saved) / kv.allocated_slots()
+            running_sum += len(running)
+            saved_sum += saved
+            busy_steps += 1
+            peak_running = max(peak_running, len(running))
+            peak_saved = max(peak_saved, saved)
+        for r in list(running):  # the step: every running sequence emits a token
+            kv.computed(r)
+            r.generated += 1
+            if r.generated == r.output_len:
+                running.remove(r)
+                kv.release(r)
+                completed += 1
+        step += 1
+    out = dict(
+        steps=step, completed=completed, completed_per_step=completed / step,
+        live_slot_fraction=live_fraction_sum / busy_steps, mean_running=running_sum / busy_steps,
+        peak_running=peak_running, preemptions=preemptions, prefill_tokens=prefill_tokens,
+        mean_pages_saved=saved_sum / busy_steps, peak_pages_saved=peak_saved,
+    )
+    if isinstance(kv, PagedKV):
+        out.update(prefix_hit_rate=kv.bm.prefix_hit_rate, prefix_hit_pages=kv.bm.prefix_hit_pages,
+                   evictions=kv.bm.num_evictions)
+    return out
+
+
+def lognormal_lengths(rng, n: int, median: float, sigma: float, lo: int, hi) -> np.ndarray:
+    """Rounded lognormal(ln median, sigma) lengths clipped to [lo, hi]."""
+    x = np.rint(rng.lognormal(math.log(median), sigma, size=n)).astype(np.int64)
+    return np.clip(x, lo, hi)
+
+
+def make_workload(args, n: int, system_prompt: int, user_median: float, seed: int) -> list[Request]:
+    """`n` requests: a shared `system_prompt`-token prefix (0 for none),
+    lognormal user prompt and output lengths, Poisson arrivals."""
+    rng = np.random.default_rng(seed)
+    max_prompt = args.max_len - 1
+    user = lognormal_lengths(rng, n, user_median, args.prompt_sigma, 1, max_prompt - system_prompt)
+    prompt = user + system_prompt
+    output = lognormal_lengths(rng, n, args.output_median, args.output_sigma, 1, args.max_len - prompt)
+    gaps = rng.exponential(1.0 / args.arrival_rate, size=n)
+    arrival = np.floor(np.cumsum(gaps)).astype(np.int64)
+    system = rng.integers(0, args.vocab, size=system_prompt).tolist()
+    reqs = []
+    for i in range(n):
+        own = rng.integers(0, args.vocab, size=int(user[i] + output[i])).tolist()
+        reqs.append(Request(i, int(arrival[i]), system + own, int(prompt[i]), int(output[i])))
+    return reqs
+
+
+def fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3f}" if x < 10 else f"{x:,.1f}"
+    return f"{x:,}"
+
+
+def table(title: str, columns: dict[str, dict], keys: list[str]) -> str:
+    names = list(columns)
+    lines = [f"### {title}", "", "| metric | " + " | ".join(names) + " |",
+             "|---|" + "---:|" * len(names)]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(fmt(columns[n].get(k, "")) if k in columns[n] else "-"
+                                             for n in names) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=2049,
+                   help="KV budget in pages, trash page included (default 2049: 32,768 slots)")
+    p.add_argument("--max-len", type=int, default=2048, help="model max length (prompt + output)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prompt-median", type=float, default=256)
+    p.add_argument("--prompt-sigma", type=float, default=1.0)
+    p.add_argument("--output-median", type=float, default=128)
+    p.add_argument("--output-sigma", type=float, default=1.0)
+    p.add_argument("--arrival-rate", type=float, default=1.0, help="mean requests per step (Poisson)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prefix-requests", type=int, default=1000)
+    p.add_argument("--system-prompt", type=int, default=512, help="shared prefix tokens")
+    p.add_argument("--user-median", type=float, default=64, help="user-prompt median (prefix workload)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+
+    capacity = (args.num_pages - 1) * args.page_size
+    print(f"# bench_memory (seed {args.seed})\n")
+    print(f"KV budget: {args.num_pages - 1} usable pages x {args.page_size} = {capacity:,} slots; "
+          f"max_len {args.max_len}; max_num_seqs {args.max_num_seqs}")
+    print(f"Workload A: {args.requests} requests; prompt ~ round(lognormal(ln {args.prompt_median:g}, "
+          f"{args.prompt_sigma:g})) clipped to [1, {args.max_len - 1}]; output ~ "
+          f"round(lognormal(ln {args.output_median:g}, {args.output_sigma:g})) clipped to "
+          f"[1, max_len - prompt]; arrivals Poisson, {args.arrival_rate:g} per step")
+    print(f"Workload B: {args.prefix_requests} requests; a shared {args.system_prompt}-token system "
+          f"prompt + user prompt ~ lognormal(ln {args.user_median:g}, {args.prompt_sigma:g}); "
+          "outputs and arrivals as in A\n")
+
+    t0 = time.perf_counter()
+    reqs = make_workload(args, args.requests, 0, args.prompt_median, args.seed)
+    prompts = np.array([r.prompt_len for r in reqs])
+    outputs = np.array([r.output_len for r in reqs])
+    print(f"A sampled: prompt mean {prompts.mean():.0f}, p50 {np.median(prompts):.0f}, "
+          f"p99 {np.percentile(prompts, 99):.0f}; output mean {outputs.mean():.0f}, "
+          f"p50 {np.median(outputs):.0f}, p99 {np.percentile(outputs, 99):.0f}\n")
+    a = {
+        "paged (jaxkv)": simulate(reqs, PagedKV(args.num_pages, args.page_size, True),
+                                  args.max_num_seqs),
+        "contiguous": simulate(reqs, ContiguousKV(capacity, args.max_len), args.max_num_seqs),
+    }
+    keys_a = ["live_slot_fraction", "mean_running", "peak_running", "completed_per_step", "steps",
+              "preemptions", "prefill_tokens", "prefix_hit_rate"]
+    print(table("A: paged vs contiguous", a, keys_a))
+    pg, ct = a["paged (jaxkv)"], a["contiguous"]
+    ratio = pg["mean_running"] / ct["mean_running"]
+    ok_live = pg["live_slot_fraction"] >= GOAL_LIVE
+    ok_conc = ratio >= GOAL_CONCURRENCY
+    print(f"\nGoal: paged live slots >= {GOAL_LIVE:.0%}: {pg['live_slot_fraction']:.1%} "
+          f"{'PASS' if ok_live else 'FAIL'}")
+    print(f"Goal: concurrency >= {GOAL_CONCURRENCY}x contiguous: {ratio:.2f}x mean "
+          f"({pg['peak_running'] / ct['peak_running']:.2f}x peak) {'PASS' if ok_conc else 'FAIL'}; "
+          f"completed/step {pg['completed_per_step'] / ct['completed_per_step']:.2f}x\n")
+
+    reqs_b = make_workload(args, args.prefix_requests, args.system_prompt, args.user_median,
+                           args.seed + 1)
+    b = {
+        "prefix caching on": simulate(reqs_b, PagedKV(args.num_pages, args.page_size, True),
+                                      args.max_num_seqs),
+        "prefix caching off": simulate(reqs_b, PagedKV(args.num_pages, args.page_size, False),
+                                       args.max_num_seqs),
+    }
+    keys_b = ["prefix_hit_rate", "prefix_hit_pages", "mean_pages_saved", "peak_pages_saved",
+              "prefill_tokens", "mean_running", "peak_running", "completed_per_step",
+              "live_slot_fraction", "preemptions"]
+    print(table(f"B: shared {args.system_prompt}-token system prompt (paged)", b, keys_b))
+    on, off = b["prefix caching on"], b["prefix caching off"]
+    print(f"\nPrefix caching: {on['prefix_hit_rate']:.1%} of prompt tokens served from cache, "
+          f"{on['mean_pages_saved']:.0f} pages saved per step on average, prefill work "
+          f"{on['prefill_tokens'] / off['prefill_tokens']:.1%} of uncached, "
+          f"{on['mean_running'] / off['mean_running']:.2f}x concurrency")
+    elapsed = time.perf_counter() - t0
+    print(f"\n({elapsed:.1f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            workload_a=a, workload_b=b, concurrency_ratio=ratio,
+            goals=dict(live_slot_fraction=ok_live, concurrency=ok_conc), seconds=elapsed,
+        ), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
