@@ -1,0 +1,86 @@
+"""Ragged paged attention: one entry that picks the implementation.
+
+    ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                           num_seqs, *, sm_scale, sliding_window=None,
+                           soft_cap=None, k_scale=None, v_scale=None,
+                           backend="auto", pallas_target=None, interpret=None,
+                           kernel_options=None) -> [T, H, D]
+
+The contract (shapes, masking, padding rows) is `reference.py`'s. Backends:
+
+- "auto": the platform's kernel: TPU -> `tpu.py` (Mosaic), GPU -> `gpu.py`
+  (Pallas Triton, CUDA), anything else (CPU) -> the pure-jnp reference.
+- "reference": the pure-jnp reference on any platform.
+- "pallas": a Pallas kernel. On TPU / GPU the platform's own (pallas_target,
+  if given, must name it); on CPU it runs in interpret mode, the TPU kernel by
+  default (pallas_target="gpu" for the Triton one). Asking for a kernel the
+  platform cannot run raises ValueError.
+
+interpret (Pallas only): None picks the platform default (compiled on TPU /
+GPU, interpreted on CPU); True, or a `pltpu.InterpretParams` for the TPU
+kernel, forces interpret mode. kernel_options: tuning keywords passed to the
+chosen kernel (see `tpu.ragged_paged_attention` / `gpu.ragged_paged_attention`).
+
+The platform is `jax.default_backend()`, read at trace time.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+
+BACKENDS = ("auto", "reference", "pallas")
+PALLAS_TARGETS = ("tpu", "gpu")
+
+
+def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
+    """-> (implementation, interpret) where implementation is "reference",
+    "tpu" or "gpu" and interpret the value to pass to that kernel. Raises
+    ValueError for a request the platform cannot serve."""
+    platform = platform or jax.default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if pallas_target is not None and pallas_target not in PALLAS_TARGETS:
+        raise ValueError(f"pallas_target must be one of {PALLAS_TARGETS}, got {pallas_target!r}")
+    if backend != "pallas" and pallas_target is not None:
+        raise ValueError(f"pallas_target applies to backend='pallas' only (got backend={backend!r})")
+    if backend == "reference" or (backend == "auto" and platform not in PALLAS_TARGETS):
+        if interpret is not None:
+            raise ValueError("interpret applies to Pallas kernels only; the reference is "
+                             f"selected here (backend={backend!r}, platform {platform!r})")
+        return "reference", None
+    on_device = platform in PALLAS_TARGETS
+    target = pallas_target or (platform if on_device else "tpu")
+    if on_device and target != platform:
+        raise ValueError(f"the {target.upper()} Pallas kernel cannot run on a {platform} "
+                         f"platform; use pallas_target={platform!r} or backend='reference'")
+    if interpret is None:
+        interpret = not on_device
+    if not on_device and interpret is False:
+        raise ValueError(f"Pallas kernels on the {platform!r} platform run only in interpret "
+                         "mode; pass interpret=None/True, or backend='reference'")
+    return target, interpret
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                           sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
+                           v_scale=None, backend="auto", pallas_target=None, interpret=None,
+                           kernel_options=None):
+    """Ragged paged attention on the chosen backend (see the module docstring).
+    q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
+    block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D]."""
+    impl, interpret = resolve(backend, pallas_target, interpret)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              k_scale=k_scale, v_scale=v_scale)
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if impl == "reference":
+        if kernel_options:
+            raise ValueError("kernel_options apply to Pallas kernels only")
+        return reference.ragged_paged_attention(*args, **kw)
+    kernel = tpu if impl == "tpu" else gpu
+    return kernel.ragged_paged_attention(*args, **kw, interpret=interpret,
+                                         **(kernel_options or {}))
+
+
+__all__ = ["ragged_paged_attention", "resolve", "BACKENDS", "PALLAS_TARGETS"]

@@ -1,0 +1,367 @@
+"""Ragged paged attention as a Pallas GPU (Triton) kernel.
+
+Same contract and numbers as `reference.py` (see its module docstring):
+q [T, H, D], k_pages / v_pages [KVH, P, page_size, D] -> [T, H, D].
+
+Why Triton and not Mosaic GPU
+-----------------------------
+Pallas has two GPU backends. Mosaic GPU is where upstream is heading, but it
+is a Hopper/Blackwell warpgroup programming model (TMA, explicit barriers,
+wgmma tiles of >= 64 rows) whose paged gathers go through TMA descriptors of
+whole pages, and its API moved between jax 0.10 and 0.11. The Triton backend
+lowers the same kernel text for any CUDA GPU from Ampere on (H100 / H200
+included), does page gathers as plain masked pointer loads, pipelines them
+with `num_stages`, and its Pallas surface (`pl.pallas_call`, `plgpu.load/store`,
+`plgpu.CompilerParams`) is unchanged in jax 0.10.2 and 0.11.2. It also runs
+under `interpret=True` on CPU, which our tests rely on. Decode attention is
+memory bound, so Triton's lack of TMA / wgmma costs little here; a Mosaic GPU
+kernel is the next step for prefill throughput.
+
+Design
+------
+Queries are cut into work blocks of `block_q` tokens that never span two
+sequences (at most cdiv(T, block_q) + S of them, built on device from
+cu_q_lens). Grid ``(num_blocks, KVH, num_splits)``: a program owns one block,
+one KV head, all G query heads of that KV head (rows = block_q x G_pad, token
+major; GQA without copying K/V), and one split of the block's visible context
+(causal end, sliding-window start), in KV blocks of `pages_per_block` pages
+gathered through the block table. Online softmax (flash) over those KV
+blocks; with num_splits > 1 (flash decoding: few queries, long context) every
+split writes its normalized partial output and log-sum-exp and the splits are
+merged by LSE weights afterwards.
+
+Two configurations are compiled and `lax.cond` picks one at run time, as the
+reference does: a decode batch (every q_len <= 1) runs block_q = 1 with
+context splits; a batch with prefill chunks runs block_q = 16 without splits.
+
+Numerics: float32 accumulation; f32 inputs use IEEE (not TF32) dots; masked
+scores contribute exactly zero and unwritten page slots are zeroed before the
+PV product, so NaN in unused slots never leaks. int8 pages are cast to the
+query dtype and their per-token scales applied to score / probability columns.
+
+Shape rules (ValueError otherwise): D a power of two >= 16; page_size a
+power of two; pages_per_block * page_size >= 16 and a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _rpa_kernel(
+    # inputs
+    blk_seq_ref,  # [NB] sequence of each work block
+    blk_row_ref,  # [NB] first token row of each work block
+    blk_len_ref,  # [NB] rows of the block that belong to it (0: no work)
+    kv_lens_ref,  # [S]
+    cu_q_lens_ref,  # [S + 1]
+    block_tables_ref,  # [S, pages_per_seq_pad]
+    q_ref,  # [T + block_q, KVH, G_pad, D] (whole array)
+    k_ref,  # [P, page_size, D] (this KV head)
+    v_ref,
+    k_scale_ref,  # [P, page_size] or None
+    v_scale_ref,
+    # outputs
+    o_ref,  # [T + block_q, KVH, G_pad, D] (this split)
+    lse_ref,  # [T + block_q, KVH, G_pad] or None (this split)
+    *,
+    block_q: int,
+    group: int,
+    pages_per_block: int,
+    num_splits: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, _, g_pad, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    block_kv = pages_per_block * page_size
+    rows = block_q * g_pad
+
+    seq = blk_seq_ref[b]
+    row0 = blk_row_ref[b]
+    n_tok = blk_len_ref[b]
+    kv_len = kv_lens_ref[seq]
+    q_start = cu_q_lens_ref[seq]
+    q_len = cu_q_lens_ref[seq + 1] - q_start
+    pos0 = kv_len - q_len + (row0 - q_start)  # position of the block's first row
+    kv_hi = pos0 + n_tok  # one past the last row's position (<= kv_len)
+    kv_lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+    kb_lo = kv_lo // block_kv
+    kb_hi = jnp.where(n_tok > 0, pl.cdiv(kv_hi, block_kv), kb_lo)
+    per_split = pl.cdiv(kb_hi - kb_lo, num_splits)
+    kb_start = jnp.minimum(kb_lo + split * per_split, kb_hi)
+    kb_stop = jnp.minimum(kb_start + per_split, kb_hi)
+    n_pages = pl.cdiv(kv_hi, page_size)
+
+    tok = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // g_pad  # row -> token
+    q_pos = pos0 + tok
+    row_live = tok < n_tok
+    if g_pad != group:
+        row_live = row_live & (lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) % g_pad
+                               < group)
+    q = q_ref[pl.ds(row0, block_q), h, :, :].reshape(rows, head_dim)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def body(kb, carry):
+        acc, m, l = carry
+        page_idx = kb * pages_per_block + jnp.arange(pages_per_block)
+        pages = block_tables_ref[seq, pl.ds(kb * pages_per_block, pages_per_block)]
+        pages = jnp.where(page_idx < n_pages, pages, 0)  # never follow unused entries
+        key = kb * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+        k = k_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
+        v = v_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
+        key_col = kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
+        v = jnp.where(key_col < kv_hi, v, jnp.zeros_like(v))
+
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * sm_scale  # [rows, block_kv]
+        if k_scale_ref is not None:
+            s = s * k_scale_ref[pages].reshape(1, block_kv)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = row_live & (key <= q_pos)
+        if sliding_window is not None:
+            mask = mask & (key > q_pos - sliding_window)
+        s = jnp.where(mask, s, _MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_next)
+        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+        l_next = alpha * l + jnp.sum(p, axis=1)
+        if v_scale_ref is not None:
+            v_scale = v_scale_ref[pages].reshape(1, block_kv)
+            key_row = kb * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            p = p * jnp.where(key_row < kv_hi, v_scale, 0.0)  # unwritten slots: any value
+        pv = lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_next, l_next
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(kb_start, kb_stop, body, (acc, m, l))
+
+    live = l > 0.0
+    out = acc / jnp.where(live, l, 1.0)[:, None]
+    tok_mask = (jnp.arange(block_q) < n_tok)[:, None]
+    plgpu.store(o_ref.at[pl.ds(row0, block_q), h, :, :],
+                out.reshape(block_q, g_pad, head_dim).astype(o_ref.dtype),
+                mask=tok_mask[:, :, None])
+    if lse_ref is not None:
+        lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
+        plgpu.store(lse_ref.at[pl.ds(row0, block_q), h, :], lse.reshape(block_q, g_pad),
+                    mask=tok_mask)
+
+
+def _work_blocks(cu_q_lens, num_seqs, *, block_q, num_blocks):
+    """Query work blocks that never span two sequences: (seq, first row, rows)
+    each [num_blocks]; blocks past the last carry 0 rows."""
+    S = cu_q_lens.shape[0] - 1
+    q_lens = jnp.where(jnp.arange(S) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+    b = jnp.arange(num_blocks)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), S - 1).astype(jnp.int32)
+    local = b - (ends[seq] - blocks[seq])
+    row0 = cu_q_lens[seq] + local * block_q
+    n = jnp.clip(q_lens[seq] - local * block_q, 0, block_q)
+    n = jnp.where(b < ends[-1], n, 0).astype(jnp.int32)
+    return seq, jnp.where(n > 0, row0, 0).astype(jnp.int32), n
+
+
+def _rpa_pallas_call(q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables,
+                     cu_q_lens, num_seqs, *, group, block_q, num_splits, pages_per_block,
+                     sm_scale, sliding_window, soft_cap, num_warps, num_stages, interpret):
+    """q_g [T + block_q, KVH, G_pad, D] -> (out [splits, T + block_q, KVH, G_pad, D],
+    lse [splits, T + block_q, KVH, G_pad] f32 or None when num_splits == 1)."""
+    T_pad, KVH, g_pad, D = q_g.shape
+    T = T_pad - block_q
+    S = kv_lens.shape[0]
+    _, P, page_size, _ = k_pages.shape
+    num_blocks = pl.cdiv(T, block_q) + S
+    blk_seq, blk_row, blk_len = _work_blocks(cu_q_lens, num_seqs, block_q=block_q,
+                                             num_blocks=num_blocks)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, s: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, P, page_size), lambda b, h, s: (h, 0, 0))
+    quantized = k_scale is not None
+    with_lse = num_splits > 1
+    out_shape = [jax.ShapeDtypeStruct((num_splits, *q_g.shape),
+                                      q_g.dtype if num_splits == 1 else jnp.float32)]
+    out_specs = [pl.BlockSpec((None, *q_g.shape), lambda b, h, s: (s, 0, 0, 0, 0))]
+    if with_lse:
+        out_shape.append(jax.ShapeDtypeStruct((num_splits, *q_g.shape[:3]), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, *q_g.shape[:3]), lambda b, h, s: (s, 0, 0, 0)))
+    kernel = functools.partial(
+        _rpa_kernel, block_q=block_q, group=group, pages_per_block=pages_per_block,
+        num_splits=num_splits, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap)
+    kernel = _adapt(kernel, quantized=quantized, with_lse=with_lse)
+    metadata = (blk_seq, blk_row, blk_len, kv_lens, cu_q_lens, block_tables)
+    operands = (q_g, k_pages, v_pages) + ((k_scale, v_scale) if quantized else ())
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, KVH, num_splits),
+        in_specs=[whole(a) for a in metadata] + [whole(q_g), per_head, per_head]
+        + ([scale_spec, scale_spec] if quantized else []),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"jaxkv_rpa_bq{block_q}_splits{num_splits}",
+    )(*metadata, *operands)
+    return outs[0], (outs[1] if with_lse else None)
+
+
+def _adapt(kernel, *, quantized, with_lse):
+    """Fills the optional refs (scales, lse) with None when absent."""
+    def wrapped(*refs):
+        refs = list(refs)
+        if not quantized:
+            refs[9:9] = [None, None]
+        if not with_lse:
+            refs.append(None)
+        return kernel(*refs)
+    return wrapped
+
+
+def _next_pow2(n):
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale,
+               v_scale, *, block_q, num_splits, pages_per_block, num_warps, num_stages,
+               sm_scale, sliding_window, soft_cap, interpret):
+    """One compiled configuration; returns [T, H, D] with padding rows zeroed."""
+    T, H, D = q.shape
+    KVH = k_pages.shape[0]
+    G = H // KVH
+    g_pad = max(_next_pow2(G), -(-16 // block_q))  # Triton dots need >= 16 rows
+    q_g = q.reshape(T, KVH, G, D)
+    q_g = jnp.pad(q_g, ((0, block_q), (0, 0), (0, g_pad - G), (0, 0)))
+    out, lse = _rpa_pallas_call(
+        q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables, cu_q_lens, num_seqs,
+        group=G, block_q=block_q, num_splits=num_splits, pages_per_block=pages_per_block,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if lse is None:
+        out = out[0]
+    else:  # merge flash-decoding splits by their log-sum-exp
+        m = jnp.max(lse, axis=0)
+        w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
+        w = jnp.where(jnp.isfinite(lse), w, 0.0)
+        out = jnp.sum(out * w[..., None], axis=0) / jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]
+    out = out[:T, :, :G].reshape(T, H, D)
+    S = kv_lens.shape[0]
+    live = jnp.arange(T) < cu_q_lens[jnp.minimum(num_seqs, S)]
+    return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _default_splits(num_seqs, num_kv_heads, num_kv_blocks, target_programs=264):
+    """Flash-decoding splits: enough programs to fill ~2 waves of a 132-SM GPU,
+    but never more splits than KV blocks."""
+    want = -(-target_programs // max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, num_kv_blocks, 64))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "pages_per_block", "decode_splits",
+    "prefill_block_q", "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                           sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
+                           v_scale=None, pages_per_block=None, decode_splits=None,
+                           prefill_block_q=16, num_warps=4, num_stages=2, interpret=False):
+    """Ragged paged attention on GPU via Pallas Triton (contract: `reference.py`).
+
+    q [T, H, D] float32/bfloat16/float16; k_pages, v_pages [KVH, P, page_size, D]
+    in q's dtype, or int8 with k_scale, v_scale [KVH, P, page_size] float32;
+    kv_lens [S], block_tables [S, pages_per_seq], cu_q_lens [S + 1] int32;
+    num_seqs [] or [1] int32 -> [T, H, D] in q's dtype.
+
+    Static: sm_scale, sliding_window, soft_cap; tuning: pages_per_block (KV
+    tokens per step = pages_per_block * page_size, default 64 tokens),
+    decode_splits (context splits for decode batches; default fills the GPU),
+    prefill_block_q (query tokens per program for prefill batches), num_warps,
+    num_stages; interpret=True runs on CPU.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
+    T, H, D = q.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
+                         f"{k_pages.shape} and {v_pages.shape}")
+    KVH, P, page_size, Dk = k_pages.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has D={D}, pages have {Dk}")
+    if H % KVH:
+        raise ValueError(f"num query heads {H} is not a multiple of num kv heads {KVH}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"GPU kernel needs head dim a power of two >= 16, got {D}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"GPU kernel needs page_size a power of two, got {page_size}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype}, {v_pages.dtype}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    if k_scale is not None:
+        if k_pages.dtype != jnp.int8:
+            raise ValueError(f"k_scale/v_scale need int8 pages, got {k_pages.dtype}")
+        if k_scale.shape != (KVH, P, page_size) or v_scale.shape != (KVH, P, page_size):
+            raise ValueError(f"k_scale/v_scale must be [KVH, P, page_size] = "
+                             f"{(KVH, P, page_size)}, got {k_scale.shape}, {v_scale.shape}")
+        k_scale = k_scale.astype(jnp.float32)
+        v_scale = v_scale.astype(jnp.float32)
+    elif k_pages.dtype != q.dtype:
+        raise ValueError(f"pages dtype {k_pages.dtype} must match q dtype {q.dtype} "
+                         f"(or be int8 with scales)")
+    S = kv_lens.shape[0]
+    if kv_lens.shape != (S,) or block_tables.ndim != 2 or block_tables.shape[0] != S \
+            or cu_q_lens.shape != (S + 1,):
+        raise ValueError(f"inconsistent sequence metadata: kv_lens {kv_lens.shape}, "
+                         f"block_tables {block_tables.shape}, cu_q_lens {cu_q_lens.shape}")
+    if jnp.size(num_seqs) != 1:
+        raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
+    for name, a in (("kv_lens", kv_lens), ("block_tables", block_tables),
+                    ("cu_q_lens", cu_q_lens)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    block_kv = pages_per_block * page_size
+    if block_kv < 16 or block_kv & (block_kv - 1):
+        raise ValueError(f"pages_per_block * page_size = {block_kv} must be a power of two "
+                         f">= 16")
+    if prefill_block_q < 1 or prefill_block_q & (prefill_block_q - 1):
+        raise ValueError(f"prefill_block_q must be a power of two, got {prefill_block_q}")
+
+    pages_per_seq = block_tables.shape[1]
+    pad_pages = -pages_per_seq % pages_per_block
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad_pages)))
+    num_kv_blocks = (pages_per_seq + pad_pages) // pages_per_block
+    if decode_splits is None:
+        decode_splits = _default_splits(S, KVH, num_kv_blocks)
+    num_seqs = jnp.minimum(jnp.reshape(num_seqs, ()).astype(jnp.int32), S)
+    kw = dict(pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages,
+              sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              interpret=interpret)
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale)
+    decode = functools.partial(_attention, block_q=1, num_splits=decode_splits, **kw)
+    prefill = functools.partial(_attention, block_q=prefill_block_q, num_splits=1, **kw)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    all_decode = jnp.all(jnp.where(jnp.arange(S) < num_seqs, q_lens, 0) <= 1)
+    return lax.cond(all_decode, lambda a: decode(*a), lambda a: prefill(*a), args)
