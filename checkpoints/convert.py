@@ -1,0 +1,42 @@
+"""Convert a checkpoint (HF dir, GGUF file or jaxkv checkpoint) to jaxkv format.
+
+    python -m checkpoints.convert SRC DST [--dtype float32|bfloat16] [--overwrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from checkpoints import load_checkpoint
+from checkpoints.jaxkv_format import save
+from checkpoints.params import cast_params
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", *,
+            overwrite: bool = False, progress: bool = True) -> Path:
+    """Load ``src`` (any supported kind), cast to ``dtype`` and save it at ``dst``."""
+    config, params, tokenizer = load_checkpoint(src, dtype=dtype, progress=progress)
+    params = cast_params(params, dtype)
+    return save(dst, config, params, tokenizer, overwrite=overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m checkpoints.convert",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="HF model dir, GGUF file or jaxkv checkpoint dir")
+    parser.add_argument("dst", help="output jaxkv checkpoint dir")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.src, args.dst, args.dtype, overwrite=args.overwrite)
+    except ValueError as e:
+        parser.exit(1, f"error: {e}\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""GGUF checkpoints (llama.cpp): metadata -> ModelConfig, tensors -> params,
+``tokenizer.*`` metadata -> tokenizer_info for `jaxkv.tokenizer.Tokenizer.from_gguf`.
+
+Tensors are dequantized with ``gguf.quants.dequantize`` into HF layout ([out, in]
+rows, numpy order = reversed GGUF ``ne``), renamed to HF names through the
+explicit table below and then mapped like a safetensors checkpoint.
+
+llama.cpp's converter permutes the rows of the q and k weights of llama-arch
+models: within each head it interleaves the two "rotate_half" halves, so HF
+rows (c * D/2 + i) land at GGUF rows (2 * i + c). `unpermute_qk` undoes that.
+qwen2 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from checkpoints.safetensors_io import hf_to_params
+from jaxkv.config import ModelConfig, from_gguf_metadata
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_TYPES = {
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+}
+# Architectures whose q/k rows llama.cpp's converter permutes.
+PERMUTED_ARCHS = {"llama", "mistral"}
+
+# GGUF name -> HF name; per layer under "blk.{i}." / "model.layers.{i}.".
+GGUF_LAYER_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_TOP_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """True for a file ending in .gguf or starting with the GGUF magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == ".gguf":
+        return True
+    with open(p, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF name for a GGUF tensor name, None when the table has no entry."""
+    if name in GGUF_TOP_MAP:
+        return GGUF_TOP_MAP[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_LAYER_MAP:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER_MAP[parts[2]]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: [n*D, E] interleaved -> HF halves."""
+    rows = w.shape[0]
+    d = rows // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open(path: Path) -> GGUFReader:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ValueError(f"bad magic {magic!r}, expected {GGUF_MAGIC!r}")
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError, TypeError, struct.error, OverflowError,
+            UnicodeDecodeError, MemoryError) as e:
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    """All key/values of the file, decoded to Python values."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: corrupt GGUF metadata {key!r} ({e})") from None
+    return meta
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Only the key/values of a GGUF file (e.g. for its tokenizer)."""
+    path = Path(path)
+    return read_metadata(_open(path), path)
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float32",
+              progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """Load a GGUF file into (config, params, tokenizer_info).
+
+    tokenizer_info holds every ``tokenizer.*`` key of the file (tokens, merges,
+    token types, bos/eos ids, add_bos_token, pre-tokenizer, chat_template)."""
+    path = Path(path)
+    reader = _open(path)
+    meta = read_metadata(reader, path)
+    size = path.stat().st_size
+    tensors = {}
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} "
+                             f"(supported: {sorted(q.name for q in SUPPORTED_TYPES)})")
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        if t.n_elements % block or (len(t.shape) and int(t.shape[0]) % block):
+            raise ValueError(f"{path}: corrupt GGUF file (tensor {t.name!r} shape {t.shape.tolist()} "
+                             f"is not a multiple of the {t.tensor_type.name} block size {block})")
+        nbytes = t.n_elements // block * type_size
+        if t.data_offset + nbytes > size or t.data.nbytes != nbytes:
+            raise ValueError(f"{path}: truncated GGUF file (tensor {t.name!r} needs {nbytes} bytes "
+                             f"at offset {t.data_offset}, file has {size})")
+        tensors[t.name] = t
+    embed = tensors.get("token_embd.weight")
+    try:
+        config = from_gguf_metadata(
+            meta, vocab_size=int(embed.shape[-1]) if embed is not None else None,
+            tied="output.weight" not in tensors)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+    hf_tensors: dict[str, Callable[[], np.ndarray]] = {}
+    hf_shapes: dict[str, tuple[int, ...]] = {}
+    unknown = []
+    for name, t in tensors.items():
+        hf = gguf_to_hf_name(name)
+        if hf is None:
+            unknown.append(name)
+            continue
+        heads = None
+        if meta["general.architecture"] in PERMUTED_ARCHS:
+            if name.endswith("attn_q.weight"):
+                heads = config.num_heads
+            elif name.endswith("attn_k.weight"):
+                heads = config.num_kv_heads
+        hf_shapes[hf] = tuple(int(s) for s in reversed(t.shape.tolist()))
+        hf_tensors[hf] = _loader(t, hf_shapes[hf], heads, path)
+    if unknown:
+        raise ValueError(f"{path}: unexpected tensors {sorted(unknown)}")
+    params = hf_to_params(config, hf_tensors, hf_shapes, dtype=dtype, source=str(path), progress=progress)
+    tokenizer_info = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    return config, params, tokenizer_info
+
+
+def _loader(t, shape: tuple[int, ...], heads: int | None, path: Path) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"{path}: corrupt GGUF tensor {t.name!r} ({e})") from None
+        if heads is not None:
+            if shape[0] % heads or (shape[0] // heads) % 2:
+                raise ValueError(f"{path}: tensor {t.name!r} rows {shape[0]} do not split into "
+                                 f"{heads} heads of even size")
+            w = unpermute_qk(w, heads)
+        return w
+    return load

@@ -1,0 +1,104 @@
+"""The parameter contract between the loaders and the model.
+
+Every loader returns ``(config, params)`` with ``params`` a FLAT dict of numpy
+arrays named and shaped as `expected_shapes` says. Legend: V vocab, E hidden,
+H heads, K kv heads, D head dim, F MLP hidden, L layers.
+
+    embed                 [V, E]
+    layers.{i}.attn_norm  [E]
+    layers.{i}.wq         [E, H, D]     'TE,EHD->THD'
+    layers.{i}.wk         [E, K, D]
+    layers.{i}.wv         [E, K, D]
+    layers.{i}.bq         [H, D]        only when config.attention_bias
+    layers.{i}.bk         [K, D]        only when config.attention_bias
+    layers.{i}.bv         [K, D]        only when config.attention_bias
+    layers.{i}.wo         [H, D, E]     'THD,HDE->TE'
+    layers.{i}.mlp_norm   [E]
+    layers.{i}.w_gate     [E, F]
+    layers.{i}.w_up       [E, F]
+    layers.{i}.w_down     [F, E]
+    final_norm            [E]
+    lm_head               [E, V]        only when not config.tie_word_embeddings
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from jaxkv.config import ModelConfig
+
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the model consumes for ``config``."""
+    V, E, F = config.vocab_size, config.hidden_size, config.intermediate_size
+    H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed": (V, E)}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm"] = (E,)
+        shapes[p + "wq"] = (E, H, D)
+        shapes[p + "wk"] = (E, K, D)
+        shapes[p + "wv"] = (E, K, D)
+        if config.attention_bias:
+            shapes[p + "bq"] = (H, D)
+            shapes[p + "bk"] = (K, D)
+            shapes[p + "bv"] = (K, D)
+        shapes[p + "wo"] = (H, D, E)
+        shapes[p + "mlp_norm"] = (E,)
+        shapes[p + "w_gate"] = (E, F)
+        shapes[p + "w_up"] = (E, F)
+        shapes[p + "w_down"] = (F, E)
+    shapes["final_norm"] = (E,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (E, V)
+    return shapes
+
+
+def check_params(config: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
+    """Raise ValueError naming every missing, unexpected or wrong-shape tensor."""
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(params))
+    unexpected = sorted(set(params) - set(want))
+    wrong = sorted(
+        f"{k}: expected {want[k]}, got {tuple(params[k].shape)}"
+        for k in set(want) & set(params)
+        if tuple(params[k].shape) != want[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    if wrong:
+        problems.append(f"wrong shapes: {wrong}")
+    if problems:
+        raise ValueError("params do not match the config: " + "; ".join(problems))
+
+
+def resolve_dtype(dtype: str | np.dtype | None) -> np.dtype:
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or a numpy dtype) -> np.dtype."""
+    if dtype is None:
+        return DTYPES["float32"]
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: unsupported {dtype!r}; supported: {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    dt = np.dtype(dtype)
+    if dt not in DTYPES.values():
+        raise ValueError(f"dtype: unsupported {dt}; supported: {sorted(DTYPES)}")
+    return dt
+
+
+def cast_params(params: Mapping[str, np.ndarray], dtype: str | np.dtype | None) -> dict[str, np.ndarray]:
+    """Cast every array to ``dtype`` (no copy for arrays already of that dtype)."""
+    dt = resolve_dtype(dtype)
+    return {k: np.asarray(v).astype(dt, copy=False) for k, v in params.items()}

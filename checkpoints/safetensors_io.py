@@ -1,0 +1,271 @@
+"""Hugging Face checkpoints: ``config.json`` + safetensors (single or sharded).
+
+The safetensors container is parsed here (8-byte little-endian header length,
+JSON header, raw little-endian data) so that bfloat16 works through ml_dtypes,
+tensors are memory-mapped rather than copied, and a truncated or corrupt file
+raises a ValueError naming the file instead of a raw numpy/struct error.
+
+HF tensor names map to jaxkv names through the explicit table `hf_tensor_map`
+(gpt-fast ``convert_hf_checkpoint`` style): every tensor's shape is checked and
+missing or unexpected tensors raise. Legend as in `checkpoints.params`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from checkpoints.params import check_params, expected_shapes, resolve_dtype
+from jaxkv.config import ModelConfig, from_hf_config
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+
+# HF per-layer name (under "model.layers.{i}.") -> (jaxkv name, transform).
+# Transforms: "copy"; "T" ([out, in] -> [in, out]); "q"/"kv" ([n*D, E] -> [E, n, D]);
+# "bq"/"bkv" ([n*D] -> [n, D]); "o" ([E, H*D] -> [H, D, E]).
+HF_LAYER_MAP = {
+    "input_layernorm.weight": ("attn_norm", "copy"),
+    "self_attn.q_proj.weight": ("wq", "q"),
+    "self_attn.k_proj.weight": ("wk", "kv"),
+    "self_attn.v_proj.weight": ("wv", "kv"),
+    "self_attn.q_proj.bias": ("bq", "bq"),
+    "self_attn.k_proj.bias": ("bk", "bkv"),
+    "self_attn.v_proj.bias": ("bv", "bkv"),
+    "self_attn.o_proj.weight": ("wo", "o"),
+    "post_attention_layernorm.weight": ("mlp_norm", "copy"),
+    "mlp.gate_proj.weight": ("w_gate", "T"),
+    "mlp.up_proj.weight": ("w_up", "T"),
+    "mlp.down_proj.weight": ("w_down", "T"),
+}
+HF_TOP_MAP = {
+    "model.embed_tokens.weight": ("embed", "copy"),
+    "model.norm.weight": ("final_norm", "copy"),
+    "lm_head.weight": ("lm_head", "T"),
+}
+
+
+def _hf_shape(how: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF-layout shape of a tensor whose jaxkv shape is ``shape``."""
+    if how == "copy":
+        return shape
+    if how == "T":
+        return shape[::-1]
+    if how in ("q", "kv"):  # [E, n, D] <- [n*D, E]
+        return (shape[1] * shape[2], shape[0])
+    if how in ("bq", "bkv"):  # [n, D] <- [n*D]
+        return (shape[0] * shape[1],)
+    if how == "o":  # [H, D, E] <- [E, H*D]
+        return (shape[2], shape[0] * shape[1])
+    raise AssertionError(how)
+
+
+def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """HF name -> (jaxkv name, transform, expected HF shape) for every tensor the
+    model needs. ``lm_head.weight`` is absent for tied embeddings."""
+    want = expected_shapes(config)
+    table: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    entries = list(HF_TOP_MAP.items()) + [
+        (f"model.layers.{i}.{suffix}", (f"layers.{i}.{name}", how))
+        for i in range(config.num_layers) for suffix, (name, how) in HF_LAYER_MAP.items()]
+    for hf, (name, how) in entries:
+        if name in want:  # skips lm_head when tied and biases when absent
+            table[hf] = (name, how, _hf_shape(how, want[name]))
+    return table
+
+
+def _transform(how: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    D, E = config.head_dim, config.hidden_size
+    if how == "copy":
+        return w
+    if how == "T":
+        return w.T
+    if how in ("q", "kv"):  # [n*D, E] -> [E, n, D]
+        return w.T.reshape(E, -1, D)
+    if how in ("bq", "bkv"):  # [n*D] -> [n, D]
+        return w.reshape(-1, D)
+    if how == "o":  # [E, H*D] -> [H, D, E]
+        return w.T.reshape(-1, D, E)
+    raise AssertionError(how)
+
+
+def hf_to_params(
+    config: ModelConfig,
+    tensors: Mapping[str, Callable[[], np.ndarray]],
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    dtype: str | np.dtype | None = "float32",
+    source: str = "checkpoint",
+    progress: bool = False,
+) -> dict[str, np.ndarray]:
+    """Map HF-named tensors to jaxkv params.
+
+    ``tensors`` maps HF name -> zero-argument loader of the array in HF layout;
+    ``shapes`` gives each tensor's stored shape (checked before loading).
+    Raises ValueError naming missing, unexpected and wrong-shape tensors.
+    """
+    dt = resolve_dtype(dtype)
+    table = hf_tensor_map(config)
+    names = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings and "lm_head.weight" in names:
+        names.discard("lm_head.weight")  # a tied copy of the embedding, dropped
+    missing = sorted(set(table) - names)
+    unexpected = sorted(names - set(table))
+    wrong = sorted(f"{n}: expected {table[n][2]}, got {tuple(shapes[n])}"
+                   for n in names & set(table) if tuple(shapes[n]) != table[n][2])
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    if wrong:
+        problems.append(f"wrong shapes {wrong}")
+    if problems:
+        raise ValueError(f"{source}: " + "; ".join(problems))
+    params = {}
+    for hf in tqdm(sorted(table), desc="loading tensors", disable=not progress, unit="tensor"):
+        name, how, _ = table[hf]
+        w = _transform(how, np.asarray(tensors[hf]()), config)
+        # Always a fresh C-order copy: sources may be memory-mapped files.
+        params[name] = np.empty(w.shape, dt)
+        np.copyto(params[name], w, casting="unsafe")
+    check_params(config, params)
+    return params
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
+    """Parse and validate a safetensors header: returns ({name: {dtype, shape,
+    data_offsets}}, byte offset of the data section). Raises ValueError naming the
+    file when it is truncated or corrupt."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > size - 8:
+            raise ValueError(f"{path}: truncated or corrupt safetensors file (header of "
+                             f"{header_len} bytes, file of {size} bytes)")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: corrupt safetensors file (bad JSON header: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors file (header is not a JSON object)")
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    data_len = size - data_start
+    for name, info in header.items():
+        try:
+            dtype = info["dtype"]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupt safetensors file (bad header entry for {name!r})") from None
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype} "
+                             f"(supported: {sorted(_ST_DTYPES)})")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[dtype].itemsize
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise ValueError(f"{path}: corrupt safetensors file (tensor {name!r} spans "
+                             f"{end - begin} bytes, its shape {shape} {dtype} needs {nbytes})")
+        if end > data_len:
+            raise ValueError(f"{path}: truncated safetensors file (tensor {name!r} ends at byte "
+                             f"{data_start + end}, file has {size})")
+        info["shape"] = shape
+    return header, data_start
+
+
+def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """name -> (shape, loader) for each tensor; loaders return memory-mapped views."""
+    header, data_start = read_safetensors_header(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if header else None
+
+    def loader(info):
+        begin, end = info["data_offsets"]
+        dtype = _ST_DTYPES[info["dtype"]]
+        return lambda: mm[data_start + begin:data_start + end].view(dtype).reshape(info["shape"])
+
+    return {name: (info["shape"], loader(info)) for name, info in header.items()}
+
+
+def _shard_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise TypeError("weight_map is not a {tensor: file} object")
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: corrupt index file ({type(e).__name__}: {e})") from None
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if os.path.basename(f) != f or not (path / f).is_file():
+                raise ValueError(f"{index}: corrupt index file (shard {f!r} does not exist)")
+        return [path / f for f in files], weight_map
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single], None
+    raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """All tensors of an HF dir, as name -> (shape, loader); checks the index."""
+    path = Path(path)
+    files, weight_map = _shard_files(path)
+    tensors: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
+    for f in files:
+        for name, entry in open_safetensors(f).items():
+            if name in tensors:
+                raise ValueError(f"{f}: tensor {name!r} also appears in another shard")
+            if weight_map is not None and weight_map.get(name) != f.name:
+                raise ValueError(f"{path / 'model.safetensors.index.json'}: corrupt index file "
+                                 f"(tensor {name!r} is in {f.name}, index says {weight_map.get(name)!r})")
+            tensors[name] = entry
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(tensors))
+        if absent:
+            raise ValueError(f"{path / 'model.safetensors.index.json'}: corrupt index file "
+                             f"(tensors {absent[:5]} not found in their shards)")
+    return tensors
+
+
+def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """ModelConfig from ``path/config.json``."""
+    cfg_path = Path(path) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{cfg_path}: not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path}: corrupt config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: corrupt config (not a JSON object)")
+    try:
+        return from_hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
+
+
+def load_hf_dir(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float32",
+                progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Load an HF model dir (config.json + safetensors) into (config, params)."""
+    config = read_hf_config(path)
+    tensors = load_hf_tensors(path)
+    params = hf_to_params(
+        config, {n: t[1] for n, t in tensors.items()}, {n: t[0] for n, t in tensors.items()},
+        dtype=dtype, source=str(path), progress=progress)
+    return config, params
+

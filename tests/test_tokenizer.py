@@ -1,0 +1,237 @@
+"""jaxkv.tokenizer.Tokenizer against transformers and llama.cpp's splitting rules."""
+
+import json
+
+import pytest
+import regex
+
+from checkpoints.gguf_io import read_gguf_metadata
+from jaxkv.tokenizer import Tokenizer
+
+PROMPTS = [
+    "Hello, world!",
+    "The year 2024 had 366 days; π≈3.14159 and 1,000,000 > 999.",
+    "  leading spaces,\ttabs\t\tand trailing   ",
+    "line one\n\nline two\r\n   indented\n",
+    "héllo naïve café — Ünïcödé, 日本語のテキスト, Привет мир, 🤗🚀 emoji",
+    "don't I'll we'RE they've",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "def f(x):\n    return x**2  # comment\n",
+    "",
+]
+
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Hi 👋"},
+     {"role": "assistant", "content": "Hello."},
+     {"role": "user", "content": "  spaces  and\nnewlines  "}],
+]
+
+
+@pytest.fixture(scope="module")
+def smol_info(smollm2_gguf):
+    meta = read_gguf_metadata(smollm2_gguf)
+    return {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+
+
+@pytest.fixture(scope="module")
+def smol(smol_info):
+    return Tokenizer.from_gguf(smol_info)
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smollm2_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+def test_encode_decode_match_transformers(smol, hf_smol):
+    for text in PROMPTS:
+        ids = smol.encode(text)
+        assert ids == hf_smol.encode(text), text
+        assert smol.decode(ids, skip_special_tokens=False) == text
+        assert smol.decode(ids) == hf_smol.decode(ids, skip_special_tokens=True)
+    assert smol.encode("<|im_start|>") == [1]  # control tokens stay whole
+    assert smol.encode("12345") == [33, 34, 35, 36, 37]
+
+
+def test_special_ids(smol):
+    assert smol.bos_token_id == 1 and smol.eos_token_ids == (2,)
+    assert smol.special_tokens["bos_token"] == "<|im_start|>"
+    assert smol.special_tokens["eos_token"] == "<|im_end|>"
+    assert smol.vocab_size == 49152
+
+
+def test_chat_template_matches_transformers(smol, hf_smol):
+    for messages in MESSAGES:
+        for gen in (True, False):
+            text = smol.apply_chat_template(messages, add_generation_prompt=gen)
+            assert text == hf_smol.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            ids = hf_smol.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)["input_ids"]
+            assert smol.encode(text, add_special_tokens=False) == ids
+    assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
+
+
+def _llama_cpp_smollm_split(text: str) -> list[str]:
+    """llama.cpp's "smollm" pre-tokenizer: each \\p{N} alone, then the GPT-2 regex,
+    pieces spelled in the GPT-2 byte alphabet."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    gpt2 = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+    pieces = []
+    for chunk in regex.split(r"(\p{N})", text):
+        pieces.extend(gpt2.findall(chunk))
+    return ["".join(alphabet[b] for b in p.encode("utf-8")) for p in pieces if p]
+
+
+def test_pre_tokenizer_follows_llama_cpp_smollm(smol, smol_info):
+    """The file says tokenizer.ggml.pre == "smollm": digits (every \\p{N}, also ² or ½)
+    are split one by one. transformers' GGUF loader ignores that value, so it is
+    the reference only for ASCII text; llama.cpp's rule is the spec here."""
+    assert smol_info["tokenizer.ggml.pre"] == "smollm"
+    pre = smol.tokenizer.pre_tokenizer
+    for text in PROMPTS + ["x²³ ½ 12 Ⅻ a1b22", " 2024年", "3rd 4th"]:
+        assert [p for p, _ in pre.pre_tokenize_str(text)] == _llama_cpp_smollm_split(text), text
+
+
+def tiny_gguf_info(extra_merges=(), **overrides):
+    """A byte-level vocabulary: 3 specials, the 256 byte symbols, merged tokens
+    and a user-defined token; merges "h e", "l l", "he ll", "hell o", "Ġ w",
+    then ``extra_merges``."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_tokens = list(bytes_to_unicode().values())
+    merged = ["he", "ll", "hell", "hello", "Ġw", "Ġwo", "or", "Ġwor"]
+    tokens = ["<s>", "</s>", "<|user|>"] + byte_tokens + merged + ["<think>"]
+    info = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (256 + len(merged)) + [4],
+        "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o", "Ġ w", *extra_merges],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}"
+                                   "{% endfor %}",
+    }
+    info.update(overrides)
+    return info
+
+
+def test_tiny_gguf_bpe_by_hand():
+    info = tiny_gguf_info()
+    tok = Tokenizer.from_gguf(info)
+    idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
+    # h e l l o -> he l l o -> he ll o -> hell o -> hello
+    assert tok.encode("hello") == [0, idx["hello"]]
+    assert tok.encode("hello", add_special_tokens=False) == [idx["hello"]]
+    assert tok.encode(" world", add_special_tokens=False) == [idx[c] for c in ("Ġw", "o", "r", "l", "d")]
+    assert tok.encode("<|user|>hello<think>") == [0, 2, idx["hello"], idx["<think>"]]
+    assert tok.decode(tok.encode("<|user|>hello world")) == "hello world"
+    assert tok.decode(tok.encode("<|user|>hi"), skip_special_tokens=False) == "<s><|user|>hi"
+    assert tok.bos_token_id == 0 and tok.eos_token_ids == (1,)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>x</s>"
+
+
+def test_tiny_gguf_merge_order():
+    """Merge ranks decide: Ġ w o r l d with "o r" first gives Ġw or l d; with
+    "Ġw o" first it gives Ġwo r -> Ġwor l d."""
+    for merges, want in [(["o r", "Ġw o", "Ġwo r"], ["Ġw", "or", "l", "d"]),
+                         (["Ġw o", "Ġwo r", "o r"], ["Ġwor", "l", "d"])]:
+        info = tiny_gguf_info(extra_merges=merges)
+        idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
+        tok = Tokenizer.from_gguf(info)
+        assert tok.encode(" world", add_special_tokens=False) == [idx[t] for t in want], merges
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("tokenizer.ggml.model", "bert", "bert"),
+    ("tokenizer.ggml.pre", "mystery-pre", "mystery-pre"),
+])
+def test_unsupported_gguf_tokenizer(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        Tokenizer.from_gguf(tiny_gguf_info(**{key: value}))
+
+
+def test_files_round_trip(smol, tmp_path):
+    smol.to_files(tmp_path / "tok")
+    back = Tokenizer.from_files(tmp_path / "tok")
+    for text in PROMPTS:
+        assert back.encode(text) == smol.encode(text)
+    assert (back.bos_token_id, back.eos_token_ids) == (smol.bos_token_id, smol.eos_token_ids)
+    assert back.chat_template == smol.chat_template
+    assert back.apply_chat_template(MESSAGES[1]) == smol.apply_chat_template(MESSAGES[1])
+
+
+# Whitespace control, loop variables, raise_exception and the special token strings:
+# the parts of a template whose rendering depends on the environment's settings.
+TRICKY_TEMPLATE = """\
+{%- if messages[0]['role'] == 'system' %}
+    {{- bos_token + '[SYS]' + messages[0]['content'] }}
+{% endif %}
+{% for m in messages %}
+    {% if m['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + m['role']) }}
+    {% endif %}
+    {% if m['role'] != 'system' %}
+        <{{ m['role'] }}>{{ m['content'] | trim }}{% if not loop.last %}{{ eos_token }}{% endif %}
+
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+    <assistant>
+{% endif %}
+"""
+
+
+@pytest.fixture(scope="module")
+def hf_dir(smol, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf_tok")
+    (d / "tokenizer.json").write_text(smol.tokenizer.to_str())
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TRICKY_TEMPLATE}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return d
+
+
+def test_from_hf_dir_matches_transformers(hf_dir):
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_hf_dir(hf_dir)
+    theirs = AutoTokenizer.from_pretrained(hf_dir)
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == (2, 0)
+    for messages in MESSAGES:
+        for gen in (True, False):
+            assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \
+                theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    for text in PROMPTS:
+        assert ours.encode(text) == theirs.encode(text)
+    with pytest.raises(ValueError, match="unknown role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_hf_dir_token_dicts_and_template_file(hf_dir, tmp_path):
+    import shutil
+
+    d = shutil.copytree(hf_dir, tmp_path / "d")
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"__type": "AddedToken", "content": "<|im_start|>"},
+         "eos_token": {"__type": "AddedToken", "content": "<|im_end|>"}}))
+    (d / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
+    tok = Tokenizer.from_hf_dir(d)
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2, 0)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x"
+
+
+def test_no_template_and_sandbox():
+    tok = Tokenizer.from_gguf(tiny_gguf_info(**{"tokenizer.chat_template": None}))
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    evil = Tokenizer.from_gguf(tiny_gguf_info(**{
+        "tokenizer.chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}))
+    with pytest.raises(ValueError):
+        evil.apply_chat_template([{"role": "user", "content": "x"}])
