@@ -12,7 +12,6 @@ checkpoint. Engine options (EngineConfig fields) pass as keywords.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,21 +23,17 @@ from jaxkv.sequence import RequestOutput, SamplingParams
 KNOWN_MODELS = ("smollm2-135m-instruct",)
 
 
-def cache_dir() -> Path:
-    """$JAXKV_CACHE, default ~/.cache/jaxkv."""
-    return Path(os.environ.get("JAXKV_CACHE") or Path.home() / ".cache" / "jaxkv")
-
-
 def resolve_model_path(model: str) -> Path:
     """A known model name -> its converted jaxkv checkpoint (fetching and
     converting it on first use); anything else must be an existing path."""
     if model.lower() in KNOWN_MODELS:
         from checkpoints.convert import convert
-        from jaxkv.default_model import fetch_smollm2_gguf
+        from checkpoints.jaxkv_format import is_jaxkv_checkpoint
+        from jaxkv.default_model import default_cache_dir, fetch_smollm2_gguf
 
-        dst = cache_dir() / "models" / model.lower()
-        if not (dst / "jaxkv.json").exists() and not dst.exists():
-            gguf = fetch_smollm2_gguf(cache_dir())
+        dst = default_cache_dir() / "models" / model.lower()
+        if not is_jaxkv_checkpoint(dst):
+            gguf = fetch_smollm2_gguf()
             convert(gguf, dst, "float32")
         return dst
     path = Path(model).expanduser()

@@ -62,16 +62,20 @@ def rms_norm(x, scale, eps):
 
 
 class Attention(nnx.Module):
+    """Projections fused for fewer, larger matmuls (a decode step is bound
+    by reading weights): wqkv [E, (H + 2 KVH) D] holds q, k, v side by side."""
+
     def __init__(self, config: ModelConfig, prefix: str, init: Init):
         E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.wq = nnx.Param(init(f"{prefix}.wq", (E, H, D)))
-        self.wk = nnx.Param(init(f"{prefix}.wk", (E, K, D)))
-        self.wv = nnx.Param(init(f"{prefix}.wv", (E, K, D)))
-        self.wo = nnx.Param(init(f"{prefix}.wo", (H, D, E)))
+        self.wqkv = nnx.Param(jnp.concatenate([
+            init(f"{prefix}.wq", (E, H, D)).reshape(E, H * D),
+            init(f"{prefix}.wk", (E, K, D)).reshape(E, K * D),
+            init(f"{prefix}.wv", (E, K, D)).reshape(E, K * D)], axis=1))
         if config.attention_bias:
-            self.bq = nnx.Param(init(f"{prefix}.bq", (H, D)))
-            self.bk = nnx.Param(init(f"{prefix}.bk", (K, D)))
-            self.bv = nnx.Param(init(f"{prefix}.bv", (K, D)))
+            self.bqkv = nnx.Param(jnp.concatenate([
+                init(f"{prefix}.bq", (H, D)).reshape(-1), init(f"{prefix}.bk", (K, D)).reshape(-1),
+                init(f"{prefix}.bv", (K, D)).reshape(-1)]))
+        self.wo = nnx.Param(init(f"{prefix}.wo", (H, D, E)).reshape(H * D, E))
         if config.attention_out_bias:
             self.bo = nnx.Param(init(f"{prefix}.bo", (E,)))
         self.bias = config.attention_bias
@@ -85,8 +89,9 @@ class Block(nnx.Module):
         self.attn_norm = nnx.Param(init(f"{p}.attn_norm", (E,)))
         self.attn = Attention(config, p, init)
         self.mlp_norm = nnx.Param(init(f"{p}.mlp_norm", (E,)))
-        self.w_gate = nnx.Param(init(f"{p}.w_gate", (E, F)))
-        self.w_up = nnx.Param(init(f"{p}.w_up", (E, F)))
+        # w_gate_up [E, 2F]: gate and up side by side, one matmul.
+        self.w_gate_up = nnx.Param(jnp.concatenate(
+            [init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], axis=1))
         self.w_down = nnx.Param(init(f"{p}.w_down", (F, E)))
 
 
@@ -136,29 +141,33 @@ class Llama(nnx.Module):
         """One ragged step: returns (logits [S, V] float32 at each sequence's
         logits_indices row, updated cache)."""
         cfg = self.config
+        H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         x = self.embed[...][batch.token_ids]  # [T, E]
         inv_freq = self.inv_freq[...]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], cfg.rms_norm_eps)
             a = layer.attn
-            q = jnp.einsum("TE,EHD->THD", h, a.wq[...])
-            k = jnp.einsum("TE,EKD->TKD", h, a.wk[...])
-            v = jnp.einsum("TE,EKD->TKD", h, a.wv[...])
+            qkv = jnp.einsum("TE,EN->TN", h, a.wqkv[...])  # N = (H + 2 KVH) D
             if a.bias:
-                q, k, v = q + a.bq[...], k + a.bk[...], v + a.bv[...]
+                qkv = qkv + a.bqkv[...]
+            q = qkv[:, :H * D].reshape(-1, H, D)
+            k = qkv[:, H * D:(H + K) * D].reshape(-1, K, D)
+            v = qkv[:, (H + K) * D:].reshape(-1, K, D)
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
             cache = write_layer(cache, i, k, v, batch.slot_mapping)
             o = paged_attention(q, cache, i, batch, backend=self.attention_backend,
                                 sliding_window=cfg.sliding_window).astype(x.dtype)
-            o = jnp.einsum("THD,HDE->TE", o, a.wo[...])
+            o = jnp.einsum("TN,NE->TE", o.reshape(-1, H * D), a.wo[...])
             x = x + (o + a.bo[...] if a.out_bias else o)
             h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)
-            g = jnp.einsum("TE,EF->TF", h, layer.w_gate[...])
-            u = jnp.einsum("TE,EF->TF", h, layer.w_up[...])
+            gu = jnp.einsum("TE,EG->TG", h, layer.w_gate_up[...])  # G = 2F
+            g, u = gu[:, :F], gu[:, F:]
             x = x + jnp.einsum("TF,FE->TE", jax.nn.silu(g) * u, layer.w_down[...])
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.einsum("SE,EV->SV", h, head, preferred_element_type=jnp.float32)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("SE,VE->SV", h, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("SE,EV->SV", h, self.lm_head[...], preferred_element_type=jnp.float32)
         return logits, cache

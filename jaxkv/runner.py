@@ -51,8 +51,8 @@ class Buckets:
 
     @classmethod
     def make(cls, max_tokens: int, max_seqs: int, max_pages: int) -> "Buckets":
-        return cls(tokens=_pow2_buckets(min(16, max_tokens), max_tokens),
-                   seqs=_pow2_buckets(min(4, max_seqs), max_seqs),
+        return cls(tokens=_pow2_buckets(1, max_tokens),
+                   seqs=_pow2_buckets(1, max_seqs),
                    pages=_pow2_buckets(min(4, max_pages), max_pages))
 
 

@@ -38,11 +38,11 @@ def pair(request, tmp_path_factory):
     kind, over = CONFIGS[request.param]
     hf, path = make_hf_model(kind, tmp_path_factory.mktemp(request.param), **over)
     config, params = load_hf_dir(path)
-    return hf, Llama.from_params(config, params)
+    return hf, Llama.from_params(config, params), path
 
 
 def test_logits_match_hf_every_position(pair):
-    hf, model = pair
+    hf, model, _ = pair
     tokens = list(np.random.default_rng(1).integers(0, 128, 37))
     want = hf_logits(hf, tokens)
     cache = nan_cache(model.config, 16, PAGE)
@@ -52,7 +52,7 @@ def test_logits_match_hf_every_position(pair):
 
 
 def test_chunked_prefill_then_decode_matches_hf(pair):
-    hf, model = pair
+    hf, model, _ = pair
     tokens = list(np.random.default_rng(2).integers(0, 128, 30))
     want = hf_logits(hf, tokens)
     table = [7, 2, 12, 5]
@@ -70,7 +70,7 @@ def test_chunked_prefill_then_decode_matches_hf(pair):
 
 
 def test_mixed_step_matches_each_sequence_alone(pair):
-    hf, model = pair
+    hf, model, _ = pair
     rng = np.random.default_rng(3)
     seqs = [list(rng.integers(0, 128, n)) for n in (19, 4, 26, 9)]
     alone = [hf_logits(hf, s) for s in seqs]
@@ -91,23 +91,14 @@ def test_mixed_step_matches_each_sequence_alone(pair):
 
 
 def test_bfloat16_model_close_to_float32(pair):
-    hf, model32 = pair
+    hf, _, path = pair
     tokens = list(np.random.default_rng(4).integers(0, 128, 20))
     want = hf_logits(hf, tokens)
-    cfg = model32.config
-    m16 = Llama.from_params(cfg, _params_of(model32), dtype=jnp.bfloat16)
+    cfg, params = load_hf_dir(path)
+    m16 = Llama.from_params(cfg, params, dtype=jnp.bfloat16)
     cache = nan_cache(cfg, 16, PAGE, kv_dtype="bfloat16")
     (got,), _ = step_logits(m16, cache, [SeqInput(tokens, 0, [1, 2, 3])], PAGE, rows_per_seq=True)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 0.05, f"bfloat16 relative error {err:.3g}"
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
 
-
-def _params_of(model):
-    """The module's parameters back as the flat checkpoint dict."""
-    from flax import nnx
-    out = {}
-    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        parts = [str(p) for p in path if str(p) != "attn"]
-        out[".".join(parts)] = np.asarray(v[...])
-    return out
