@@ -3,7 +3,8 @@
 
 Sources: a Hugging Face dir (``tokenizer.json``, ``tokenizer_config.json``,
 ``generation_config.json``), a GGUF file's ``tokenizer.*`` metadata (the BPE
-tokenizer is rebuilt from the vocabulary and merges), or jaxkv's own files
+tokenizer is rebuilt from the vocabulary and its merges or scores, with the
+pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre``), or jaxkv's own files
 (`to_files` / `from_files`).
 
 Chat templates are rendered the way transformers does it: a sandboxed jinja2
@@ -165,34 +166,37 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, info: Mapping[str, Any]) -> "Tokenizer":
         """Build from a GGUF file's ``tokenizer.*`` metadata (keys as in the file,
-        e.g. ``tokenizer.ggml.tokens``). Supports ``tokenizer.ggml.model == "gpt2"``
-        (byte-level BPE) with the pre-tokenizers listed in this module."""
+        e.g. ``tokenizer.ggml.tokens``). Supports ``tokenizer.ggml.model`` "gpt2"
+        (byte-level BPE, with the pre-tokenizers listed in this module) and
+        "llama" (SentencePiece BPE with byte fallback)."""
         kind = info.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model: unsupported tokenizer model {kind!r} "
-                             "(supported: 'gpt2' byte-level BPE)")
-        tokens = list(info["tokenizer.ggml.tokens"])
+        tokens = list(info.get("tokenizer.ggml.tokens") or [])
+        if not tokens:
+            raise ValueError("tokenizer.ggml.tokens: missing or empty")
         types = list(info.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in info.get("tokenizer.ggml.merges") or []]
-        pre = info.get("tokenizer.ggml.pre", "default")
-        ignore_merges = _SPLIT_PRE.get(pre, (None, False))[1]
         vocab = {t: i for i, t in enumerate(tokens)}
         if len(vocab) != len(tokens):
             raise ValueError("tokenizer.ggml.tokens: duplicate tokens in the vocabulary")
-        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-        tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED])
 
         def token_id(key):
             v = info.get(key)
             return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
 
+        if kind == "gpt2":
+            tok = _byte_level_bpe(info, vocab)
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(info, tokens, token_id("tokenizer.ggml.unknown_token_id"))
+        else:
+            raise ValueError(f"tokenizer.ggml.model: unsupported tokenizer model {kind!r} "
+                             "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED])
+
         bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
-        add_bos = bool(info.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
+        add_bos = bool(info.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
         add_eos = bool(info.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
         if add_bos or add_eos:
             b = [tokens[bos]] if add_bos else []
@@ -209,6 +213,53 @@ class Tokenizer:
                                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
         return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids,
                    chat_template=info.get("tokenizer.chat_template"), special_tokens=special)
+
+
+def _byte_level_bpe(info: Mapping[str, Any], vocab: dict[str, int]) -> tokenizers.Tokenizer:
+    """GPT-2 style byte-level BPE from the file's tokens and merges."""
+    merges = [tuple(m.split(" ", 1)) for m in info.get("tokenizer.ggml.merges") or []]
+    pre = info.get("tokenizer.ggml.pre", "default")
+    ignore_merges = _SPLIT_PRE.get(pre, (None, False))[1]
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(info: Mapping[str, Any], tokens: list[str], unk: int | None) -> tokenizers.Tokenizer:
+    """SentencePiece BPE (llama.cpp "llama" vocab): spaces become U+2581, one is
+    prepended to the text when ``add_space_prefix``, pieces merge highest score
+    first, and characters outside the vocabulary fall back to <0xNN> byte tokens."""
+    scores = info.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError("tokenizer.ggml.scores: a SentencePiece vocabulary needs one score per token")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _merges_from_scores(vocab, scores)
+    tok = tokenizers.Tokenizer(models.BPE(
+        vocab=vocab, merges=merges, unk_token=tokens[unk] if unk is not None else None,
+        fuse_unk=True, byte_fallback=True))
+    prefix = bool(info.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a scored vocabulary: every split of a piece into two
+    vocabulary pieces is a merge; merges producing higher-scored pieces rank first
+    (ties: longer left part, longer right part, then vocabulary order)."""
+    ranked = []
+    for piece, pid in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[pid], -len(left), -len(right), pid, vocab[left], left, right))
+    ranked.sort()
+    return [(r[-2], r[-1]) for r in ranked]
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

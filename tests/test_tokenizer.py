@@ -99,19 +99,21 @@ def test_pre_tokenizer_follows_llama_cpp_smollm(smol, smol_info):
 
 def tiny_gguf_info(extra_merges=(), **overrides):
     """A byte-level vocabulary: 3 specials, the 256 byte symbols, merged tokens
-    and a user-defined token; merges "h e", "l l", "he ll", "hell o", "Ġ w",
-    then ``extra_merges``."""
+    and a user-defined token; merges "h e", "l l", "he ll", "hell o", "Ġ w" and
+    digit merges (so that pre-tokenizers show: "1234" is 123|4 in groups of three,
+    12|34 in one piece, 1|2|3|4 digit by digit), then ``extra_merges``."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_tokens = list(bytes_to_unicode().values())
-    merged = ["he", "ll", "hell", "hello", "Ġw", "Ġwo", "or", "Ġwor"]
+    merged = ["he", "ll", "hell", "hello", "Ġw", "Ġwo", "or", "Ġwor", "12", "123", "34"]
     tokens = ["<s>", "</s>", "<|user|>"] + byte_tokens + merged + ["<think>"]
     info = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (256 + len(merged)) + [4],
-        "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o", "Ġ w", *extra_merges],
+        "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o", "Ġ w", "1 2", "3 4", "12 3",
+                                  *extra_merges],
         "tokenizer.ggml.bos_token_id": 0,
         "tokenizer.ggml.eos_token_id": 1,
         "tokenizer.ggml.add_bos_token": True,
@@ -148,8 +150,93 @@ def test_tiny_gguf_merge_order():
         assert tok.encode(" world", add_special_tokens=False) == [idx[t] for t in want], merges
 
 
+def spm_gguf_info():
+    """A llama.cpp "llama" (SentencePiece) vocabulary: unk/bos/eos, the 256 byte
+    fallback tokens, scored pieces and one extra control token."""
+    pieces = {"\u2581": -1.0, "h": -2, "e": -2, "l": -2, "o": -2, "w": -2, "r": -2, "d": -2, "i": -2,
+              "!": -3, "he": -1.5, "ll": -1.2, "\u2581h": -1.4, "\u2581he": -1.1, "llo": -1.0,
+              "hell": -1.05, "\u2581hello": -0.5, "\u2581w": -1.3, "or": -1.6, "\u2581wor": -0.9,
+              "ld": -1.7, "\u2581world": -0.4, "\u2581\u2581": -2.5}
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces) + ["<|user|>"]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3],
+        "tokenizer.ggml.scores": [0.0] * 259 + [float(v) for v in pieces.values()] + [0.0],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+def write_tokenizer_gguf(path, info):
+    """A GGUF file holding only a minimal llama config and the tokenizer ``info``."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", 32),
+                       ("feed_forward_length", 64), ("attention.head_count", 4)]:
+        w.add_uint32(f"llama.{key}", value)
+    for key, value in info.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif key.endswith("token_type"):
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+        else:
+            w.add_array(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_gguf_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    info = spm_gguf_info()
+    write_tokenizer_gguf(tmp_path / "spm.gguf", info)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    ours = Tokenizer.from_gguf(info)
+    for text in ["hello world", " hello  world!", "hello\nworld \u00e9\U0001f600", "<|user|>hello world</s>",
+                 "", "  ", "hi", "world hello<s>x"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
+    # by hand: BOS, then the highest-scored pieces; \n and \u00e9 fall back to bytes
+    assert ours.encode("hello world") == [1, idx["\u2581hello"], idx["\u2581world"]]
+    assert ours.encode("i\n\u00e9", add_special_tokens=False) == [
+        idx["\u2581"], idx["i"], idx["<0x0A>"], idx["<0xC3>"], idx["<0xA9>"]]
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
+def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
+    """transformers' GGUF loader knows these pre-tokenizer names too."""
+    ids = {"gpt2": ["12", "34"], "llama-bpe": ["123", "4"], "qwen2": ["1", "2", "3", "4"]}[pre]
+    from transformers import AutoTokenizer
+
+    info = tiny_gguf_info(extra_merges=["o r", "Ġw o", "Ġwo r"], **{"tokenizer.ggml.pre": pre})
+    del info["tokenizer.chat_template"]
+    write_tokenizer_gguf(tmp_path / "bpe.gguf", info)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="bpe.gguf")
+    ours = Tokenizer.from_gguf(info)
+    idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
+    assert ours.encode("1234", add_special_tokens=False) == [idx[t] for t in ids]
+    for text in PROMPTS + ["hello world", "HELLO  world\n\n\tx", "1234567 abc12 x²"]:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("tokenizer.ggml.model", "bert", "bert"),
+    ("tokenizer.ggml.tokens", [], "tokens"),
+    ("tokenizer.ggml.model", "llama", "scores"),  # SentencePiece without scores
     ("tokenizer.ggml.pre", "mystery-pre", "mystery-pre"),
 ])
 def test_unsupported_gguf_tokenizer(key, value, match):
