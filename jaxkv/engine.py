@@ -25,20 +25,13 @@ import numpy as np
 from jaxkv.block_manager import BlockManager
 from jaxkv.config import CacheConfig, EngineConfig, ModelConfig
 from jaxkv.kv_cache import create_cache
+from jaxkv.memory import pages_for_budget
 from jaxkv.runner import Buckets, Runner, SeqInput
 from jaxkv.scheduler import Scheduler
 from jaxkv.sequence import (CompletionOutput, Logprob, RequestOutput, SamplingParams,
                             Sequence, Status)
 
 log = logging.getLogger("jaxkv")
-
-_JNP_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
-
-
-def _kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-    from jaxkv.memory import kv_cache_bytes
-    return kv_cache_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, dtype=kv_dtype)
-
 
 def _free_device_memory() -> int | None:
     try:
@@ -91,11 +84,11 @@ class LLMEngine:
         if budget is None:
             free = _free_device_memory()
             budget = int(free * c.gpu_memory_utilization) if free else 1 << 30
-        per_page = _kv_bytes_per_token(self.model_config, kv_dtype) * c.page_size
-        pages = budget // per_page
+        m = self.model_config
+        pages = pages_for_budget(budget, m.num_layers, m.num_kv_heads, m.head_dim, c.page_size,
+                                 kv_dtype)
         if pages < 2:
-            raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 pages of "
-                             f"{per_page} bytes")
+            raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
         return int(pages)
 
     @classmethod
