@@ -152,14 +152,14 @@ def _rpa_kernel(
 
     live = l > 0.0
     out = acc / jnp.where(live, l, 1.0)[:, None]
-    tok_mask = (jnp.arange(block_q) < n_tok)[:, None]
+    tok_live = lax.broadcasted_iota(jnp.int32, (block_q, g_pad), 0) < n_tok
     plgpu.store(o_ref.at[pl.ds(row0, block_q), h, :, :],
                 out.reshape(block_q, g_pad, head_dim).astype(o_ref.dtype),
-                mask=tok_mask[:, :, None])
+                mask=jnp.broadcast_to(tok_live[:, :, None], (block_q, g_pad, head_dim)))
     if lse_ref is not None:
         lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
         plgpu.store(lse_ref.at[pl.ds(row0, block_q), h, :], lse.reshape(block_q, g_pad),
-                    mask=tok_mask)
+                    mask=tok_live)
 
 
 def _work_blocks(cu_q_lens, num_seqs, *, block_q, num_blocks):
@@ -187,7 +187,8 @@ def _rpa_pallas_call(q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
     T = T_pad - block_q
     S = kv_lens.shape[0]
     _, P, page_size, _ = k_pages.shape
-    num_blocks = pl.cdiv(T, block_q) + S
+    # Sum over sequences of cdiv(q_len, block_q) is at most this.
+    num_blocks = (T + S * (block_q - 1)) // block_q
     blk_seq, blk_row, blk_len = _work_blocks(cu_q_lens, num_seqs, block_q=block_q,
                                              num_blocks=num_blocks)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)

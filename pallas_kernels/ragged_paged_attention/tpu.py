@@ -41,9 +41,14 @@ unwritten page slots may hold anything). int8 pages are cast to the query
 dtype in VMEM and their per-token scales applied to the score / probability
 columns (s * k_scale, p * v_scale), which equals dequantizing K and V.
 
-Constraints (checked with ValueError): page_size % 8 == 0; D % 64 == 0 ...
-see `ragged_paged_attention`. ``block_tables`` lives in SMEM, so
-S * pages_per_seq int32 must fit there (well under 1 MiB; 128K entries).
+Constraints (checked with ValueError): page_size % 8 == 0; D % 64 == 0;
+block_q * G % 16 == 0 (default block_q 16 always fits); q float32 or
+bfloat16; pages in q's dtype or int8 with scales. ``block_tables`` is copied
+to SMEM, so S * pages_per_seq int32 must fit there (keep it well under 1 MiB,
+i.e. < ~200K entries with the other tables). VMEM use is about
+4 * pages_per_block * page_size * D * itemsize (K/V double buffers) plus
+(block_q * G) * (D + 256) * 4 bytes; the default 256-token KV block stays far
+below the default scoped-VMEM limit.
 """
 
 from __future__ import annotations

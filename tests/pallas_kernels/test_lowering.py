@@ -121,8 +121,13 @@ def test_tpu_kernel_lowers_to_mosaic(config):
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c[0])
 def test_gpu_kernel_lowers_for_cuda(config):
     cid, q_dt, kv_dt, d, ps, h, kvh, kw = config
-    text = jax.jit(_fn(gpu, d, kw)).trace(*_specs(q_dt, kv_dt, d, ps, h, kvh)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    # Newer jax reads the target GPU from the ambient mesh's device.
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                         platform="gpu")
+    with jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        text = jax.jit(_fn(gpu, d, kw)).trace(*_specs(q_dt, kv_dt, d, ps, h, kvh)).lower(
+            lowering_platforms=("cuda",)).as_text()
     # Two Triton kernels: the decode (split context) and the prefill configuration.
     assert text.count("__gpu$xla.gpu.triton") == 2
 
