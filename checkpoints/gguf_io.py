@@ -147,8 +147,8 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
         config = from_gguf_metadata(
             meta, vocab_size=int(embed.shape[-1]) if embed is not None else None,
             tied="output.weight" not in tensors)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: bad GGUF metadata: {e}") from None
 
     hf_tensors: dict[str, Callable[[], np.ndarray]] = {}
     hf_shapes: dict[str, tuple[int, ...]] = {}

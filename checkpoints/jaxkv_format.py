@@ -87,7 +87,10 @@ def restore(path: str | os.PathLike, *, dtype: str | np.dtype | None = None
         raise ValueError(f"{path}: corrupt jaxkv checkpoint ({type(e).__name__}: {e})") from None
     if manifest.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported jaxkv checkpoint version {manifest.get('version')!r}")
-    check_params(config, target)
+    try:
+        check_params(config, target)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     try:
         with ocp.StandardCheckpointer() as ckpt:
             params = dict(ckpt.restore(path / "params", target))

@@ -19,28 +19,32 @@ def hf_model(smollm2_gguf):
     return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
-def test_config_matches_transformers(ours, smollm2_gguf):
-    from transformers import AutoConfig
-
-    config, _, _ = ours
-    hf = AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    assert config.architecture == hf.model_type == "llama"
-    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers) == (
-        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
-    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (
-        hf.num_attention_heads, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads)
-    assert config.rope_theta == hf.rope_parameters["rope_theta"]
-    assert config.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
-    assert config.tie_word_embeddings and hf.tie_word_embeddings
-    assert config.max_position_embeddings == hf.max_position_embeddings
-    assert (config.bos_token_id, config.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
+def test_config_matches_published(ours):
+    """SmolLM2-135M-Instruct's published config.json values."""
+    config, params, info = ours
+    assert (config.architecture, config.vocab_size, config.hidden_size, config.intermediate_size) == (
+        "llama", 49152, 576, 1536)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
+    assert config.rope_theta == 100000.0 and config.rope_scaling is None
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    assert config.tie_word_embeddings and "lm_head" not in params
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    assert config.max_position_embeddings == 8192
+    assert info["tokenizer.ggml.model"] == "gpt2" and len(info["tokenizer.ggml.tokens"]) == 49152
 
 
 @pytest.mark.slow
 def test_params_match_transformers(ours, hf_model):
     """Every tensor, through the HF -> jaxkv mapping, equals what transformers
-    dequantizes (and un-permutes) from the same file."""
+    dequantizes (and un-permutes) from the same file; so does the config."""
     config, params, _ = ours
+    hf = hf_model.config
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
+    assert (config.num_heads, config.num_kv_heads) == (hf.num_attention_heads, hf.num_key_value_heads)
+    assert config.rope_theta == hf.rope_parameters["rope_theta"]
+    assert config.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
+    assert config.tie_word_embeddings == hf.tie_word_embeddings
     E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     want = {"embed": sd["model.embed_tokens.weight"], "final_norm": sd["model.norm.weight"]}
