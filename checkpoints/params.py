@@ -13,6 +13,7 @@ H heads, K kv heads, D head dim, F MLP hidden, L layers.
     layers.{i}.bk         [K, D]        only when config.attention_bias
     layers.{i}.bv         [K, D]        only when config.attention_bias
     layers.{i}.wo         [H, D, E]     'THD,HDE->TE'
+    layers.{i}.bo         [E]           only when config.attention_out_bias
     layers.{i}.mlp_norm   [E]
     layers.{i}.w_gate     [E, F]
     layers.{i}.w_up       [E, F]
@@ -53,6 +54,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "bk"] = (K, D)
             shapes[p + "bv"] = (K, D)
         shapes[p + "wo"] = (H, D, E)
+        if config.attention_out_bias:
+            shapes[p + "bo"] = (E,)
         shapes[p + "mlp_norm"] = (E,)
         shapes[p + "w_gate"] = (E, F)
         shapes[p + "w_up"] = (E, F)

@@ -43,6 +43,7 @@ HF_LAYER_MAP = {
     "self_attn.k_proj.bias": ("bk", "bkv"),
     "self_attn.v_proj.bias": ("bv", "bkv"),
     "self_attn.o_proj.weight": ("wo", "o"),
+    "self_attn.o_proj.bias": ("bo", "copy"),
     "post_attention_layernorm.weight": ("mlp_norm", "copy"),
     "mlp.gate_proj.weight": ("w_gate", "T"),
     "mlp.up_proj.weight": ("w_up", "T"),

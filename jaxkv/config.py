@@ -176,6 +176,11 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act: unsupported activation {act!r} (supported: 'silu')")
+    # transformers 5 writes "rope_parameters" (rope_theta inside); 4.x wrote
+    # "rope_theta" and "rope_scaling" at the top level.
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope_theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    rope_scaling = rope or cfg.get("rope_scaling")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(_require(cfg, "vocab_size")),
@@ -185,8 +190,8 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(head_dim),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling")),
+        rope_theta=float(rope_theta),
+        rope_scaling=_rope_scaling_from_hf(rope_scaling),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bias,

@@ -43,9 +43,23 @@ def _free_device_memory() -> int | None:
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled steps across runs in $JAXKV_CACHE/xla (unless the user
+    set JAX's own cache directory): a second run of the same model and
+    buckets skips most of XLA's compile time."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    from jaxkv.default_model import default_cache_dir
+    path = default_cache_dir() / "xla"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        enable_compilation_cache()
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         kv_dtype = config.kv_dtype or config.dtype
