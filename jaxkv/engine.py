@@ -77,7 +77,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         buckets = Buckets.make(config.max_num_batched_tokens, config.max_num_seqs, max_pages)
         self.runner = Runner(model, create_cache(self.model_config, self.cache_config), buckets,
-                             seed=config.seed)
+                             seed=config.seed, attention_backend=config.attention_backend)
         self._seqs: dict[str, Sequence] = {}
         self._errors: list[Sequence] = []
         self._ids = itertools.count()
@@ -111,8 +111,7 @@ class LLMEngine:
         from jaxkv.llm import load_model
 
         cfg = EngineConfig(**config)
-        module, tokenizer = load_model(model, dtype=cfg.dtype,
-                                       attention_backend=cfg.attention_backend)
+        module, tokenizer = load_model(model, dtype=cfg.dtype)
         return cls(module, tokenizer, cfg)
 
     # ------------------------------------------------------------ requests

@@ -43,14 +43,13 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_model(model: str, *, dtype: str = "float32", attention_backend: str = "auto"):
+def load_model(model: str, *, dtype: str = "float32"):
     """-> (Llama module, Tokenizer or None)."""
     from checkpoints import load_checkpoint
     from jaxkv.model import Llama
 
     config, params, tokenizer = load_checkpoint(resolve_model_path(model))
-    module = Llama.from_params(config, params, dtype=jnp.dtype(dtype),
-                               attention_backend=attention_backend)
+    module = Llama.from_params(config, params, dtype=jnp.dtype(dtype))
     return module, tokenizer
 
 

@@ -99,9 +99,8 @@ class Llama(nnx.Module):
     """The decoder. `init(name, shape)` supplies each parameter by its flat
     name; see `from_params` and `random_init`."""
 
-    def __init__(self, config: ModelConfig, init: Init, *, attention_backend: str = "auto"):
+    def __init__(self, config: ModelConfig, init: Init):
         self.config = config
-        self.attention_backend = attention_backend
         V, E = config.vocab_size, config.hidden_size
         self.embed = nnx.Param(init("embed", (V, E)))
         self.layers = nnx.List([Block(config, i, init) for i in range(config.num_layers)])
@@ -112,17 +111,15 @@ class Llama(nnx.Module):
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
-                    dtype=jnp.float32, attention_backend: str = "auto") -> "Llama":
+                    dtype=jnp.float32) -> "Llama":
         """Build from a flat name -> array dict (checkpoints.* loaders)."""
         from checkpoints.params import check_params
 
         check_params(config, params)
-        return cls(config, lambda name, shape: jnp.asarray(params[name], dtype),
-                   attention_backend=attention_backend)
+        return cls(config, lambda name, shape: jnp.asarray(params[name], dtype))
 
     @classmethod
-    def random_init(cls, config: ModelConfig, seed: int = 0, *, dtype=jnp.float32,
-                    attention_backend: str = "auto") -> "Llama":
+    def random_init(cls, config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> "Llama":
         """Random weights (norm scales near 1), for tests and benchmarks."""
         rng = np.random.default_rng(seed)
 
@@ -135,11 +132,12 @@ class Llama(nnx.Module):
             std = 0.02 if name == "embed" else 1.0 / np.sqrt(fan_in)
             return jnp.asarray(std * rng.standard_normal(shape), dtype)
 
-        return cls(config, init, attention_backend=attention_backend)
+        return cls(config, init)
 
-    def __call__(self, cache: KVCache, batch: StepBatch):
+    def __call__(self, cache: KVCache, batch: StepBatch, *, attention_backend: str = "auto"):
         """One ragged step: returns (logits [S, V] float32 at each sequence's
-        logits_indices row, updated cache)."""
+        logits_indices row, updated cache). `attention_backend`: "auto",
+        "reference" or "pallas" (see pallas_kernels)."""
         cfg = self.config
         H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         x = self.embed[...][batch.token_ids]  # [T, E]
@@ -156,7 +154,7 @@ class Llama(nnx.Module):
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
             cache = write_layer(cache, i, k, v, batch.slot_mapping)
-            o = paged_attention(q, cache, i, batch, backend=self.attention_backend,
+            o = paged_attention(q, cache, i, batch, backend=attention_backend,
                                 sliding_window=cfg.sliding_window).astype(x.dtype)
             o = jnp.einsum("TN,NE->TE", o.reshape(-1, H * D), a.wo[...])
             x = x + (o + a.bo[...] if a.out_bias else o)

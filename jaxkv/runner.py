@@ -142,9 +142,9 @@ def build_batch(seqs: Sequence[SeqInput], page_size: int, buckets: Buckets):
 
 
 def _step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, all_greedy: bool,
-          num_top_logprobs: int, return_logits: bool):
+          num_top_logprobs: int, return_logits: bool, attention_backend: str):
     model = nnx.merge(graphdef, state)
-    logits, cache = model(cache, batch)
+    logits, cache = model(cache, batch, attention_backend=attention_backend)
     out = sample(logits, batch.sampling, rng, num_top_logprobs=num_top_logprobs,
                  all_greedy=all_greedy)
     return (out, logits if return_logits else None), cache
@@ -153,7 +153,8 @@ def _step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, all_greedy:
 class Runner:
     """Owns the split model, the cache and the jitted step."""
 
-    def __init__(self, model, cache: KVCache, buckets: Buckets, *, seed: int = 0):
+    def __init__(self, model, cache: KVCache, buckets: Buckets, *, seed: int = 0,
+                 attention_backend: str = "auto"):
         self.graphdef, state = nnx.split(model)
         self.config = model.config
         # Commit every array to its device up front: outputs of the step are
@@ -164,8 +165,10 @@ class Runner:
         self.page_size = cache.page_size
         self.buckets = buckets
         self.rng = jax.random.key(seed)
+        self.attention_backend = attention_backend
         self._step = jax.jit(_step, static_argnums=(0,), donate_argnames=("cache",),
-                             static_argnames=("all_greedy", "num_top_logprobs", "return_logits"))
+                             static_argnames=("all_greedy", "num_top_logprobs", "return_logits",
+                                              "attention_backend"))
         self._copy = jax.jit(copy_pages, donate_argnums=(0,))
         self.compiled_keys: set = set()
 
@@ -191,7 +194,8 @@ class Runner:
         self.compiled_keys.add(key)
         (out, logits), self.cache = self._step(
             self.graphdef, self.state, self.cache, batch, self.rng, all_greedy=all_greedy,
-            num_top_logprobs=num_top_logprobs, return_logits=return_logits)
+            num_top_logprobs=num_top_logprobs, return_logits=return_logits,
+            attention_backend=self.attention_backend)
         n = len(seqs)
         out = jax.tree_util.tree_map(lambda a: np.asarray(a)[:n], out)
         return out, (None if logits is None else np.asarray(logits)[:n])
