@@ -16,7 +16,7 @@ from checkpoints.safetensors_io import load_hf_dir
 from jaxkv.config import ModelConfig
 from jaxkv.tokenizer import Tokenizer
 
-__all__ = ["check_params", "detect_kind", "expected_shapes", "load_checkpoint", "load_gguf",
+__all__ = ["check_params", "detect_kind", "expected_shapes", "load_checkpoint", "load_config", "load_gguf",
            "load_hf_dir", "restore", "save"]
 
 
@@ -36,6 +36,22 @@ def detect_kind(path: str | os.PathLike) -> str:
     if not p.exists():
         raise ValueError(f"{p}: no such file or directory")
     raise ValueError(f"{p}: not a GGUF file (no .gguf suffix, no GGUF magic)")
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """Only the ModelConfig of a checkpoint (no weights are read)."""
+    import json
+
+    from checkpoints.gguf_io import read_gguf_metadata
+    from checkpoints.safetensors_io import read_hf_config
+    from jaxkv.config import from_gguf_metadata
+
+    kind = detect_kind(path)
+    if kind == "jaxkv":
+        return ModelConfig.from_dict(json.loads((Path(path) / "model_config.json").read_text()))
+    if kind == "hf":
+        return read_hf_config(path)
+    return from_gguf_metadata(read_gguf_metadata(path))
 
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = None,

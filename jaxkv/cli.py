@@ -158,6 +158,58 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """'24GB', '512MiB', '1e9' -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for u, m in units.items():
+        if t.endswith(u):
+            return int(float(t[:-len(u)]) * m)
+    return int(float(t))
+
+
+def cmd_estimate(a) -> int:
+    from jaxkv import memory
+
+    if a.layers is not None:
+        if a.kv_heads is None or a.head_dim is None:
+            raise ValueError("--layers needs --kv-heads and --head-dim too")
+        geom, name, cfg = (a.layers, a.kv_heads, a.head_dim), "explicit", None
+        wbytes = a.weight_bytes or 0
+    else:
+        from checkpoints import load_config
+        from jaxkv.llm import resolve_model_path
+        cfg = load_config(resolve_model_path(a.model))
+        geom, name = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), a.model
+        wbytes = a.weight_bytes if a.weight_bytes is not None else \
+            memory.weight_bytes(cfg, a.weight_dtype)
+    br = memory.kv_cache_breakdown(*geom, a.context, a.batch, a.kv_dtype)
+    print(f"KV cache of {name}: 2 x L x KVH x D x tokens x batch x bytes/element"
+          f"{' + scales' if br.scale_bytes else ''}\n")
+    print(br.table())
+    if cfg is not None and cfg.num_heads != cfg.num_kv_heads:
+        mha = memory.kv_cache_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, a.context,
+                                    a.batch, a.kv_dtype)
+        print(f"\nGQA saves {cfg.num_heads // cfg.num_kv_heads}x: the same model with "
+              f"{cfg.num_heads} KV heads (MHA) would need {mha:,} bytes.")
+    if a.memory:
+        budget = _size(a.memory)
+        mb = memory.max_batch(geom, a.context, budget, wbytes, a.kv_dtype, page_size=a.page_size)
+        mc = memory.max_context(geom, a.batch, budget, wbytes, a.kv_dtype, page_size=a.page_size)
+        print(f"\nIn {budget:,} bytes beside {wbytes:,} bytes of weights "
+              f"(pages of {a.page_size} tokens):")
+        print(f"- largest batch at context {a.context:,}: {mb:,}")
+        print(f"- longest context at batch {a.batch}: {mc:,} tokens"
+              + (f" (the model's maximum is {cfg.max_position_embeddings:,})" if cfg else ""))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from jaxkv.bench import main as bench_main
+    return bench_main(a.bench_args) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxkv", description="LLM inference in JAX on a paged KV cache.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -197,6 +249,33 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="stored weight dtype (default: %(default)s)")
     v.set_defaults(func=cmd_convert)
+
+    e = sub.add_parser("estimate", help="KV cache size, term by term, and what fits a budget",
+                       description="KV bytes = 2 x layers x KV heads x head_dim x tokens x batch x "
+                                   "bytes per element (+ scales when int8). Give a model (name or "
+                                   "path) or explicit --layers/--kv-heads/--head-dim.")
+    e.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    e.add_argument("--layers", type=int, default=None, help="explicit number of layers")
+    e.add_argument("--kv-heads", type=int, default=None, help="explicit number of KV heads")
+    e.add_argument("--head-dim", type=int, default=None, help="explicit head dimension")
+    e.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
+    e.add_argument("--batch", type=int, default=1, help="sequences (default: %(default)s)")
+    e.add_argument("--kv-dtype", default="bfloat16",
+                   choices=["float32", "bfloat16", "float16", "int8"],
+                   help="KV element type (default: %(default)s)")
+    e.add_argument("--memory", default=None,
+                   help="device memory budget (e.g. 24GB, 80GiB): report the largest batch and "
+                        "longest context that fit beside the weights")
+    e.add_argument("--weight-dtype", default="bfloat16", help="for the weight bytes (default: %(default)s)")
+    e.add_argument("--weight-bytes", type=_size, default=None,
+                   help="weight bytes to set aside (default: computed from the model)")
+    e.add_argument("--page-size", type=int, default=16, help="KV page size (default: %(default)s)")
+    e.set_defaults(func=cmd_estimate)
+
+    bn = sub.add_parser("bench", help="generation benchmarks (see scripts/bench.py --help)",
+                        add_help=False)
+    bn.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bn.set_defaults(func=cmd_bench)
     return p
 
 
