@@ -46,13 +46,14 @@ class StepBatch:
 
 
 def paged_attention(q, cache: KVCache, layer: int, batch: StepBatch, *, backend: str = "auto",
-                    sliding_window: int | None = None, soft_cap: float | None = None):
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    num_sink_tokens: int = 0):
     """q [T, H, D] against layer `layer` of the paged cache -> [T, H, D]."""
     from pallas_kernels import ragged_paged_attention
 
-    kw = {}
+    kw = {"num_sink_tokens": num_sink_tokens} if num_sink_tokens else {}
     if cache.quantized:
-        kw = dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
+        kw.update(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
     return ragged_paged_attention(
         q, cache.k[layer], cache.v[layer], batch.kv_lens, batch.block_tables,
         batch.cu_q_lens, batch.num_seqs, sm_scale=1.0 / math.sqrt(q.shape[-1]),

@@ -352,7 +352,8 @@ class BlockManager:
                 "unwritten slots; call mark_computed first"
             )
         for p in s.pages:
-            self._refcount[p] += 1
+            if p != TRASH_PAGE:
+                self._refcount[p] += 1
         self._seqs[child_id] = _SeqPages(list(s.pages), s.num_tokens, s.num_computed, list(s.hashes))
 
     def free(self, seq_id: Hashable) -> None:
@@ -364,7 +365,27 @@ class BlockManager:
         if s is None:
             raise UnknownSequenceError(f"free of sequence {seq_id!r}: not allocated (unknown id or double free)")
         for p in reversed(s.pages):
-            self._release_page(p)
+            if p != TRASH_PAGE:
+                self._release_page(p)
+
+    def release_range(self, seq_id: Hashable, start: int, stop: int) -> int:
+        """Give back the pages lying wholly inside positions [start, stop) of
+        a sequence that will never attend to them again (sliding window,
+        attention-sink eviction). Their block-table entries become the trash
+        page 0, so positions keep their page index; attention must mask those
+        positions. A cached page stays reusable by prefix hits. Returns the
+        number of pages released."""
+        s = self._seq(seq_id)
+        ps = self.page_size
+        first = -(-max(start, 0) // ps)
+        last = min(stop // ps, len(s.pages))
+        n = 0
+        for j in range(first, last):
+            if s.pages[j] != TRASH_PAGE:
+                self._release_page(s.pages[j])
+                s.pages[j] = TRASH_PAGE
+                n += 1
+        return n
 
     # ---------------------------------------------------------------- internals
 

@@ -305,6 +305,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     dtype: str = "float32"
     kv_dtype: str | None = None  # default: same as dtype
+    kv_eviction: str | None = None  # "streaming": attention sinks + a recent window
+    streaming_window: int = 1024  # recent tokens kept by "streaming" eviction
+    num_sink_tokens: int = 4  # first tokens kept by "streaming" eviction
     seed: int = 0
 
     def __post_init__(self):
@@ -319,5 +322,9 @@ class EngineConfig:
             raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.kv_dtype not in (None, "float32", "bfloat16", "int8"):
             raise ValueError(f"kv_dtype: must be 'float32', 'bfloat16' or 'int8', got {self.kv_dtype!r}")
+        if self.kv_eviction not in (None, "streaming"):
+            raise ValueError(f"kv_eviction: must be None or 'streaming', got {self.kv_eviction!r}")
+        if self.streaming_window <= 0 or self.num_sink_tokens < 0:
+            raise ValueError("streaming_window must be positive and num_sink_tokens >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -67,8 +67,22 @@ class LLMEngine:
         self.cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size,
                                         kv_dtype=kv_dtype)
         pool_tokens = (num_pages - 1) * config.page_size
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings, pool_tokens)
+        # Attention window: the model's own (Mistral), or streaming eviction's
+        # recent window beside a few sink tokens. Pages that fall out of it
+        # go back to the pool while the sequence runs, so a windowed
+        # sequence is not capped by the pool.
+        self.num_sink_tokens = 0
+        self.window = self.model_config.sliding_window
+        if config.kv_eviction == "streaming":
+            self.window = config.streaming_window
+            self.num_sink_tokens = config.num_sink_tokens
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or max_pos, max_pos)
+        if self.window is None:
+            self.max_model_len = min(self.max_model_len, pool_tokens)
+        elif self.window + self.num_sink_tokens + 2 * config.page_size > pool_tokens:
+            raise ValueError(f"num_pages: the pool ({pool_tokens} tokens) cannot hold one "
+                             f"attention window of {self.window} tokens")
         max_pages = -(-self.max_model_len // config.page_size)
         self.bm = BlockManager(num_pages, config.page_size,
                                enable_prefix_caching=config.enable_prefix_caching)
@@ -77,7 +91,9 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         buckets = Buckets.make(config.max_num_batched_tokens, config.max_num_seqs, max_pages)
         self.runner = Runner(model, create_cache(self.model_config, self.cache_config), buckets,
-                             seed=config.seed, attention_backend=config.attention_backend)
+                             seed=config.seed, attention_backend=config.attention_backend,
+                             sliding_window=self.window if config.kv_eviction else None,
+                             num_sink_tokens=self.num_sink_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._errors: list[Sequence] = []
         self._ids = itertools.count()
@@ -231,6 +247,9 @@ class LLMEngine:
             s = sc.seq
             s.num_computed = sc.start + sc.num_tokens
             self.bm.mark_computed(s.request_id, s.all_token_ids, s.num_computed)
+            if self.window is not None:  # the next query sits at num_computed
+                self.bm.release_range(s.request_id, self.num_sink_tokens,
+                                      s.num_computed - self.window + 1)
             if len(s.output_token_ids) == 0 or not sc.completes:
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
             if not sc.completes:

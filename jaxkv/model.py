@@ -134,11 +134,14 @@ class Llama(nnx.Module):
 
         return cls(config, init)
 
-    def __call__(self, cache: KVCache, batch: StepBatch, *, attention_backend: str = "auto"):
+    def __call__(self, cache: KVCache, batch: StepBatch, *, attention_backend: str = "auto",
+                 sliding_window: int | None = None, num_sink_tokens: int = 0):
         """One ragged step: returns (logits [S, V] float32 at each sequence's
         logits_indices row, updated cache). `attention_backend`: "auto",
-        "reference" or "pallas" (see pallas_kernels)."""
+        "reference" or "pallas" (see pallas_kernels). `sliding_window` and
+        `num_sink_tokens` override the config's window (streaming eviction)."""
         cfg = self.config
+        window = sliding_window or cfg.sliding_window
         H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         x = self.embed[...][batch.token_ids]  # [T, E]
         inv_freq = self.inv_freq[...]
@@ -155,7 +158,8 @@ class Llama(nnx.Module):
             k = apply_rope(k, batch.positions, inv_freq)
             cache = write_layer(cache, i, k, v, batch.slot_mapping)
             o = paged_attention(q, cache, i, batch, backend=attention_backend,
-                                sliding_window=cfg.sliding_window).astype(x.dtype)
+                                sliding_window=window,
+                                num_sink_tokens=num_sink_tokens).astype(x.dtype)
             o = jnp.einsum("TN,NE->TE", o.reshape(-1, H * D), a.wo[...])
             x = x + (o + a.bo[...] if a.out_bias else o)
             h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)

@@ -142,9 +142,11 @@ def build_batch(seqs: Sequence[SeqInput], page_size: int, buckets: Buckets):
 
 
 def _step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, all_greedy: bool,
-          num_top_logprobs: int, return_logits: bool, attention_backend: str):
+          num_top_logprobs: int, return_logits: bool, attention: tuple):
     model = nnx.merge(graphdef, state)
-    logits, cache = model(cache, batch, attention_backend=attention_backend)
+    backend, window, sinks = attention
+    logits, cache = model(cache, batch, attention_backend=backend, sliding_window=window,
+                          num_sink_tokens=sinks)
     out = sample(logits, batch.sampling, rng, num_top_logprobs=num_top_logprobs,
                  all_greedy=all_greedy)
     return (out, logits if return_logits else None), cache
@@ -154,7 +156,8 @@ class Runner:
     """Owns the split model, the cache and the jitted step."""
 
     def __init__(self, model, cache: KVCache, buckets: Buckets, *, seed: int = 0,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", sliding_window: int | None = None,
+                 num_sink_tokens: int = 0):
         self.graphdef, state = nnx.split(model)
         self.config = model.config
         # Commit every array to its device up front: outputs of the step are
@@ -165,10 +168,11 @@ class Runner:
         self.page_size = cache.page_size
         self.buckets = buckets
         self.rng = jax.random.key(seed)
-        self.attention_backend = attention_backend
+        # Static attention options: (backend, window override, sink tokens).
+        self.attention = (attention_backend, sliding_window, num_sink_tokens)
         self._step = jax.jit(_step, static_argnums=(0,), donate_argnames=("cache",),
                              static_argnames=("all_greedy", "num_top_logprobs", "return_logits",
-                                              "attention_backend"))
+                                              "attention"))
         self._copy = jax.jit(copy_pages, donate_argnums=(0,))
         self.compiled_keys: set = set()
 
@@ -195,7 +199,7 @@ class Runner:
         (out, logits), self.cache = self._step(
             self.graphdef, self.state, self.cache, batch, self.rng, all_greedy=all_greedy,
             num_top_logprobs=num_top_logprobs, return_logits=return_logits,
-            attention_backend=self.attention_backend)
+            attention=self.attention)
         n = len(seqs)
         out = jax.tree_util.tree_map(lambda a: np.asarray(a)[:n], out)
         return out, (None if logits is None else np.asarray(logits)[:n])

@@ -19,7 +19,7 @@ def test_step_updates_cache_in_place():
     batch, greedy = build_batch([SeqInput([1, 2, 3], 0, [1])], 16, runner.buckets)
     compiled = runner._step.lower(runner.graphdef, runner.state, runner.cache, batch, runner.rng,
                                   all_greedy=greedy, num_top_logprobs=0,
-                                  return_logits=False, attention_backend="auto").compile()
+                                  return_logits=False, attention=("auto", None, 0)).compile()
     ma = compiled.memory_analysis()
     cache_bytes = runner.cache.nbytes()
     assert cache_bytes >= 6 * 2**20

@@ -65,19 +65,22 @@ def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, backend="auto", pallas_target=None, interpret=None,
-                           kernel_options=None):
+                           v_scale=None, num_sink_tokens=0, backend="auto", pallas_target=None,
+                           interpret=None, kernel_options=None):
     """Ragged paged attention on the chosen backend (see the module docstring).
     q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
     block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D]."""
     impl, interpret = resolve(backend, pallas_target, interpret)
+    if num_sink_tokens and impl != "reference":
+        raise ValueError("num_sink_tokens (attention sinks for streaming eviction) is supported "
+                         "by the reference backend only")
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     if impl == "reference":
         if kernel_options:
             raise ValueError("kernel_options apply to Pallas kernels only")
-        return reference.ragged_paged_attention(*args, **kw)
+        return reference.ragged_paged_attention(*args, **kw, num_sink_tokens=num_sink_tokens)
     kernel = tpu if impl == "tpu" else gpu
     return kernel.ragged_paged_attention(*args, **kw, interpret=interpret,
                                          **(kernel_options or {}))

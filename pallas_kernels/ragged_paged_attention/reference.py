@@ -40,7 +40,7 @@ _MASK_VALUE = -1e30
 
 def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                        num_seqs, *, block_q, num_blocks, sm_scale, sliding_window,
-                       soft_cap, k_scale, v_scale):
+                       soft_cap, k_scale, v_scale, num_sink_tokens):
     """Attention over `num_blocks` query blocks of `block_q` rows, each inside
     one sequence. Returns [T, H, D] float32."""
     T, H, D = q.shape
@@ -82,6 +82,11 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
 
     key_pos = jnp.arange(C)
     key_live = key_pos[None, :] < kv_len[:, None]  # [NB, C]
+    if sliding_window is not None:
+        # Keys before every row's window (and not a sink) are dead for the
+        # whole block; their pages may already be handed back (trash page).
+        oldest = q_pos[:, 0] - sliding_window + 1  # [NB]
+        key_live &= (key_pos[None, :] >= oldest[:, None]) | (key_pos[None, :] < num_sink_tokens)
     # Unwritten slots may hold anything (NaN included); zero them so 0 * NaN
     # never reaches the output.
     vb = jnp.where(key_live[None, :, :, None], vb, 0.0)
@@ -91,7 +96,8 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
         s = soft_cap * jnp.tanh(s / soft_cap)
     mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [NB, bq, C]
     if sliding_window is not None:
-        mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+        in_window = key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask = mask & (in_window | (key_pos[None, None, :] < num_sink_tokens))
     mask = mask[:, None, None, :, :]
     s = jnp.where(mask, s, _MASK_VALUE)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -104,13 +110,17 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     return out.at[rows.reshape(-1)].set(o, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "num_sink_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                            num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
-                           k_scale=None, v_scale=None):
+                           k_scale=None, v_scale=None, num_sink_tokens=0):
     """Reference ragged paged attention; see the module docstring for the
     contract. q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
-    block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D]."""
+    block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D].
+
+    `num_sink_tokens` (with `sliding_window`) also lets every query see the
+    first tokens of its sequence (attention sinks, for streaming eviction)."""
     T, H, D = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
@@ -124,10 +134,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     if block_tables.ndim != 2 or block_tables.shape[0] != S or cu_q_lens.shape != (S + 1,):
         raise ValueError(f"inconsistent sequence metadata: kv_lens {kv_lens.shape}, "
                          f"block_tables {block_tables.shape}, cu_q_lens {cu_q_lens.shape}")
+    if num_sink_tokens and sliding_window is None:
+        raise ValueError("num_sink_tokens needs a sliding_window")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("k_scale and v_scale must be given together")
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-              k_scale=k_scale, v_scale=v_scale)
+              k_scale=k_scale, v_scale=v_scale, num_sink_tokens=num_sink_tokens)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
 
     def decode(args):

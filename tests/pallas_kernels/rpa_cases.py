@@ -44,7 +44,8 @@ def make_case(rng, *, q_lens, kv_lens, num_heads, num_kv_heads, head_dim, page_s
 
 
 def naive_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                    sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None):
+                    sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+                    num_sink_tokens=0):
     """Loop-per-query oracle in float64."""
     q = np.asarray(q, np.float64)
     kp = np.asarray(k_pages, np.float64)
@@ -69,7 +70,7 @@ def naive_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_s
             qpos = kv_len - q_len + i
             allowed = pos <= qpos
             if sliding_window is not None:
-                allowed &= pos > qpos - sliding_window
+                allowed &= (pos > qpos - sliding_window) | (pos < num_sink_tokens)
             for h in range(H):
                 kh = h // G
                 sc = keys[kh, allowed] @ q[start + i, h] * sm_scale

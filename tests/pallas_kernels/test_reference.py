@@ -94,3 +94,27 @@ def test_reference_rejects_bad_shapes():
                      head_dim=8, page_size=4)
     with pytest.raises(ValueError, match="multiple"):
         _run(case, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_reference_window_with_released_pages_and_sinks(sinks):
+    """Pages wholly before every query's window (and past the sink tokens)
+    handed back to the trash page, which is NaN: the output must not change."""
+    rng = np.random.default_rng(11)
+    ps, window = 8, 10
+    case = make_case(rng, q_lens=[1, 4], kv_lens=[45, 38], num_heads=4, num_kv_heads=2,
+                     head_dim=16, page_size=ps)
+    kw = dict(sm_scale=0.3, sliding_window=window, num_sink_tokens=sinks)
+    want = naive_attention(**case, **kw)
+    released = {k: v.copy() for k, v in case.items()}
+    released["k_pages"][:, 0] = np.nan
+    released["v_pages"][:, 0] = np.nan
+    for s, (q_len, kv_len) in enumerate([(1, 45), (4, 38)]):
+        oldest = kv_len - q_len - window + 1
+        for j in range(released["block_tables"].shape[1]):
+            if j * ps >= sinks and (j + 1) * ps <= oldest:
+                released["block_tables"][s, j] = 0
+    assert (released["block_tables"] == 0).sum() >= 4
+    got = _run(released, **kw)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
