@@ -305,13 +305,14 @@ class EngineConfig:
     attention_backend: str = "auto"
     dtype: str = "float32"
     kv_dtype: str | None = None  # default: same as dtype
+    num_decode_steps: int = 8  # decode steps per jitted call when only decodes run
     kv_eviction: str | None = None  # "streaming": attention sinks + a recent window
     streaming_window: int = 1024  # recent tokens kept by "streaming" eviction
     num_sink_tokens: int = 4  # first tokens kept by "streaming" eviction
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_decode_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")

@@ -218,6 +218,9 @@ class LLMEngine:
         tokens or finished."""
         outputs = [self._output(s) for s in self._errors]
         self._errors.clear()
+        burst = self._burst_size()
+        if burst > 1:
+            return outputs + self._decode_burst(burst)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished() and not outputs:
@@ -225,49 +228,108 @@ class LLMEngine:
                                    "for any waiting request")
             return outputs
         self.runner.copy_pages(sched.copies)
-        inputs = []
-        want_lp = 0
-        for sc in sched.scheduled:
-            s, p = sc.seq, sc.seq.params
-            toks = s.all_token_ids
-            inputs.append(SeqInput(
-                token_ids=toks[sc.start:sc.start + sc.num_tokens], start_pos=sc.start,
-                block_table=self.bm.block_table(s.request_id), temperature=p.temperature,
-                top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=s.seed,
-                sample_index=len(s.output_token_ids), presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                history=toks if p.uses_penalties else (),
-                num_prompt=len(s.prompt_token_ids)))
-            if p.logprobs is not None and sc.completes:
-                want_lp = SamplingParams.MAX_LOGPROBS
+        inputs = [self._seq_input(sc) for sc in sched.scheduled]
+        want_lp = SamplingParams.MAX_LOGPROBS if any(
+            sc.seq.params.logprobs is not None and sc.completes for sc in sched.scheduled) else 0
         out, _ = self.runner.run(inputs, num_top_logprobs=want_lp)
         self.stats["steps"] += 1
-        now = time.perf_counter()
         for i, sc in enumerate(sched.scheduled):
             s = sc.seq
-            s.num_computed = sc.start + sc.num_tokens
-            self.bm.mark_computed(s.request_id, s.all_token_ids, s.num_computed)
-            if self.window is not None:  # the next query sits at num_computed
-                self.bm.release_range(s.request_id, self.num_sink_tokens,
-                                      s.num_computed - self.window + 1)
+            self._computed(s, sc.start + sc.num_tokens)
             if len(s.output_token_ids) == 0 or not sc.completes:
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
             if not sc.completes:
                 continue
-            tok = int(out.token_ids[i])
-            s.output_token_ids.append(tok)
-            self.stats["generated_tokens"] += 1
-            if s.t_first_token is None:
-                s.t_first_token = now
-            if s.logprobs is not None:
-                n = s.params.logprobs
-                s.logprobs.append(Logprob(tok, float(out.logprob[i]), {
-                    int(t): float(v) for t, v in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])}))
-            self._check_stop(s, tok)
+            self._accept(s, int(out.token_ids[i]), float(out.logprob[i]), out.top_ids[i],
+                         out.top_logprobs[i])
             if s.finished:
                 self.scheduler.remove(s)
             outputs.append(self._output(s))
         return outputs
+
+    def _tokens_left(self, s: Sequence) -> int:
+        return min(s.params.max_tokens - len(s.output_token_ids),
+                   self.max_model_len - s.num_tokens)
+
+    def _burst_size(self) -> int:
+        """Decode steps to run in one call: more than one only when every
+        running sequence decodes (nothing to prefill that could be
+        admitted) and none needs per-step host work (penalties)."""
+        sch = self.scheduler
+        if self.config.num_decode_steps <= 1 or not sch.running:
+            return 1
+        if sch.waiting and len(sch.running) < sch.max_num_seqs:
+            return 1
+        if any(s.num_tokens - s.num_computed != 1 or s.params.uses_penalties
+               for s in sch.running):
+            return 1
+        return self.config.num_decode_steps  # fixed: one compile; the loop ends early
+
+    def _decode_burst(self, num_steps: int) -> list[RequestOutput]:
+        sched = self.scheduler.schedule_decode_burst(
+            num_steps, {s.request_id: self._tokens_left(s) for s in self.scheduler.running})
+        if not sched.scheduled:
+            return []
+        self.runner.copy_pages(sched.copies)
+        inputs, stops = [], []
+        want_lp = 0
+        for sc in sched.scheduled:
+            s, p = sc.seq, sc.seq.params
+            inputs.append(self._seq_input(sc))
+            ids = list(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                ids += list(self.model_config.eos_token_ids)
+            stops.append((ids, p.min_tokens - len(s.output_token_ids), self._tokens_left(s)))
+            if p.logprobs is not None:
+                want_lp = SamplingParams.MAX_LOGPROBS
+        toks, lps, tids, tlps = self.runner.run_decode(inputs, stops, num_steps,
+                                                       num_top_logprobs=want_lp)
+        self.stats["steps"] += 1
+        self.stats["decode_steps"] = self.stats.get("decode_steps", 0) + len(toks)
+        outputs = []
+        for i, sc in enumerate(sched.scheduled):
+            s = sc.seq
+            for k in range(len(toks)):
+                self._accept(s, int(toks[k, i]), float(lps[k, i]), tids[k, i], tlps[k, i])
+                if s.finished:
+                    break
+            if s.finished:
+                self.scheduler.remove(s)
+            else:
+                self._computed(s, sc.start + len(toks))
+            outputs.append(self._output(s))
+        return outputs
+
+    def _seq_input(self, sc) -> SeqInput:
+        s, p = sc.seq, sc.seq.params
+        toks = s.all_token_ids
+        return SeqInput(
+            token_ids=toks[sc.start:sc.start + sc.num_tokens], start_pos=sc.start,
+            block_table=self.bm.block_table(s.request_id), temperature=p.temperature,
+            top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=s.seed,
+            sample_index=len(s.output_token_ids), presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+            history=toks if p.uses_penalties else (), num_prompt=len(s.prompt_token_ids))
+
+    def _computed(self, s: Sequence, num_computed: int) -> None:
+        """Record K/V written up to num_computed; free pages behind the window."""
+        s.num_computed = num_computed
+        self.bm.mark_computed(s.request_id, s.all_token_ids, num_computed)
+        if self.window is not None:  # the next query sits at num_computed
+            self.bm.release_range(s.request_id, self.num_sink_tokens,
+                                  num_computed - self.window + 1)
+
+    def _accept(self, s: Sequence, tok: int, logprob: float, top_ids, top_lps) -> None:
+        """Append a sampled token and apply the stop rules."""
+        s.output_token_ids.append(tok)
+        self.stats["generated_tokens"] += 1
+        if s.t_first_token is None:
+            s.t_first_token = time.perf_counter()
+        if s.logprobs is not None:
+            n = s.params.logprobs
+            s.logprobs.append(Logprob(tok, logprob, {
+                int(t): float(v) for t, v in zip(top_ids[:n], top_lps[:n])}))
+        self._check_stop(s, tok)
 
     def _check_stop(self, s: Sequence, tok: int) -> None:
         p = s.params

@@ -81,13 +81,18 @@ class SeqInput:
                 or self.repetition_penalty != 1)
 
 
-def build_batch(seqs: Sequence[SeqInput], page_size: int, buckets: Buckets):
-    """Pack sequences into a padded numpy StepBatch. Returns (batch, key)
-    where key holds the static shape/switch part of the compile key."""
-    T = _pick(buckets.tokens, sum(len(s.token_ids) for s in seqs), "tokens per step")
+def build_batch(seqs: Sequence[SeqInput], page_size: int, buckets: Buckets, *,
+                decode_steps: int = 1):
+    """Pack sequences into a padded numpy StepBatch. Returns (batch,
+    all_greedy). With `decode_steps` K > 1 every sequence brings one token,
+    rows and sequences share one bucket (row s is sequence s), and the block
+    tables cover K more positions (pages reserved ahead)."""
+    n_tok = sum(len(s.token_ids) for s in seqs)
     S = _pick(buckets.seqs, len(seqs), "sequences per step")
+    T = S if decode_steps > 1 else _pick(buckets.tokens, n_tok, "tokens per step")
     kv_lens = [s.start_pos + len(s.token_ids) for s in seqs]
-    W = _pick(buckets.pages, max([-(-k // page_size) for k in kv_lens] + [1]), "pages per sequence")
+    W = _pick(buckets.pages, max([-(-(k + decode_steps - 1) // page_size) for k in kv_lens] + [1]),
+              "pages per sequence")
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slots = np.zeros(T, np.int32)
@@ -152,6 +157,60 @@ def _step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, all_greedy:
     return (out, logits if return_logits else None), cache
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeStops:
+    """In-jit stop rules for multi-step decode, per sequence: stop_ids[S, N]
+    (end and stop token ids, -1 padded), min_tokens_left[S] (stops are
+    ignored until it reaches 0), tokens_left[S] (max_tokens / context room)."""
+
+    stop_ids: jax.Array
+    min_tokens_left: jax.Array
+    tokens_left: jax.Array
+
+
+def _multi_step(graphdef, state, cache: KVCache, batch: StepBatch, stops: DecodeStops, rng, *,
+                num_steps: int, all_greedy: bool, num_top_logprobs: int, attention: tuple):
+    """Up to `num_steps` decode steps in one call: each step's sampled token
+    is the next step's input; the loop ends early once every live sequence
+    hit a stop. Returns ((tokens [K, S], logprob [K, S], top ids / logprobs
+    [K, S, N], steps run), cache)."""
+    model = nnx.merge(graphdef, state)
+    backend, window, sinks = attention
+    S = batch.kv_lens.shape[0]
+    page_size = cache.page_size
+    live = jnp.arange(S) < batch.num_seqs
+    N = num_top_logprobs
+    buf = (jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32),
+           jnp.zeros((num_steps, S, N), jnp.int32), jnp.zeros((num_steps, S, N), jnp.float32))
+
+    def cond(carry):
+        i, _, _, done, _ = carry
+        return (i < num_steps) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, b, done, (toks, lps, tids, tlps) = carry
+        logits, cache = model(cache, b, attention_backend=backend, sliding_window=window,
+                              num_sink_tokens=sinks)
+        out = sample(logits, b.sampling, rng, num_top_logprobs=N, all_greedy=all_greedy)
+        t = out.token_ids
+        toks, lps = toks.at[i].set(t), lps.at[i].set(out.logprob)
+        tids, tlps = tids.at[i].set(out.top_ids), tlps.at[i].set(out.top_logprobs)
+        stop_hit = jnp.any(t[:, None] == stops.stop_ids, axis=1) & (stops.min_tokens_left <= i + 1)
+        done = done | stop_hit | (stops.tokens_left <= i + 1)
+        pos = b.positions + 1
+        page = jnp.take_along_axis(b.block_tables, (pos // page_size)[:, None], axis=1)[:, 0]
+        # A finished sequence writes nothing more (its reserved pages end).
+        slot = jnp.where(live & ~done, page * page_size + pos % page_size, 0)
+        sb = dataclasses.replace(b.sampling, sample_index=b.sampling.sample_index + 1)
+        b = dataclasses.replace(b, token_ids=t, positions=pos, slot_mapping=slot,
+                                kv_lens=jnp.where(live, b.kv_lens + 1, 0), sampling=sb)
+        return i + 1, cache, b, done, (toks, lps, tids, tlps)
+
+    n, cache, _, _, bufs = jax.lax.while_loop(cond, body, (0, cache, batch, ~live, buf))
+    return (bufs, n), cache
+
+
 class Runner:
     """Owns the split model, the cache and the jitted step."""
 
@@ -173,6 +232,9 @@ class Runner:
         self._step = jax.jit(_step, static_argnums=(0,), donate_argnames=("cache",),
                              static_argnames=("all_greedy", "num_top_logprobs", "return_logits",
                                               "attention"))
+        self._multi = jax.jit(_multi_step, static_argnums=(0,), donate_argnames=("cache",),
+                              static_argnames=("num_steps", "all_greedy", "num_top_logprobs",
+                                               "attention"))
         self._copy = jax.jit(copy_pages, donate_argnums=(0,))
         self.compiled_keys: set = set()
 
@@ -203,3 +265,32 @@ class Runner:
         n = len(seqs)
         out = jax.tree_util.tree_map(lambda a: np.asarray(a)[:n], out)
         return out, (None if logits is None else np.asarray(logits)[:n])
+
+    def run_decode(self, seqs: Sequence[SeqInput], stops: Sequence[tuple[Sequence[int], int, int]],
+                   num_steps: int, *, num_top_logprobs: int = 0):
+        """Up to `num_steps` decode steps of `seqs` (one token each, pages
+        for num_steps more positions already in their block tables) in one
+        jitted call. `stops[i]` = (stop token ids, min tokens left, tokens
+        left). Returns (tokens [n, len(seqs)], logprobs [n, len(seqs)],
+        top ids, top logprobs [n, len(seqs), N]) as numpy, n the steps run."""
+        batch, all_greedy = build_batch(seqs, self.page_size, self.buckets, decode_steps=num_steps)
+        S = batch.kv_lens.shape[0]
+        width = _pick((4, 8, 16, 64, 256, 1024), max([len(s[0]) for s in stops] + [1]),
+                      "stop token ids")
+        stop_ids = np.full((S, width), -1, np.int32)
+        min_left = np.zeros(S, np.int32)
+        left = np.zeros(S, np.int32)
+        for i, (ids, mn, mx) in enumerate(stops):
+            stop_ids[i, :len(ids)] = ids
+            min_left[i], left[i] = mn, mx
+        st = DecodeStops(stop_ids=stop_ids, min_tokens_left=min_left, tokens_left=left)
+        key = ("multi", batch.token_ids.shape, batch.block_tables.shape, stop_ids.shape,
+               all_greedy, num_top_logprobs, num_steps)
+        self.compiled_keys.add(key)
+        (bufs, n), self.cache = self._multi(
+            self.graphdef, self.state, self.cache, batch, st, self.rng, num_steps=num_steps,
+            all_greedy=all_greedy, num_top_logprobs=num_top_logprobs, attention=self.attention)
+        n = int(n)
+        m = len(seqs)
+        return tuple(np.asarray(x)[:n, :m] for x in bufs)
+

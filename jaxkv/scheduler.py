@@ -96,6 +96,17 @@ class Scheduler:
                 if victim is seq:
                     return False
 
+    def schedule_decode_burst(self, num_steps: int, tokens_left: dict) -> SchedulerOutput:
+        """Every running sequence decodes, with pages reserved for up to
+        `num_steps` tokens (multi-step decode; `tokens_left[request_id]` caps
+        it); may preempt the newest."""
+        out = SchedulerOutput([], [], [])
+        for seq in list(self.running):
+            n = min(num_steps, tokens_left[seq.request_id])
+            if seq in self.running and self._grow(seq, seq.num_computed + n, out):
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed, 1))
+        return out
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], [])
         budget = self.max_num_batched_tokens

@@ -125,3 +125,53 @@ def test_stop_token_and_seeded_sampling(model):
         eng.add_request([7 + i] * (3 + i), SamplingParams(max_tokens=12, temperature=1.0))
     r = eng.add_request(prompt, sp)
     assert eng.run_to_completion()[r].outputs[0].token_ids == a
+
+
+def test_multi_step_decode_matches_single_steps(model):
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, 211, int(rng.integers(2, 20)))) for _ in range(6)]
+    ref_tokens = _alone(model, prompts[0], SamplingParams(max_tokens=13, temperature=0))
+    params = [SamplingParams(max_tokens=13, temperature=0),  # not a multiple of K
+              SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=7, logprobs=3),
+              SamplingParams(max_tokens=9, temperature=0, stop_token_ids=[ref_tokens[5]]),
+              SamplingParams(max_tokens=20, temperature=1.0, min_p=0.05, seed=1),
+              SamplingParams(max_tokens=3, temperature=0),
+              SamplingParams(max_tokens=17, temperature=0, min_tokens=4)]
+    prompts[2] = prompts[0]
+
+    def run(k):
+        eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8, num_decode_steps=k))
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        out = eng.run_to_completion()
+        return eng, [out[i].outputs[0] for i in ids]
+
+    eng1, single = run(1)
+    eng8, multi = run(8)
+    assert eng8.stats.get("decode_steps", 0) > eng8.stats["steps"], "no multi-step call ran"
+    for a, b in zip(single, multi):
+        assert a.token_ids == b.token_ids
+        assert a.finish_reason == b.finish_reason
+    assert multi[2].finish_reason == "stop" and multi[2].token_ids[-1] == ref_tokens[5]
+    lp1 = [x.logprob for x in single[1].logprobs]
+    lp8 = [x.logprob for x in multi[1].logprobs]
+    np.testing.assert_allclose(lp8, lp1, rtol=1e-4, atol=1e-4)
+    assert list(multi[1].logprobs[0].top) == list(single[1].logprobs[0].top)
+
+
+def test_two_hundred_mixed_requests_compile_a_bounded_number_of_times(model):
+    rng = np.random.default_rng(9)
+    eng = LLMEngine(model, None, EngineConfig(num_pages=128, page_size=8, max_num_seqs=16,
+                                              max_num_batched_tokens=64))
+    for i in range(200):
+        eng.add_request(list(rng.integers(0, 211, int(rng.integers(1, 60)))),
+                        SamplingParams(max_tokens=int(rng.integers(1, 24)),
+                                       temperature=float(rng.choice([0.0, 0.8]))))
+        if i % 20 == 19:  # requests keep arriving while others run
+            for _ in range(3):
+                eng.step()
+    eng.run_to_completion()
+    b = eng.runner.buckets
+    bound = len(b.tokens) * len(b.pages) * 2 + len(b.seqs) * len(b.pages) * 2
+    print(f"200 requests: {eng.runner.compiles} compiled programs (bound {bound})")
+    assert eng.runner.compiles <= bound
+    assert eng.runner.compiles <= 40
