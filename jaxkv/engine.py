@@ -127,7 +127,7 @@ class LLMEngine:
         from jaxkv.llm import load_model
 
         cfg = EngineConfig(**config)
-        module, tokenizer = load_model(model, dtype=cfg.dtype)
+        module, tokenizer = load_model(model, dtype=cfg.dtype, quantize=cfg.quantize)
         return cls(module, tokenizer, cfg)
 
     # ------------------------------------------------------------ requests

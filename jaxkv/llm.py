@@ -43,13 +43,13 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_model(model: str, *, dtype: str = "float32"):
+def load_model(model: str, *, dtype: str = "float32", quantize: str | None = None):
     """-> (Llama module, Tokenizer or None)."""
     from checkpoints import load_checkpoint
     from jaxkv.model import Llama
 
     config, params, tokenizer = load_checkpoint(resolve_model_path(model))
-    module = Llama.from_params(config, params, dtype=jnp.dtype(dtype))
+    module = Llama.from_params(config, params, dtype=jnp.dtype(dtype), quantize=quantize)
     return module, tokenizer
 
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxkv.attention import StepBatch, paged_attention
 from jaxkv.config import ModelConfig
 from jaxkv.kv_cache import KVCache, write_layer
+from jaxkv.quant import Dense
 
 Init = Callable[[str, tuple], jax.Array]
 
@@ -65,17 +66,17 @@ class Attention(nnx.Module):
     """Projections fused for fewer, larger matmuls (a decode step is bound
     by reading weights): wqkv [E, (H + 2 KVH) D] holds q, k, v side by side."""
 
-    def __init__(self, config: ModelConfig, prefix: str, init: Init):
+    def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None):
         E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.wqkv = nnx.Param(jnp.concatenate([
+        self.wqkv = Dense(jnp.concatenate([
             init(f"{prefix}.wq", (E, H, D)).reshape(E, H * D),
             init(f"{prefix}.wk", (E, K, D)).reshape(E, K * D),
-            init(f"{prefix}.wv", (E, K, D)).reshape(E, K * D)], axis=1))
+            init(f"{prefix}.wv", (E, K, D)).reshape(E, K * D)], axis=1), quantize)
         if config.attention_bias:
             self.bqkv = nnx.Param(jnp.concatenate([
                 init(f"{prefix}.bq", (H, D)).reshape(-1), init(f"{prefix}.bk", (K, D)).reshape(-1),
                 init(f"{prefix}.bv", (K, D)).reshape(-1)]))
-        self.wo = nnx.Param(init(f"{prefix}.wo", (H, D, E)).reshape(H * D, E))
+        self.wo = Dense(init(f"{prefix}.wo", (H, D, E)).reshape(H * D, E), quantize)
         if config.attention_out_bias:
             self.bo = nnx.Param(init(f"{prefix}.bo", (E,)))
         self.bias = config.attention_bias
@@ -83,40 +84,42 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, i: int, init: Init):
+    def __init__(self, config: ModelConfig, i: int, init: Init, quantize: str | None):
         E, F = config.hidden_size, config.intermediate_size
         p = f"layers.{i}"
         self.attn_norm = nnx.Param(init(f"{p}.attn_norm", (E,)))
-        self.attn = Attention(config, p, init)
+        self.attn = Attention(config, p, init, quantize)
         self.mlp_norm = nnx.Param(init(f"{p}.mlp_norm", (E,)))
         # w_gate_up [E, 2F]: gate and up side by side, one matmul.
-        self.w_gate_up = nnx.Param(jnp.concatenate(
-            [init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], axis=1))
-        self.w_down = nnx.Param(init(f"{p}.w_down", (F, E)))
+        self.w_gate_up = Dense(jnp.concatenate(
+            [init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], axis=1), quantize)
+        self.w_down = Dense(init(f"{p}.w_down", (F, E)), quantize)
 
 
 class Llama(nnx.Module):
     """The decoder. `init(name, shape)` supplies each parameter by its flat
     name; see `from_params` and `random_init`."""
 
-    def __init__(self, config: ModelConfig, init: Init):
+    def __init__(self, config: ModelConfig, init: Init, quantize: str | None = None):
         self.config = config
         V, E = config.vocab_size, config.hidden_size
         self.embed = nnx.Param(init("embed", (V, E)))
-        self.layers = nnx.List([Block(config, i, init) for i in range(config.num_layers)])
+        self.layers = nnx.List([Block(config, i, init, quantize)
+                                for i in range(config.num_layers)])
         self.final_norm = nnx.Param(init("final_norm", (E,)))
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param(init("lm_head", (E, V)))
+            self.lm_head = Dense(init("lm_head", (E, V)), quantize)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_frequencies(config)))
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
-                    dtype=jnp.float32) -> "Llama":
-        """Build from a flat name -> array dict (checkpoints.* loaders)."""
+                    dtype=jnp.float32, quantize: str | None = None) -> "Llama":
+        """Build from a flat name -> array dict (checkpoints.* loaders).
+        `quantize="int8"`: weight-only int8 matmul weights (jaxkv.quant)."""
         from checkpoints.params import check_params
 
         check_params(config, params)
-        return cls(config, lambda name, shape: jnp.asarray(params[name], dtype))
+        return cls(config, lambda name, shape: jnp.asarray(params[name], dtype), quantize)
 
     @classmethod
     def random_init(cls, config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> "Llama":
@@ -148,7 +151,7 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], cfg.rms_norm_eps)
             a = layer.attn
-            qkv = jnp.einsum("TE,EN->TN", h, a.wqkv[...])  # N = (H + 2 KVH) D
+            qkv = a.wqkv(h)  # [T, (H + 2 KVH) D]
             if a.bias:
                 qkv = qkv + a.bqkv[...]
             q = qkv[:, :H * D].reshape(-1, H, D)
@@ -160,16 +163,16 @@ class Llama(nnx.Module):
             o = paged_attention(q, cache, i, batch, backend=attention_backend,
                                 sliding_window=window,
                                 num_sink_tokens=num_sink_tokens).astype(x.dtype)
-            o = jnp.einsum("TN,NE->TE", o.reshape(-1, H * D), a.wo[...])
+            o = a.wo(o.reshape(-1, H * D))  # [T, E]
             x = x + (o + a.bo[...] if a.out_bias else o)
             h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)
-            gu = jnp.einsum("TE,EG->TG", h, layer.w_gate_up[...])  # G = 2F
+            gu = layer.w_gate_up(h)  # [T, 2F]
             g, u = gu[:, :F], gu[:, F:]
-            x = x + jnp.einsum("TF,FE->TE", jax.nn.silu(g) * u, layer.w_down[...])
+            x = x + layer.w_down(jax.nn.silu(g) * u)
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("SE,VE->SV", h, self.embed[...], preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("SE,EV->SV", h, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = self.lm_head(h).astype(jnp.float32)
         return logits, cache

@@ -1,0 +1,40 @@
+"""Weight-only int8: the quantized matmul against numpy, and a small model's
+logits against its float32 self and Hugging Face."""
+
+import numpy as np
+import jax.numpy as jnp
+
+from checkpoints.safetensors_io import load_hf_dir
+from jaxkv.model import Llama
+from jaxkv.quant import Dense, quantize_int8
+from jaxkv.runner import SeqInput
+from tests.model_utils import hf_logits, make_hf_model, nan_cache, step_logits
+
+
+def test_int8_dense_matches_numpy_dequantized_matmul():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 40)).astype(np.float32)
+    w[:, 3] *= 50  # an outlier column gets its own scale
+    x = rng.standard_normal((5, 48)).astype(np.float32)
+    d = Dense(jnp.asarray(w), "int8")
+    q, s = quantize_int8(w)
+    assert np.asarray(q).dtype == np.int8 and np.abs(np.asarray(q)).max() == 127
+    np.testing.assert_allclose(np.asarray(d(jnp.asarray(x))),
+                               x @ (np.asarray(q, np.float32) * np.asarray(s)), rtol=1e-5, atol=1e-4)
+    # Quantization error per column stays within half a step of that column.
+    err = np.abs(np.asarray(q, np.float32) * np.asarray(s) - w).max(axis=0)
+    assert (err <= np.asarray(s) / 2 + 1e-6).all()
+
+
+def test_int8_model_logits_close_to_hf(tmp_path):
+    hf, path = make_hf_model("llama", tmp_path, num_key_value_heads=2)
+    cfg, params = load_hf_dir(path)
+    tokens = list(np.random.default_rng(1).integers(0, 128, 24))
+    want = hf_logits(hf, tokens)
+    m8 = Llama.from_params(cfg, params, quantize="int8")
+    assert m8.layers[0].w_down.w[...].dtype == jnp.int8
+    (got,), _ = step_logits(m8, nan_cache(cfg, 8, 8), [SeqInput(tokens, 0, [1, 2, 3, 4])], 8,
+                            rows_per_seq=True)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < err < 0.03, err
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
