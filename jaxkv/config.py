@@ -305,7 +305,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     dtype: str = "float32"
     kv_dtype: str | None = None  # default: same as dtype
-    quantize: str | None = None  # "int8": weight-only int8 matmul weights
+    quantize: str | None = None  # "int8" weight-only; "w8a8" int8 dots for batched CPU steps
     num_decode_steps: int = 8  # decode steps per jitted call when only decodes run
     kv_eviction: str | None = None  # "streaming": attention sinks + a recent window
     streaming_window: int = 1024  # recent tokens kept by "streaming" eviction
@@ -324,8 +324,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.kv_dtype not in (None, "float32", "bfloat16", "int8"):
             raise ValueError(f"kv_dtype: must be 'float32', 'bfloat16' or 'int8', got {self.kv_dtype!r}")
-        if self.quantize not in (None, "int8"):
-            raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
+        if self.quantize not in (None, "int8", "w8a8"):
+            raise ValueError(f"quantize: must be None, 'int8' or 'w8a8', got {self.quantize!r}")
         if self.kv_eviction not in (None, "streaming"):
             raise ValueError(f"kv_eviction: must be None or 'streaming', got {self.kv_eviction!r}")
         if self.streaming_window <= 0 or self.num_sink_tokens < 0:

@@ -38,3 +38,18 @@ def test_int8_model_logits_close_to_hf(tmp_path):
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < err < 0.03, err
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_w8a8_uses_int8_dots_for_large_steps_only():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    d = Dense(jnp.asarray(w), "w8a8")
+    small = rng.standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(d(jnp.asarray(small))), small @ w, rtol=1e-5, atol=1e-4)
+    big = rng.standard_normal((16, 64)).astype(np.float32)
+    got = np.asarray(d(jnp.asarray(big)))
+    xs = np.abs(big).max(1, keepdims=True) / 127
+    q, s = (np.asarray(a) for a in quantize_int8(w))
+    want = (np.round(big / xs) @ q.astype(np.float32)) * xs * s
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    assert np.abs(got - big @ w).max() / np.abs(big @ w).max() < 0.03
