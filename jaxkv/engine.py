@@ -158,7 +158,7 @@ class LLMEngine:
             err = str(e)
             params = params if isinstance(params, SamplingParams) else SamplingParams()
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
-        seq = Sequence(rid, text, ids, params, seed, arrival=len(self._seqs))
+        seq = Sequence(rid, text, ids, params, seed)
         self._seqs[rid] = seq
         if err is not None:
             seq.finish("error", error=err)
@@ -209,6 +209,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._errors)
 
     def get_request(self, request_id: str) -> Sequence:
+        """The host state of a request not yet reported finished."""
         return self._seqs[str(request_id)]
 
     # ------------------------------------------------------------ stepping
@@ -352,6 +353,8 @@ class LLMEngine:
             return s.finish("length")
 
     def _output(self, s: Sequence) -> RequestOutput:
+        if s.finished:  # its final output: the engine forgets it
+            self._seqs.pop(s.request_id, None)
         text = s.text
         # Hold back an incomplete UTF-8 tail (and a possible stop-string
         # prefix) while streaming; everything is released at the finish.

@@ -130,14 +130,13 @@ class Sequence:
     cache, status, and what has been streamed out so far."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, seed: int, arrival: int):
+                 params: SamplingParams, seed: int):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
         self.seed = seed
-        self.arrival = arrival  # admission order (FCFS)
         self.status = Status.WAITING
         self.num_computed = 0  # tokens whose K/V is in the cache
         self.finish_reason: str | None = None

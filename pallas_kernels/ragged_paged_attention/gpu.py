@@ -53,6 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.ragged_paged_attention.checks import check_inputs
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -294,53 +296,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     prefill_block_q (query tokens per program for prefill batches), num_warps,
     num_stages; interpret=True runs on CPU.
     """
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
-    T, H, D = q.shape
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
-                         f"{k_pages.shape} and {v_pages.shape}")
-    KVH, P, page_size, Dk = k_pages.shape
-    if Dk != D:
-        raise ValueError(f"head dim mismatch: q has D={D}, pages have {Dk}")
-    if H % KVH:
-        raise ValueError(f"num query heads {H} is not a multiple of num kv heads {KVH}")
+    T, H, D, KVH, P, page_size, S = check_inputs(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+        q_dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), kernel="GPU")
     if D < 16 or D & (D - 1):
         raise ValueError(f"GPU kernel needs head dim a power of two >= 16, got {D}")
     if page_size & (page_size - 1):
         raise ValueError(f"GPU kernel needs page_size a power of two, got {page_size}")
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype}, {v_pages.dtype}")
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("k_scale and v_scale must be given together")
     if k_scale is not None:
-        if k_pages.dtype != jnp.int8:
-            raise ValueError(f"k_scale/v_scale need int8 pages, got {k_pages.dtype}")
-        if k_scale.shape != (KVH, P, page_size) or v_scale.shape != (KVH, P, page_size):
-            raise ValueError(f"k_scale/v_scale must be [KVH, P, page_size] = "
-                             f"{(KVH, P, page_size)}, got {k_scale.shape}, {v_scale.shape}")
         k_scale = k_scale.astype(jnp.float32)
         v_scale = v_scale.astype(jnp.float32)
-    elif k_pages.dtype != q.dtype:
-        raise ValueError(f"pages dtype {k_pages.dtype} must match q dtype {q.dtype} "
-                         f"(or be int8 with scales)")
-    S = kv_lens.shape[0]
-    if kv_lens.shape != (S,) or block_tables.ndim != 2 or block_tables.shape[0] != S \
-            or cu_q_lens.shape != (S + 1,):
-        raise ValueError(f"inconsistent sequence metadata: kv_lens {kv_lens.shape}, "
-                         f"block_tables {block_tables.shape}, cu_q_lens {cu_q_lens.shape}")
-    if jnp.size(num_seqs) != 1:
-        raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
-    for name, a in (("kv_lens", kv_lens), ("block_tables", block_tables),
-                    ("cu_q_lens", cu_q_lens)):
-        if a.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {a.dtype}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
     if pages_per_block is None:
         pages_per_block = max(1, 64 // page_size)
     block_kv = pages_per_block * page_size
