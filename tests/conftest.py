@@ -19,3 +19,31 @@ def smollm2_gguf() -> Path:
     from jaxkv.default_model import fetch_smollm2_gguf
 
     return fetch_smollm2_gguf()
+
+
+# Engine settings shared by every real-model test (and passed to the CLI as
+# --kv-cache-memory), so their compiled steps have the same shapes and are
+# reused through the persistent compilation cache.
+SMOLLM2_PAGES = 256
+SMOLLM2_KV_BYTES = SMOLLM2_PAGES * 16 * 2 * 30 * 3 * 64 * 4  # float32 pages of 16 tokens
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' own load of the GGUF (float32, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """(Llama module float32, Tokenizer) loaded by jaxkv from the GGUF."""
+    from checkpoints import load_checkpoint
+    from jaxkv.model import Llama
+
+    config, params, tok = load_checkpoint(smollm2_gguf)
+    return Llama.from_params(config, params), tok

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import SMOLLM2_KV_BYTES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,7 +28,8 @@ def _lines():
 def _run(inp, out, model):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "batch_generate.py"), str(inp),
                            str(out), "--model", str(model), "--quiet", "--max-num-seqs", "8",
-                           "--kv-cache-memory", str(64 << 20)],
+                           "--max-num-batched-tokens", "64",
+                           "--kv-cache-memory", str(SMOLLM2_KV_BYTES)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 

@@ -5,65 +5,57 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from jaxkv.runner import SeqInput
+from tests.conftest import SMOLLM2_KV_BYTES, SMOLLM2_PAGES
 from tests.model_utils import nan_cache, step_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "Explain paged attention in one sentence."]
 
 
-@pytest.fixture(scope="module")
-def models(smollm2_gguf):
+def test_tokenization_and_logits_match_hf(smollm2, hf_smollm2, smollm2_gguf):
     import torch
-    import transformers as tf
-    from checkpoints import load_checkpoint
-    from jaxkv.model import Llama
+    from transformers import AutoTokenizer
 
-    torch.set_num_threads(2)
-    hf = tf.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, torch_dtype=torch.float32).eval()
-    hf_tok = tf.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    config, params, tok = load_checkpoint(smollm2_gguf)
-    return hf, hf_tok, Llama.from_params(config, params), tok
-
-
-def test_tokenization_logits_and_greedy_tokens_match_hf(models):
-    import torch
-    hf, hf_tok, model, tok = models
+    model, tok = smollm2
+    hf_tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert ids == [hf_tok(p)["input_ids"] for p in PROMPTS]
+    # All prompts in one ragged step, pages scrambled, unused pages NaN.
+    tables = [[7, 2], [5, 11], [3, 9, 1]]
+    cache = nan_cache(model.config, 12, 16)
+    got, _ = step_logits(model, cache, [SeqInput(x, 0, t) for x, t in zip(ids, tables)], 16,
+                         rows_per_seq=True)
     worst = 0.0
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        assert ids == hf_tok(prompt)["input_ids"], prompt
+    for prompt, x, g in zip(PROMPTS, ids, got):
         with torch.no_grad():
-            want = hf(torch.tensor([ids])).logits[0].numpy()
-        cache = nan_cache(model.config, 8, 16)
-        (got,), _ = step_logits(model, cache, [SeqInput(ids, 0, [3, 1, 6])], 16, rows_per_seq=True)
-        err = np.abs(got - want).max()
+            want = hf_smollm2(torch.tensor([x])).logits[0].numpy()
+        err = float(np.abs(g - want).max())
         worst = max(worst, err)
         assert err <= 1e-3, f"{prompt!r}: max abs logit difference {err:.2e}"
     print(f"max abs logit difference over {len(PROMPTS)} prompts: {worst:.2e}")
 
 
-def test_32_greedy_tokens_match_hf(models):
+def test_32_greedy_tokens_match_hf(smollm2, hf_smollm2):
     import torch
-    from jaxkv.engine import LLMEngine
     from jaxkv.config import EngineConfig
+    from jaxkv.engine import LLMEngine
     from jaxkv.sequence import SamplingParams
 
-    hf, hf_tok, model, tok = models
+    model, tok = smollm2
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True),
                      add_special_tokens=False)
     want, past, inp = [], None, torch.tensor([ids])
     with torch.no_grad():  # plain greedy loop: no generation-config rules
         for _ in range(32):
-            out = hf(inp, past_key_values=past, use_cache=True)
+            out = hf_smollm2(inp, past_key_values=past, use_cache=True)
             past = out.past_key_values
             want.append(int(out.logits[0, -1].argmax()))
             inp = torch.tensor([[want[-1]]])
-    eng = LLMEngine(model, tok, EngineConfig(num_pages=16, page_size=16))
+    eng = LLMEngine(model, tok, EngineConfig(num_pages=SMOLLM2_PAGES, max_num_seqs=8,
+                                             max_num_batched_tokens=64))
     rid = eng.add_request({"prompt_token_ids": ids},
                           SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     got = eng.run_to_completion()[rid].outputs[0].token_ids
@@ -71,11 +63,11 @@ def test_32_greedy_tokens_match_hf(models):
     assert "Paris" in tok.decode(got)
 
 
-def test_jaxkv_generate_command_answers(tmp_path, smollm2_gguf):
+def test_jaxkv_generate_command_answers(smollm2_gguf):
     out = subprocess.run(
         [sys.executable, "-m", "jaxkv.cli", "generate", "What is the capital of France?",
-         "--model", str(smollm2_gguf), "--max-tokens", "24", "--max-num-seqs", "4",
-         "--kv-cache-memory", str(64 << 20)],
+         "--model", str(smollm2_gguf), "--max-tokens", "24", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "64", "--kv-cache-memory", str(SMOLLM2_KV_BYTES)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout, out.stdout

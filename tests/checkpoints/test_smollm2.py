@@ -13,10 +13,8 @@ def ours(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+def hf_model(hf_smollm2):
+    return hf_smollm2
 
 
 def test_config_matches_published(ours):
