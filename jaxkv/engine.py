@@ -29,7 +29,7 @@ from jaxkv.memory import pages_for_budget
 from jaxkv.runner import Buckets, Runner, SeqInput
 from jaxkv.scheduler import Scheduler
 from jaxkv.sequence import (CompletionOutput, Logprob, RequestOutput, SamplingParams,
-                            Sequence, Status)
+                            Sequence)
 
 log = logging.getLogger("jaxkv")
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxkv.attention import StepBatch
 from jaxkv.kv_cache import KVCache, copy_pages
-from jaxkv.sampling import SampleOutput, SamplingBatch, sample
+from jaxkv.sampling import SamplingBatch, sample
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ def main(argv=None):
             for kv in ("float32", "bfloat16", "int8")}
     ll = {kv: mean_loglik(model, tok, kv) for kv in runs}
     res = {"prompts": a.prompts, "tokens": a.tokens, "mean_loglik": ll, "agreement": {}}
-    print(f"| KV cache | vs | identical outputs | mean agreeing prefix | mean log-lik | delta |")
+    print("| KV cache | vs | identical outputs | mean agreeing prefix | mean log-lik | delta |")
     print("|---|---|---|---|---|---|")
     for x, y in (("bfloat16", "float32"), ("int8", "bfloat16"), ("int8", "float32")):
         same, prefix = agreement(runs[x], runs[y])

@@ -1,6 +1,5 @@
 """The compiled step: cache updated in place, one compile per bucket."""
 
-import jax
 import numpy as np
 
 from jaxkv.config import CacheConfig, ModelConfig
