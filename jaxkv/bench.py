@@ -357,7 +357,8 @@ class JaxkvBench:
     # window (they are aborted at its end, never finish inside it).
     DECODE_MARGIN = 64
 
-    def __init__(self, model: str, sizes: Sizes, meter: CompileMeter):
+    def __init__(self, model: str, sizes: Sizes, meter: CompileMeter,
+                 quantize: str | None = None):
         import jax
         import jax.numpy as jnp
         from jaxkv.engine import LLMEngine
@@ -372,7 +373,7 @@ class JaxkvBench:
                    sum(pages(p + o) for p, o in zip(e2e_p, e2e_o)),
                    max((pages(n + 1) for n in sizes.prefill_lens), default=1))
         t, self.engine = _timed(lambda: LLMEngine.from_pretrained(
-            model, page_size=ps, num_pages=need + 2,
+            model, page_size=ps, num_pages=need + 2, quantize=quantize,
             max_num_seqs=max(64, *sizes.decode_batches)))
         self.load_s = t
         self.tokenizer = self.engine.tokenizer
@@ -382,7 +383,11 @@ class JaxkvBench:
                                          sizes.e2e_prompt[1]]))
         self._salts = sorted(set(self.stream))
         self._submissions = 0
-        self.weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.state))
+        # Bytes a batch-1 step reads (w8a8 keeps float weights for small steps
+        # beside int8 ones for large: count only the float ones).
+        self.weight_bytes = sum(
+            x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(self.runner.state)
+            if "w8" not in jax.tree_util.keystr(path))
         if not self.config.tie_word_embeddings:  # embedding rows are gathered, not read whole
             self.weight_bytes -= (self.config.vocab_size * self.config.hidden_size
                                   * jnp.dtype(self.engine.config.dtype).itemsize)
@@ -630,7 +635,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
                    sizes: Sizes = FULL, runs: int = 3, cold_compile: bool = False,
-                   log=print) -> dict[str, Any]:
+                   quantize: str | None = None, log=print) -> dict[str, Any]:
     """Run every phase; returns the results dict (see the module docstring).
     `cold_compile` turns JAX's persistent compilation cache off, so every
     program compiles from scratch as on a machine that never ran jaxkv."""
@@ -644,7 +649,7 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
     meter = CompileMeter()
     res: dict[str, Any] = dict(meta=dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        model=model, peer=peer, runs=runs, sizes=dataclasses.asdict(sizes),
+        model=model, peer=peer, runs=runs, quantize=quantize, sizes=dataclasses.asdict(sizes),
         cpu=_cpu_name(), cores=_num_cores(), platform=platform.platform(),
         python=platform.python_version(), jax=jax.__version__, numpy=np.__version__,
         jax_backend=jax.default_backend(), loadavg_start=_loadavg()))
@@ -652,7 +657,7 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
     res["bandwidth"] = bw = measure_bandwidth(sizes.bandwidth_bytes)
     with meter.active():
         log(f"bench: loading {model} ...")
-        jx = JaxkvBench(jaxkv_model_source(model), sizes, meter)
+        jx = JaxkvBench(jaxkv_model_source(model), sizes, meter, quantize)
         hf = HFBench(model, _num_cores()) if peer == "hf" else None
         res["meta"]["jaxkv_load_s"] = jx.load_s
         res["meta"]["engine"] = {k: v for k, v in dataclasses.asdict(jx.engine.config).items()
@@ -955,6 +960,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="smaller workloads (8 decode steps, prefill 256 only, 16 e2e requests)")
     p.add_argument("--runs", type=int, default=3,
                    help="timed runs per figure (default: %(default)s)")
+    p.add_argument("--quantize", choices=["int8", "w8a8"], default=None,
+                   help="jaxkv weight format (default: float32; see jaxkv generate --help)")
     p.add_argument("--cold-compile", action="store_true",
                    help="turn JAX's persistent compilation cache off: compile times as on a "
                         "machine that never ran jaxkv")
@@ -967,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--runs must be >= 1")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     res = run_benchmarks(a.model, peer=a.peer, sizes=QUICK if a.quick else FULL, runs=a.runs,
-                         cold_compile=a.cold_compile, log=log)
+                         cold_compile=a.cold_compile, quantize=a.quantize, log=log)
     print(format_report(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=float) + "\n")

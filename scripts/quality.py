@@ -23,6 +23,9 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--what", choices=["kv", "weights"], default="kv",
+                    help="kv: float32 / bfloat16 / int8 KV caches; weights: float32 / int8 / "
+                         "w8a8 weights (default: %(default)s)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     from checkpoints import load_checkpoint

@@ -34,8 +34,8 @@ def chat_ids(tok, question):
 
 
 def greedy_outputs(model, tok, n_prompts=16, max_tokens=64, **engine_opts):
-    eng = LLMEngine(model, tok, EngineConfig(num_pages=256, page_size=16, max_num_seqs=8,
-                                             max_num_batched_tokens=64, **engine_opts))
+    opts = dict(num_pages=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+    eng = LLMEngine(model, tok, EngineConfig(**{**opts, **engine_opts}))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     ids = [eng.add_request({"prompt_token_ids": chat_ids(tok, q)}, sp)
            for q in QUESTIONS[:n_prompts]]
