@@ -33,15 +33,27 @@ def main(argv=None):
     from jaxkv.model import Llama
 
     config, params, tok = load_checkpoint(resolve_model_path(a.model))
-    model = Llama.from_params(config, params)
     t0 = time.perf_counter()
-    runs = {kv: greedy_outputs(model, tok, a.prompts, a.tokens, kv_dtype=kv)
-            for kv in ("float32", "bfloat16", "int8")}
-    ll = {kv: mean_loglik(model, tok, kv) for kv in runs}
-    res = {"prompts": a.prompts, "tokens": a.tokens, "mean_loglik": ll, "agreement": {}}
-    print("| KV cache | vs | identical outputs | mean agreeing prefix | mean log-lik | delta |")
+    if a.what == "kv":
+        model = Llama.from_params(config, params)
+        runs = {kv: greedy_outputs(model, tok, a.prompts, a.tokens, kv_dtype=kv)
+                for kv in ("float32", "bfloat16", "int8")}
+        ll = {kv: mean_loglik(model, tok, kv) for kv in runs}
+        pairs = (("bfloat16", "float32"), ("int8", "bfloat16"), ("int8", "float32"))
+    else:
+        models = {q or "float32": Llama.from_params(config, params, quantize=q)
+                  for q in (None, "int8", "w8a8")}
+        # 16 sequences per step, so batched decode takes w8a8's int8 path.
+        runs = {k: greedy_outputs(m, tok, a.prompts, a.tokens, max_num_seqs=16)
+                for k, m in models.items()}
+        ll = {k: mean_loglik(m, tok) for k, m in models.items()}
+        pairs = (("int8", "float32"), ("w8a8", "float32"))
+    res = {"what": a.what, "prompts": a.prompts, "tokens": a.tokens, "mean_loglik": ll,
+           "agreement": {}}
+    print(f"| {'KV cache' if a.what == 'kv' else 'weights'} | vs | identical outputs | "
+          "mean agreeing prefix | mean log-lik | delta |")
     print("|---|---|---|---|---|---|")
-    for x, y in (("bfloat16", "float32"), ("int8", "bfloat16"), ("int8", "float32")):
+    for x, y in pairs:
         same, prefix = agreement(runs[x], runs[y])
         res["agreement"][f"{x}_vs_{y}"] = {"identical": same, "prefix": prefix}
         print(f"| {x} | {y} | {same}/{a.prompts} | {prefix:.3f} | {ll[x]:.4f} | "
