@@ -55,6 +55,21 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
+def key_smoothing(wk, norm):
+    """Per kv head and channel factors [KVH, D] that even out the typical
+    magnitude of keys before int8 quantization (one scale per token and head
+    otherwise wastes its range on a few large channels). A channel's typical
+    size is |norm * wk[:, head, channel]|; RoPE rotates channel c with
+    c + D/2, so the pair shares the larger factor. Keys are divided by it and
+    queries multiplied, leaving every score q.k unchanged."""
+    n = jnp.sqrt(jnp.sum((norm.astype(jnp.float32)[:, None, None]
+                          * wk.astype(jnp.float32)) ** 2, axis=0))  # [KVH, D]
+    half = n.shape[-1] // 2
+    pair = jnp.maximum(n[:, :half], n[:, half:])
+    s = jnp.maximum(jnp.concatenate([pair, pair], axis=-1), 1e-6)
+    return s / jnp.exp(jnp.mean(jnp.log(s), axis=-1, keepdims=True))  # geometric mean 1
+
+
 def rms_norm(x, scale, eps):
     """Normalize in float32, cast back, then scale (as Hugging Face does)."""
     xf = x.astype(jnp.float32)
@@ -66,12 +81,14 @@ class Attention(nnx.Module):
     """Projections fused for fewer, larger matmuls (a decode step is bound
     by reading weights): wqkv [E, (H + 2 KVH) D] holds q, k, v side by side."""
 
-    def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None):
+    def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None,
+                 norm):
         E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        wk = init(f"{prefix}.wk", (E, K, D))
         self.wqkv = Dense(jnp.concatenate([
-            init(f"{prefix}.wq", (E, H, D)).reshape(E, H * D),
-            init(f"{prefix}.wk", (E, K, D)).reshape(E, K * D),
+            init(f"{prefix}.wq", (E, H, D)).reshape(E, H * D), wk.reshape(E, K * D),
             init(f"{prefix}.wv", (E, K, D)).reshape(E, K * D)], axis=1), quantize)
+        self.k_smooth = nnx.Variable(key_smoothing(wk, norm))
         if config.attention_bias:
             self.bqkv = nnx.Param(jnp.concatenate([
                 init(f"{prefix}.bq", (H, D)).reshape(-1), init(f"{prefix}.bk", (K, D)).reshape(-1),
@@ -88,7 +105,7 @@ class Block(nnx.Module):
         E, F = config.hidden_size, config.intermediate_size
         p = f"layers.{i}"
         self.attn_norm = nnx.Param(init(f"{p}.attn_norm", (E,)))
-        self.attn = Attention(config, p, init, quantize)
+        self.attn = Attention(config, p, init, quantize, self.attn_norm[...])
         self.mlp_norm = nnx.Param(init(f"{p}.mlp_norm", (E,)))
         # w_gate_up [E, 2F]: gate and up side by side, one matmul.
         self.w_gate_up = Dense(jnp.concatenate(
@@ -159,6 +176,10 @@ class Llama(nnx.Module):
             v = qkv[:, (H + K) * D:].reshape(-1, K, D)
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
+            if cache.quantized:  # q.k unchanged; int8 keys lose less to outlier channels
+                sm = a.k_smooth[...]  # [KVH, D]
+                k = (k / sm).astype(k.dtype)
+                q = (q * jnp.repeat(sm, H // K, axis=0)).astype(q.dtype)
             cache = write_layer(cache, i, k, v, batch.slot_mapping)
             o = paged_attention(q, cache, i, batch, backend=attention_backend,
                                 sliding_window=window,
