@@ -69,13 +69,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_params(config: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
     """Raise ValueError naming every missing, unexpected or wrong-shape tensor."""
     want = expected_shapes(config)
-    missing = sorted(set(want) - set(params))
-    unexpected = sorted(set(params) - set(want))
-    wrong = sorted(
-        f"{k}: expected {want[k]}, got {tuple(params[k].shape)}"
-        for k in set(want) & set(params)
-        if tuple(params[k].shape) != want[k]
-    )
+    problems = shape_problems(want, {k: tuple(v.shape) for k, v in params.items()})
+    if problems:
+        raise ValueError("params do not match the config: " + "; ".join(problems))
+
+
+def shape_problems(want: Mapping[str, tuple], got: Mapping[str, tuple]) -> list[str]:
+    """Missing, unexpected and wrong-shape tensor names, one message each
+    kind; empty when `got` matches `want` (name -> shape) exactly."""
+    missing = sorted(set(want) - set(got))
+    unexpected = sorted(set(got) - set(want))
+    wrong = sorted(f"{k}: expected {want[k]}, got {tuple(got[k])}"
+                   for k in set(want) & set(got) if tuple(got[k]) != tuple(want[k]))
     problems = []
     if missing:
         problems.append(f"missing tensors: {missing}")
@@ -83,8 +88,7 @@ def check_params(config: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
         problems.append(f"unexpected tensors: {unexpected}")
     if wrong:
         problems.append(f"wrong shapes: {wrong}")
-    if problems:
-        raise ValueError("params do not match the config: " + "; ".join(problems))
+    return problems
 
 
 def resolve_dtype(dtype: str | np.dtype | None) -> np.dtype:

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from checkpoints.params import check_params, expected_shapes, resolve_dtype
+from checkpoints.params import check_params, expected_shapes, resolve_dtype, shape_problems
 from jaxkv.config import ModelConfig, from_hf_config
 
 _ST_DTYPES = {
@@ -120,17 +120,8 @@ def hf_to_params(
     names = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")  # a tied copy of the embedding, dropped
-    missing = sorted(set(table) - names)
-    unexpected = sorted(names - set(table))
-    wrong = sorted(f"{n}: expected {table[n][2]}, got {tuple(shapes[n])}"
-                   for n in names & set(table) if tuple(shapes[n]) != table[n][2])
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors {unexpected}")
-    if wrong:
-        problems.append(f"wrong shapes {wrong}")
+    problems = shape_problems({n: t[2] for n, t in table.items()},
+                              {n: shapes[n] for n in names})
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
     params = {}
