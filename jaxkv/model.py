@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxkv.attention import StepBatch, paged_attention
 from jaxkv.config import ModelConfig
-from jaxkv.kv_cache import KVCache, write_layer
+from jaxkv.kv_cache import KVCache, int8_rotation, write_layer
 from jaxkv.quant import Dense
 
 Init = Callable[[str, tuple], jax.Array]
@@ -55,19 +55,11 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
-def key_smoothing(wk, norm):
-    """Per kv head and channel factors [KVH, D] that even out the typical
-    magnitude of keys before int8 quantization (one scale per token and head
-    otherwise wastes its range on a few large channels). A channel's typical
-    size is |norm * wk[:, head, channel]|; RoPE rotates channel c with
-    c + D/2, so the pair shares the larger factor. Keys are divided by it and
-    queries multiplied, leaving every score q.k unchanged."""
-    n = jnp.sqrt(jnp.sum((norm.astype(jnp.float32)[:, None, None]
-                          * wk.astype(jnp.float32)) ** 2, axis=0))  # [KVH, D]
-    half = n.shape[-1] // 2
-    pair = jnp.maximum(n[:, :half], n[:, half:])
-    s = jnp.maximum(jnp.concatenate([pair, pair], axis=-1), 1e-6)
-    return s / jnp.exp(jnp.mean(jnp.log(s), axis=-1, keepdims=True))  # geometric mean 1
+def rotate(x, rot):
+    """x [T, N, D] @ rot [D, D] per head, in float32, back in x's dtype."""
+    y = jnp.einsum("tnd,de->tne", x.astype(jnp.float32), rot,
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
 
 
 def rms_norm(x, scale, eps):
@@ -81,14 +73,12 @@ class Attention(nnx.Module):
     """Projections fused for fewer, larger matmuls (a decode step is bound
     by reading weights): wqkv [E, (H + 2 KVH) D] holds q, k, v side by side."""
 
-    def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None,
-                 norm):
+    def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None):
         E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         wk = init(f"{prefix}.wk", (E, K, D))
         self.wqkv = Dense(jnp.concatenate([
             init(f"{prefix}.wq", (E, H, D)).reshape(E, H * D), wk.reshape(E, K * D),
             init(f"{prefix}.wv", (E, K, D)).reshape(E, K * D)], axis=1), quantize)
-        self.k_smooth = nnx.Variable(key_smoothing(wk, norm))
         if config.attention_bias:
             self.bqkv = nnx.Param(jnp.concatenate([
                 init(f"{prefix}.bq", (H, D)).reshape(-1), init(f"{prefix}.bk", (K, D)).reshape(-1),
@@ -105,7 +95,7 @@ class Block(nnx.Module):
         E, F = config.hidden_size, config.intermediate_size
         p = f"layers.{i}"
         self.attn_norm = nnx.Param(init(f"{p}.attn_norm", (E,)))
-        self.attn = Attention(config, p, init, quantize, self.attn_norm[...])
+        self.attn = Attention(config, p, init, quantize)
         self.mlp_norm = nnx.Param(init(f"{p}.mlp_norm", (E,)))
         # w_gate_up [E, 2F]: gate and up side by side, one matmul.
         self.w_gate_up = Dense(jnp.concatenate(
@@ -165,6 +155,7 @@ class Llama(nnx.Module):
         H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         x = self.embed[...][batch.token_ids]  # [T, E]
         inv_freq = self.inv_freq[...]
+        rot = jnp.asarray(int8_rotation(D)) if cache.quantized else None
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], cfg.rms_norm_eps)
             a = layer.attn
@@ -176,14 +167,15 @@ class Llama(nnx.Module):
             v = qkv[:, (H + K) * D:].reshape(-1, K, D)
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
-            if cache.quantized:  # q.k unchanged; int8 keys lose less to outlier channels
-                sm = a.k_smooth[...]  # [KVH, D]
-                k = (k / sm).astype(k.dtype)
-                q = (q * jnp.repeat(sm, H // K, axis=0)).astype(q.dtype)
+            if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
+                q, k, v = rotate(q, rot), rotate(k, rot), rotate(v, rot)
             cache = write_layer(cache, i, k, v, batch.slot_mapping)
             o = paged_attention(q, cache, i, batch, backend=attention_backend,
                                 sliding_window=window,
-                                num_sink_tokens=num_sink_tokens).astype(x.dtype)
+                                num_sink_tokens=num_sink_tokens)
+            if cache.quantized:  # values were rotated: rotate the output back
+                o = rotate(o, rot.T)
+            o = o.astype(x.dtype)
             o = a.wo(o.reshape(-1, H * D))  # [T, E]
             x = x + (o + a.bo[...] if a.out_bias else o)
             h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)

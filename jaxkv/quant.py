@@ -22,10 +22,35 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 QUANT_MODES = (None, "int8", "w8a8")
 W8A8_MIN_ROWS = 16
+W8A8_BLOCK = 64  # Hadamard block of the activation rotation
+
+
+def hadamard(n: int, max_block: int | None = None) -> np.ndarray:
+    """An orthonormal [n, n] block-diagonal matrix of normalized Walsh-Hadamard
+    blocks, each the largest power of two dividing n (at most max_block).
+    Multiplying a vector by it spreads a few large channels over a whole
+    block, so one absmax int8 scale per vector loses far less precision."""
+    b = n & -n
+    if max_block is not None:
+        b = min(b, max_block)
+    h = np.ones((1, 1))
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(n // b), h / np.sqrt(b)).astype(np.float32)
+
+
+def rotate_blocks(x, block: int):
+    """x [T, N] @ hadamard(N, block) without the zeros: [T, N/b, b] @ [b, b]."""
+    T, N = x.shape
+    h = jnp.asarray(hadamard(block))
+    y = jnp.einsum("tnb,bc->tnc", x.astype(jnp.float32).reshape(T, N // block, block), h,
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(T, N)
 
 
 def quantize_int8(w):
@@ -51,14 +76,22 @@ class Dense(nnx.Module):
             self.w = nnx.Param(w)
             self.scale = None
             if quantize == "w8a8":
-                q, s = quantize_int8(w)
+                # Activations are rotated by R before they are quantized
+                # (x @ w = (x R) (R^T w)); the int8 weight holds R^T w.
+                n_in, n_out = w.shape
+                b = self.block = min(n_in & -n_in, W8A8_BLOCK)
+                h = jnp.asarray(hadamard(b))  # symmetric: R^T w is h @ each block of w
+                wr = jnp.einsum("bc,ncO->nbO", h,
+                                jnp.asarray(w, jnp.float32).reshape(n_in // b, b, n_out),
+                                precision=jax.lax.Precision.HIGHEST)
+                q, s = quantize_int8(wr.reshape(n_in, n_out))
                 self.w8 = nnx.Param(q)
                 self.w8_scale = nnx.Param(s)
 
     def __call__(self, x):
         """x [T, N_in] -> [T, N_out] in x's dtype."""
         if self.mode == "w8a8" and x.shape[0] >= W8A8_MIN_ROWS:
-            xf = x.astype(jnp.float32)
+            xf = rotate_blocks(x, self.block)
             xs = jnp.max(jnp.abs(xf), axis=1, keepdims=True) / 127.0  # [T, 1]
             xs = jnp.where(xs == 0, 1.0, xs)
             xq = jnp.round(xf / xs).astype(jnp.int8)

@@ -1,6 +1,8 @@
 """Quality of reduced-precision KV caches and weights on the default model:
-greedy agreement over 16 chat prompts x 64 tokens against a baseline, and
-the mean log-likelihood of a fixed text.
+greedy agreement over 16 chat prompts x 64 tokens against a baseline (whole
+outputs identical, the agreeing prefix, and the share of positions where the
+next token is the same given the baseline's prefix), and the mean
+log-likelihood of a fixed text.
 
     python scripts/quality.py [--model M] [--prompts 16] [--tokens 64]
 """
@@ -15,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.quality_utils import agreement, greedy_outputs, mean_loglik  # noqa: E402
+from tests.quality_utils import (agreement, greedy_outputs, mean_loglik,  # noqa: E402
+                                 teacher_forced_agreement)
 
 
 def main(argv=None):
@@ -40,6 +43,9 @@ def main(argv=None):
                 for kv in ("float32", "bfloat16", "int8")}
         ll = {kv: mean_loglik(model, tok, kv) for kv in runs}
         pairs = (("bfloat16", "float32"), ("int8", "bfloat16"), ("int8", "float32"))
+
+        def forced(x, y):
+            return teacher_forced_agreement(model, tok, runs[y], kv_dtype=x)
     else:
         models = {q or "float32": Llama.from_params(config, params, quantize=q)
                   for q in (None, "int8", "w8a8")}
@@ -48,15 +54,20 @@ def main(argv=None):
                 for k, m in models.items()}
         ll = {k: mean_loglik(m, tok) for k, m in models.items()}
         pairs = (("int8", "float32"), ("w8a8", "float32"))
+
+        def forced(x, y):
+            return teacher_forced_agreement(models[x], tok, runs[y])
     res = {"what": a.what, "prompts": a.prompts, "tokens": a.tokens, "mean_loglik": ll,
            "agreement": {}}
     print(f"| {'KV cache' if a.what == 'kv' else 'weights'} | vs | identical outputs | "
-          "mean agreeing prefix | mean log-lik | delta |")
-    print("|---|---|---|---|---|---|")
+          "mean agreeing prefix | same next token, same prefix | mean log-lik | delta |")
+    print("|---|---|---|---|---|---|---|")
     for x, y in pairs:
         same, prefix = agreement(runs[x], runs[y])
-        res["agreement"][f"{x}_vs_{y}"] = {"identical": same, "prefix": prefix}
-        print(f"| {x} | {y} | {same}/{a.prompts} | {prefix:.3f} | {ll[x]:.4f} | "
+        tf = forced(x, y)
+        res["agreement"][f"{x}_vs_{y}"] = {"identical": same, "prefix": prefix,
+                                            "teacher_forced": tf}
+        print(f"| {x} | {y} | {same}/{a.prompts} | {prefix:.3f} | {tf:.4f} | {ll[x]:.4f} | "
               f"{ll[x] - ll[y]:+.4f} |")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if a.json:

@@ -34,6 +34,7 @@ def chat_ids(tok, question):
 
 
 def greedy_outputs(model, tok, n_prompts=16, max_tokens=64, **engine_opts):
+    """Greedy token ids of the first n_prompts chat prompts (ignore_eos)."""
     opts = dict(num_pages=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=64)
     eng = LLMEngine(model, tok, EngineConfig(**{**opts, **engine_opts}))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -64,3 +65,25 @@ def agreement(a, b):
         n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
         prefix.append(n / len(x))
     return same, float(np.mean(prefix))
+
+
+def teacher_forced_agreement(model, tok, outputs, kv_dtype="float32"):
+    """Fraction of positions where this set-up's argmax equals the token in
+    `outputs` (another set-up's greedy outputs for QUESTIONS), given the same
+    prefix: all prompts + outputs in one ragged prefill. Unlike whole-output
+    agreement, one early flip does not decide a prompt's score."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:len(outputs)]]
+    seqs, first = [], 1
+    for prompt, out in zip(prompts, outputs):
+        ids = prompt + list(out)
+        pages = -(-len(ids) // 16)
+        seqs.append(SeqInput(ids, 0, list(range(first, first + pages))))
+        first += pages
+    cache = nan_cache(model.config, first + 1, 16, kv_dtype=kv_dtype)
+    logits, _ = step_logits(model, cache, seqs, 16, rows_per_seq=True)
+    hits = total = 0
+    for lg, prompt, out in zip(logits, prompts, outputs):
+        pred = lg[len(prompt) - 1:len(prompt) - 1 + len(out)].argmax(-1)
+        hits += int((pred == np.asarray(out)).sum())
+        total += len(out)
+    return hits / total

@@ -22,7 +22,7 @@ How it stays cheap without a kernel: queries are cut into blocks that never
 span two sequences, and each block gathers its sequence's pages once (so
 memory traffic is blocks x context, not tokens x context). A batch of decodes
 (every q_len <= 1) takes a one-row-per-sequence path; a batch with prefill
-chunks takes blocks of `_PREFILL_BLOCK` rows. Both are traced; `lax.cond`
+chunks takes blocks of `prefill_block(T, S)` rows. Both are traced; `lax.cond`
 picks one at run time. Callers keep `pages_per_seq` (the block table width)
 as small as their longest sequence needs: it sets the gathered context.
 """
@@ -34,7 +34,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_PREFILL_BLOCK = 16
+_MIN_PREFILL_BLOCK = 16
+_MAX_PREFILL_BLOCK = 128
+
+
+def prefill_block(num_tokens: int, num_seqs: int) -> int:
+    """Query rows per block for a step of T tokens over S sequence slots.
+    Every block gathers its sequence's whole context, so fewer, larger
+    blocks move less memory; but each sequence may leave one block partly
+    empty, so blocks stay near T / 2S rows: at most 16 for a step of many
+    short chunks, up to 128 for one long prompt."""
+    b = _MIN_PREFILL_BLOCK
+    while b < _MAX_PREFILL_BLOCK and 2 * b * 2 * num_seqs <= num_tokens:
+        b *= 2
+    return min(b, num_tokens)
 _MASK_VALUE = -1e30
 
 
@@ -146,7 +159,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         return _blocked_attention(*args, block_q=1, num_blocks=S, **kw)
 
     def prefill(args):
-        bq = min(_PREFILL_BLOCK, T)
+        bq = prefill_block(T, S)
         return _blocked_attention(*args, block_q=bq, num_blocks=-(-T // bq) + S, **kw)
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
