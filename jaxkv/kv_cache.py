@@ -19,10 +19,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv.config import CacheConfig, ModelConfig
-from jaxkv.quant import hadamard
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
            "int8": jnp.int8}
@@ -79,16 +77,6 @@ def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCac
         return jnp.zeros(s.shape, s.dtype, device=sharding)
 
     return jax.tree_util.tree_map(zeros, shapes)
-
-
-def int8_rotation(head_dim: int) -> np.ndarray:
-    """The orthonormal [D, D] matrix (normalized Walsh-Hadamard blocks, the
-    largest power of two dividing D) applied to queries, keys and values
-    before an int8 cache. A key's or value's few large channels get spread
-    over all channels, so one absmax scale per token and head wastes far
-    less of the int8 range on them. (q R).(k R) = q.k, and attention outputs
-    come back with R^T."""
-    return hadamard(head_dim)
 
 
 def quantize_int8(x):

@@ -45,12 +45,14 @@ def hadamard(n: int, max_block: int | None = None) -> np.ndarray:
 
 
 def rotate_blocks(x, block: int):
-    """x [T, N] @ hadamard(N, block) without the zeros: [T, N/b, b] @ [b, b]."""
-    T, N = x.shape
+    """x [..., N] times hadamard(N, block) along the last axis, computed
+    without the zeros ([..., N/b, b] @ [b, b]); float32 out. The blocks are
+    symmetric, so the same call also rotates back."""
+    *lead, N = x.shape
     h = jnp.asarray(hadamard(block))
-    y = jnp.einsum("tnb,bc->tnc", x.astype(jnp.float32).reshape(T, N // block, block), h,
-                   precision=jax.lax.Precision.HIGHEST)
-    return y.reshape(T, N)
+    y = jnp.einsum("...nb,bc->...nc", x.astype(jnp.float32).reshape(*lead, N // block, block),
+                   h, precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(*lead, N)
 
 
 def quantize_int8(w):

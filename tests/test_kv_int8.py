@@ -29,18 +29,27 @@ def test_int8_kv_cache_greedy_outputs_close(smollm2):
 def test_int8_rotation_is_orthonormal_and_spreads_outlier_channels():
     import numpy as np
 
-    from jaxkv.kv_cache import int8_rotation, quantize_int8
+    import jax.numpy as jnp
 
+    from jaxkv.kv_cache import quantize_int8
+    from jaxkv.quant import hadamard, rotate_blocks
+
+    from scipy.linalg import hadamard as sylvester
+
+    np.testing.assert_allclose(hadamard(64), sylvester(64) / 8.0)
     for d in (64, 128, 96, 80):
-        r = int8_rotation(d)
+        r = hadamard(d)
         np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-6)
+        x = np.random.default_rng(d).standard_normal((3, 2, d)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(rotate_blocks(jnp.asarray(x), d & -d)), x @ r,
+                                   atol=1e-5)
     # A key with two channels 30x the rest (RoPE pairs of a large channel):
     # one scale per vector leaves the small channels a few levels of int8;
     # after rotation the error of the round trip is several times smaller.
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 64)).astype(np.float32)
     x[:, [5, 37]] *= 30
-    r = int8_rotation(64)
+    r = hadamard(64)
 
     def err(y):
         q, s = quantize_int8(y)
