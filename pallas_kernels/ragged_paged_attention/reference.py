@@ -21,7 +21,8 @@ dequantize int8 pages (value = int8 * scale).
 How it stays cheap without a kernel: queries are cut into blocks that never
 span two sequences, and each block gathers its sequence's pages once (so
 memory traffic is blocks x context, not tokens x context). A batch of decodes
-(every q_len <= 1) takes a one-row-per-sequence path; a batch with prefill
+(every q_len <= 1) takes a one-row-per-sequence path (`_decode_attention`,
+multiply-and-reduce); a batch with prefill
 chunks takes blocks of `prefill_block(T, S)` rows. Both are traced; `lax.cond`
 picks one at run time. Callers keep `pages_per_seq` (the block table width)
 as small as their longest sequence needs: it sets the gathered context.
@@ -123,6 +124,54 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     return out.at[rows.reshape(-1)].set(o, mode="drop")
 
 
+def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                      sm_scale, sliding_window, soft_cap, k_scale, v_scale, num_sink_tokens):
+    """The all-decode case (every live q_len <= 1): one query row per
+    sequence, so scores and outputs are multiply-and-reduce over each
+    sequence's gathered pages, laid out [KVH, S, ...] so nothing is
+    transposed (about 3x faster than `_blocked_attention` with block_q=1 on
+    XLA's CPU backend at 16 sequences). Returns [T, H, D] float32."""
+    T, H, D = q.shape
+    KVH, P, page_size, _ = k_pages.shape
+    S, pages_per_seq = block_tables.shape
+    G = H // KVH
+    C = pages_per_seq * page_size
+
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    live = (jnp.arange(S) < num_seqs) & (q_lens > 0)
+    rows = jnp.where(live, cu_q_lens[:-1], T)  # T = out of range: dropped on scatter
+    qs = q[jnp.minimum(rows, T - 1)].astype(jnp.float32)
+    qs = qs.reshape(S, KVH, G, D).transpose(1, 0, 2, 3)  # [KVH, S, G, D]
+    kb = k_pages[:, block_tables].astype(jnp.float32)  # [KVH, S, pages_per_seq, page_size, D]
+    vb = v_pages[:, block_tables].astype(jnp.float32)
+    if k_scale is not None:
+        kb = kb * k_scale[:, block_tables][..., None]
+        vb = vb * v_scale[:, block_tables][..., None]
+    kb = kb.reshape(KVH, S, C, D)
+    vb = vb.reshape(KVH, S, C, D)
+
+    key_pos = jnp.arange(C)
+    key_live = key_pos[None, :] < kv_lens[:, None]  # [S, C]; causal, as the row is the last token
+    if sliding_window is not None:
+        in_window = key_pos[None, :] > (kv_lens - 1 - sliding_window)[:, None]
+        key_live &= in_window | (key_pos[None, :] < num_sink_tokens)
+    vb = jnp.where(key_live[None, :, :, None], vb, 0.0)  # unwritten slots may hold NaN
+
+    s = jnp.sum(qs[:, :, :, None, :] * kb[:, :, None, :, :], axis=-1) * sm_scale  # [KVH, S, G, C]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = key_live[None, :, None, :]
+    s = jnp.where(mask, s, _MASK_VALUE)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.sum(p[..., None] * vb[:, :, None, :, :], axis=-2)  # [KVH, S, G, D]
+    o = o / jnp.maximum(denom, 1e-30)
+    o = o.transpose(1, 0, 2, 3).reshape(S, H, D)
+    out = jnp.zeros((T, H, D), jnp.float32)
+    return out.at[rows].set(o, mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "num_sink_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
@@ -156,7 +205,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
 
     def decode(args):
-        return _blocked_attention(*args, block_q=1, num_blocks=S, **kw)
+        return _decode_attention(*args, **kw)
 
     def prefill(args):
         bq = prefill_block(T, S)
