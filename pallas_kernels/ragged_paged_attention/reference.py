@@ -19,13 +19,15 @@ head h // (H // KVH): GQA without repeating K/V. Rows outside every sequence
 dequantize int8 pages (value = int8 * scale).
 
 How it stays cheap without a kernel: queries are cut into blocks that never
-span two sequences, and each block gathers its sequence's pages once (so
-memory traffic is blocks x context, not tokens x context). A batch of decodes
-(every q_len <= 1) takes a one-row-per-sequence path (`_decode_attention`,
-multiply-and-reduce); a batch with prefill
-chunks takes blocks of `prefill_block(T, S)` rows. Both are traced; `lax.cond`
-picks one at run time. Callers keep `pages_per_seq` (the block table width)
-as small as their longest sequence needs: it sets the gathered context.
+span two sequences, and each block walks its sequence's pages once, in
+chunks of about 128 keys with an online softmax (so memory traffic is
+blocks x context, not tokens x context), over only the chunks some query
+can see: not the padded width of the block table, nothing past the newest
+query's position, nothing behind every row's sliding window. A batch of
+decodes (every q_len <= 1) takes a one-row-per-sequence path
+(`_decode_attention`, multiply-and-reduce); a batch with prefill chunks
+takes blocks of `prefill_block(T, S)` rows. Both are traced; `lax.cond`
+picks one at run time.
 """
 
 from __future__ import annotations
@@ -41,27 +43,34 @@ _MAX_PREFILL_BLOCK = 128
 
 def prefill_block(num_tokens: int, num_seqs: int) -> int:
     """Query rows per block for a step of T tokens over S sequence slots.
-    Every block gathers its sequence's whole context, so fewer, larger
-    blocks move less memory; but each sequence may leave one block partly
+    Every block reads its sequence's context, so fewer, larger blocks move
+    less memory; but each sequence may leave one block partly
     empty, so blocks stay near T / 2S rows: at most 16 for a step of many
     short chunks, up to 128 for one long prompt."""
     b = _MIN_PREFILL_BLOCK
     while b < _MAX_PREFILL_BLOCK and 2 * b * 2 * num_seqs <= num_tokens:
         b *= 2
     return min(b, num_tokens)
+
+
 _MASK_VALUE = -1e30
+_KEY_CHUNK = 128  # keys per online-softmax step of the prefill path
 
 
 def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                        num_seqs, *, block_q, num_blocks, sm_scale, sliding_window,
                        soft_cap, k_scale, v_scale, num_sink_tokens):
     """Attention over `num_blocks` query blocks of `block_q` rows, each inside
-    one sequence. Returns [T, H, D] float32."""
+    one sequence, with an online softmax over chunks of about `_KEY_CHUNK`
+    keys. The loop runs only over chunks some block can see (from the
+    oldest in-window key to the newest query's position), not the whole
+    padded block table. Each (KV head, block) pair is one matrix product of
+    its G * block_q query rows against the chunk. Returns [T, H, D] float32."""
     T, H, D = q.shape
     KVH, P, page_size, _ = k_pages.shape
     S, pages_per_seq = block_tables.shape
     G = H // KVH
-    C = pages_per_seq * page_size
+    R = G * block_q  # query rows of one KV head in one block
 
     seq_ids = jnp.arange(S)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
@@ -80,45 +89,72 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     rows = cu_q_lens[blk_seq][:, None] + row_in_seq  # [NB, bq] token index
     rows = jnp.where(row_valid, rows, T)  # T = out of range: dropped on scatter
 
-    kv_len = kv_lens[blk_seq]  # [NB]
+    kv_len = jnp.where(blk_valid, kv_lens[blk_seq], 0)  # [NB]
     q_pos = (kv_len - q_lens[blk_seq])[:, None] + row_in_seq  # [NB, bq]
 
-    qb = q[jnp.minimum(rows, T - 1)].astype(jnp.float32)  # [NB, bq, H, D]
-    qb = qb.reshape(num_blocks, block_q, KVH, G, D)
-    pages = block_tables[blk_seq]  # [NB, pages_per_seq]
-    kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, NB, pages_per_seq, page_size, D]
-    vb = v_pages[:, pages].astype(jnp.float32)
-    if k_scale is not None:
-        kb = kb * k_scale[:, pages][..., None]
-        vb = vb * v_scale[:, pages][..., None]
-    kb = kb.reshape(KVH, num_blocks, C, D)
-    vb = vb.reshape(KVH, num_blocks, C, D)
+    # Queries as [KVH, NB, G * bq, D], rows ordered (g, row), pre-scaled.
+    qb = q[jnp.minimum(rows, T - 1)].astype(jnp.float32) * sm_scale  # [NB, bq, H, D]
+    qb = qb.reshape(num_blocks, block_q, KVH, G, D).transpose(2, 0, 3, 1, 4)
+    qb = qb.reshape(KVH, num_blocks, R, D)
+    row_pos = jnp.broadcast_to(q_pos[:, None, :], (num_blocks, G, block_q)).reshape(num_blocks, R)
 
-    key_pos = jnp.arange(C)
-    key_live = key_pos[None, :] < kv_len[:, None]  # [NB, C]
+    chunk_pages = max(1, min(pages_per_seq, _KEY_CHUNK // page_size))
+    chunk = chunk_pages * page_size
+    num_chunks = -(-pages_per_seq // chunk_pages)
+    tables = block_tables[blk_seq]  # [NB, pages_per_seq]
+    tables = jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_pages - pages_per_seq)))
+
+    newest = jnp.max(jnp.where(row_valid, q_pos, -1))  # the last key any row sees
+    stop = (newest + chunk) // chunk
     if sliding_window is not None:
         # Keys before every row's window (and not a sink) are dead for the
         # whole block; their pages may already be handed back (trash page).
         oldest = q_pos[:, 0] - sliding_window + 1  # [NB]
-        key_live &= (key_pos[None, :] >= oldest[:, None]) | (key_pos[None, :] < num_sink_tokens)
-    # Unwritten slots may hold anything (NaN included); zero them so 0 * NaN
-    # never reaches the output.
-    vb = jnp.where(key_live[None, :, :, None], vb, 0.0)
+        first = jnp.min(jnp.where(blk_valid, oldest, newest))
+        start = 0 if num_sink_tokens else jnp.clip(first // chunk, 0, stop)
+    else:
+        start = 0
 
-    s = jnp.einsum("nqkgd,kncd->nkgqc", qb, kb) * sm_scale  # [NB, KVH, G, bq, C]
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = key_live[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [NB, bq, C]
-    if sliding_window is not None:
-        in_window = key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        mask = mask & (in_window | (key_pos[None, None, :] < num_sink_tokens))
-    mask = mask[:, None, None, :, :]
-    s = jnp.where(mask, s, _MASK_VALUE)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("nkgqc,kncd->nqkgd", p, vb) / jnp.maximum(
-        jnp.moveaxis(denom, -2, 1).reshape(num_blocks, block_q, KVH, G, 1), 1e-30)
+    def step(j, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk_pages, chunk_pages, axis=1)
+        kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, NB, chunk_pages, page_size, D]
+        vb = v_pages[:, pages].astype(jnp.float32)
+        if k_scale is not None:
+            kb = kb * k_scale[:, pages][..., None]
+            vb = vb * v_scale[:, pages][..., None]
+        kb = kb.reshape(KVH, num_blocks, chunk, D)
+        vb = vb.reshape(KVH, num_blocks, chunk, D)
+        key_pos = j * chunk + jnp.arange(chunk)
+        key_live = key_pos[None, :] < kv_len[:, None]  # [NB, chunk]
+        if sliding_window is not None:
+            key_live &= ((key_pos[None, :] >= oldest[:, None])
+                         | (key_pos[None, :] < num_sink_tokens))
+        # Unwritten slots may hold anything (NaN included); zero them so
+        # 0 * NaN never reaches the output.
+        vb = jnp.where(key_live[None, :, :, None], vb, 0.0)
+
+        s = jnp.einsum("knrd,kncd->knrc", qb, kb)  # [KVH, NB, R, chunk]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = key_live[:, None, :] & (key_pos[None, None, :] <= row_pos[:, :, None])
+        if sliding_window is not None:
+            in_window = key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
+            mask &= in_window | (key_pos[None, None, :] < num_sink_tokens)
+        s = jnp.where(mask[None], s, _MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("knrc,kncd->knrd", p, vb)
+        return m_new, l, acc
+
+    init = (jnp.full((KVH, num_blocks, R), _MASK_VALUE, jnp.float32),
+            jnp.zeros((KVH, num_blocks, R), jnp.float32),
+            jnp.zeros((KVH, num_blocks, R, D), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(start, stop, step, init)
+    o = acc / jnp.maximum(l, 1e-30)[..., None]
+    o = o.reshape(KVH, num_blocks, G, block_q, D).transpose(1, 3, 0, 2, 4)
     o = o.reshape(num_blocks * block_q, H, D)
     out = jnp.zeros((T, H, D), jnp.float32)
     return out.at[rows.reshape(-1)].set(o, mode="drop")
