@@ -245,7 +245,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
 
     def prefill(args):
         bq = prefill_block(T, S)
-        return _blocked_attention(*args, block_q=bq, num_blocks=-(-T // bq) + S, **kw)
+        # sum_s ceil(q_s / bq) <= (T + S (bq - 1)) / bq when sum_s q_s <= T
+        return _blocked_attention(*args, block_q=bq, num_blocks=(T + S * (bq - 1)) // bq, **kw)
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     live = jnp.arange(S) < num_seqs
