@@ -54,10 +54,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import copy
 import dataclasses
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -69,17 +67,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-# Goals (met / missed is printed next to the numbers). llama.cpp's prefill
-# on this class of machine is ~160 tok/s for the default model.
-LLAMA_CPP_PREFILL_TOK_S = 160.0
-GOAL_DECODE1_VS_HF = 2.0
-GOAL_DECODE1_BW_FRACTION = 0.85
-GOAL_DECODE16_VS_HF = 3.0
-GOAL_E2E_TOK_S = 300.0
-GOAL_PREFILL256_VS_LLAMA_CPP = 2.0
-GOAL_PREFILL256_VS_HF = 1.3
+from jaxkv.bench_hf import DEFAULT_MODEL, HFBench
+from jaxkv.bench_report import evaluate_goals, format_report  # noqa: F401 (re-exported)
 
 TEXT = (
     "The harbour town woke before the sun. Fishermen checked their nets by lamplight, "
@@ -210,7 +199,6 @@ def measure_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     m, v = a[: a.size // 1024 * 1024].reshape(-1, 1024), np.ones(1024, np.float32)
     m @ v
     gemv = [m.nbytes / _timed(lambda: m @ v)[0] for _ in range(repeats)]
-    del a, parts, m
     one_m, multi_m, gemv_m = _median(one), _median(multi), _median(gemv)
     return dict(array_bytes=nbytes, repeats=repeats, threads=k,
                 numpy_sum_1thread_bytes_per_s=one_m, numpy_sum_threads_bytes_per_s=multi_m,
@@ -514,102 +502,6 @@ class JaxkvBench:
                     new_compiles=real.compiles - c0)
 
 
-# ------------------------------------------------------------------ Hugging Face
-
-
-class HFBench:
-    """Hugging Face transformers, torch on CPU, float32, on the same weights.
-
-    Thread count: torch's OpenMP regions stall when another process holds a
-    core (a 2-thread decode step can take 4x a 1-thread one on a busy
-    2-core machine), so decode and prefill each use whichever of {all
-    cores, 1} a short trial found faster: the peer gets its best setting."""
-
-    def __init__(self, model: str, cores: int):
-        import torch
-        import transformers as tf
-
-        self.torch = torch
-        torch.set_num_threads(cores)
-        src = _hf_source(model)
-        t = time.perf_counter()
-        kw = dict(gguf_file=src[1]) if src[1] else {}
-        self.model = tf.AutoModelForCausalLM.from_pretrained(
-            src[0], dtype=torch.float32, **kw).eval()
-        self.load_s = time.perf_counter() - t
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._keep = "logits_to_keep" in params
-        self.threads = dict(decode=cores, prefill=cores)
-        self.calibration = self._calibrate(sorted({cores, 1}, reverse=True))
-        self.versions = dict(torch=torch.__version__, transformers=tf.__version__,
-                             attn_implementation=self.model.config._attn_implementation,
-                             threads=dict(self.threads), thread_trial_ms=self.calibration)
-
-    def _calibrate(self, candidates: list[int]) -> dict[str, dict[int, float]]:
-        """ms of a 4-step batch-1 decode and of a 64-token prefill per
-        thread count (each after a warm-up call); keeps the faster."""
-        vocab = self.model.config.vocab_size
-        prompt = [1 + i % (vocab - 1) for i in range(64)]
-        state = self.decode_setup([prompt[:32]])
-        ms: dict[str, dict[int, float]] = dict(decode={}, prefill={})
-        for th in candidates:
-            self.threads = dict(decode=th, prefill=th)
-            self.decode_run(state, 1), self.prefill(prompt)
-            ms["decode"][th] = 1e3 * self.decode_run(state, 4) / 4
-            ms["prefill"][th] = 1e3 * self.prefill(prompt)
-        self.threads = {k: min(t, key=t.get) for k, t in ms.items()}
-        return ms
-
-    def _forward(self, ids, cache=None):
-        kw = {self._cache_kw: cache} if cache is not None else {}
-        if self._keep:
-            kw["logits_to_keep"] = 1
-        return self.model(input_ids=ids, use_cache=True, **kw)
-
-    def prefill(self, prompt: list[int]) -> float:
-        """Seconds from the prompt to its first greedy token."""
-        self.torch.set_num_threads(self.threads["prefill"])
-        with self.torch.inference_mode():
-            t = time.perf_counter()
-            out = self._forward(self.torch.tensor([prompt]))
-            int(out.logits[0, -1].argmax())
-            return time.perf_counter() - t
-
-    def decode_setup(self, prompts: list[list[int]]) -> dict[str, Any]:
-        """Prefill equal-length prompts as one batch (untimed)."""
-        with self.torch.inference_mode():
-            out = self._forward(self.torch.tensor(prompts))
-            return dict(cache=getattr(out, self._cache_kw), first=out.logits[:, -1].argmax(-1))
-
-    def decode_run(self, state: dict[str, Any], steps: int) -> float:
-        """Seconds for `steps` greedy decode steps on a copy of the prefilled cache."""
-        self.torch.set_num_threads(self.threads["decode"])
-        cache = copy.deepcopy(state["cache"])
-        tok = state["first"]
-        with self.torch.inference_mode():
-            t = time.perf_counter()
-            for _ in range(steps):
-                out = self._forward(tok[:, None], cache)
-                cache = getattr(out, self._cache_kw)
-                tok = out.logits[:, -1].argmax(-1)
-            return time.perf_counter() - t
-
-
-def _hf_source(model: str) -> tuple[str, str | None]:
-    """(folder, gguf file name or None) for transformers' from_pretrained."""
-    if model.lower() == DEFAULT_MODEL:
-        from jaxkv.default_model import fetch_smollm2_gguf
-        path = fetch_smollm2_gguf()
-    else:
-        path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), path.name
-    if path.is_dir() and (path / "config.json").is_file():
-        return str(path), None
-    raise ValueError(f"--peer hf: {model!r} is neither a GGUF file nor a Hugging Face folder")
-
-
 def jaxkv_model_source(model: str) -> str:
     """The default model is read from its GGUF, the file HF reads too."""
     if model.lower() == DEFAULT_MODEL:
@@ -805,152 +697,6 @@ def _ttft(res: dict[str, Any]) -> dict[str, Any]:
     out["e2e_batched"] = dict(jaxkv=dict(ms_median=b["ttft_ms_median"], ms_p90=b["ttft_ms_p90"],
                                          ms_max=b["ttft_ms_max"]))
     return out
-
-
-# ------------------------------------------------------------------ goals and report
-
-
-def evaluate_goals(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal whose inputs were measured: name, where (the table row),
-    label, value, target, met."""
-    goals = []
-
-    def add(name, where, value, target, label, shown):
-        if value is not None:
-            goals.append(dict(name=name, where=where, label=label, value=value, target=target,
-                              met=bool(value >= target), shown=shown.format(value)))
-
-    d1 = res["decode"].get("batch1")
-    if d1:
-        add("decode batch 1 vs HF", "decode/batch1", d1.get("ratio"), GOAL_DECODE1_VS_HF,
-            f">= {GOAL_DECODE1_VS_HF:g}x hf", "{:.2f}x")
-        limit = res["bandwidth"]["read_bytes_per_s"] / res["model"]["weight_bytes"]
-        add("decode batch 1 vs fp32 bandwidth limit", "decode/batch1",
-            d1["jaxkv"]["tok_per_s"] / limit, GOAL_DECODE1_BW_FRACTION,
-            f">= {100 * GOAL_DECODE1_BW_FRACTION:.0f}% of bw limit {limit:.1f} tok/s", "{:.0%}")
-    d16 = res["decode"].get("batch16")
-    if d16:
-        add("decode batch 16 vs HF", "decode/batch16", d16.get("ratio"), GOAL_DECODE16_VS_HF,
-            f">= {GOAL_DECODE16_VS_HF:g}x hf", "{:.2f}x")
-    if res["e2e"].get("num_requests") == 64:
-        add("e2e 64 mixed requests, output tok/s", "e2e/batched",
-            res["e2e"]["batched"]["jaxkv"]["tok_per_s"], GOAL_E2E_TOK_S,
-            f">= {GOAL_E2E_TOK_S:g} tok/s", "{:.0f} tok/s")
-    p256 = res["prefill"].get("tokens256")
-    if p256:
-        add("prefill 256 vs llama.cpp", "prefill/tokens256",
-            p256["jaxkv"]["tok_per_s"] / LLAMA_CPP_PREFILL_TOK_S, GOAL_PREFILL256_VS_LLAMA_CPP,
-            f">= {GOAL_PREFILL256_VS_LLAMA_CPP:g}x llama.cpp "
-            f"({GOAL_PREFILL256_VS_LLAMA_CPP * LLAMA_CPP_PREFILL_TOK_S:.0f} tok/s)", "{:.2f}x")
-        add("prefill 256 vs HF", "prefill/tokens256", p256.get("ratio"), GOAL_PREFILL256_VS_HF,
-            f">= {GOAL_PREFILL256_VS_HF:g}x hf", "{:.2f}x")
-    return goals
-
-
-def _fmt(x, spec=".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def format_report(res: dict[str, Any]) -> str:
-    """The markdown table and the notes under it."""
-    goals: dict[str, list[dict]] = {}
-    for g in res["goals"]:
-        goals.setdefault(g["where"], []).append(g)
-
-    def goal_cells(where):
-        gs = goals.get(where, [])
-        return ("; ".join(g["label"] for g in gs),
-                "; ".join(f"{'met' if g['met'] else 'MISSED'} ({g['shown']})" for g in gs))
-
-    rows = [("system", "phase", "batch", "tok/s", "ratio", "goal", "met?")]
-    for key, e in res["decode"].items():
-        g, m = goal_cells(f"decode/{key}")
-        rows.append(("jaxkv", f"decode (P={e['prompt_tokens']}, N={e['decode_steps']})",
-                     str(e["batch"]), _fmt(e["jaxkv"]["tok_per_s"]),
-                     _fmt(e.get("ratio"), ".2f") + ("x vs hf" if e.get("ratio") else ""), g, m))
-        if "hf" in e:
-            rows.append(("hf", "decode", str(e["batch"]), _fmt(e["hf"]["tok_per_s"]), "", "", ""))
-    for key, e in res["prefill"].items():
-        g, m = goal_cells(f"prefill/{key}")
-        rows.append(("jaxkv", f"prefill {e['prompt_tokens']}", "1", _fmt(e["jaxkv"]["tok_per_s"]),
-                     _fmt(e.get("ratio"), ".2f") + ("x vs hf" if e.get("ratio") else ""), g, m))
-        if "hf" in e:
-            rows.append(("hf", f"prefill {e['prompt_tokens']}", "1", _fmt(e["hf"]["tok_per_s"]),
-                         "", "", ""))
-    e2e = res["e2e"]
-    n = e2e["num_requests"]
-    g, m = goal_cells("e2e/batched")
-    rows.append(("jaxkv", "e2e batched (output tok/s)", f"{n} mixed",
-                 _fmt(e2e["batched"]["jaxkv"]["tok_per_s"]),
-                 _fmt(e2e["ratio_batched_over_sequential"], ".2f") + "x vs sequential", g, m))
-    rows.append(("jaxkv", "e2e sequential (output tok/s)", f"{n} x 1",
-                 _fmt(e2e["sequential"]["jaxkv"]["tok_per_s"]), "", "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-
-    bw = res["bandwidth"]
-    meta = res["meta"]
-    notes = [
-        "",
-        f"model {meta['model']}: weights read per decode step "
-        f"{res['model']['weight_bytes'] / 1e6:.0f} MB, "
-        f"K/V {res['model']['kv_bytes_per_token'] / 1e3:.1f} kB per token",
-        f"memory read bandwidth: {bw['read_bytes_per_s'] / 1e9:.2f} GB/s (the best of, over "
-        f"{bw['array_bytes'] >> 20} MiB, medians of {bw['repeats']}: numpy sum 1 thread "
-        f"{bw['numpy_sum_1thread_bytes_per_s'] / 1e9:.2f}, {bw['threads']} threads "
-        f"{bw['numpy_sum_threads_bytes_per_s'] / 1e9:.2f}, BLAS matrix-vector "
-        f"{bw.get('blas_gemv_bytes_per_s', 0) / 1e9:.2f})",
-    ]
-    for key, e in res["decode"].items():
-        j = e["jaxkv"]
-        notes.append(
-            f"decode batch {e['batch']}: {j['step_ms']:.1f} ms per decode step "
-            f"({j['engine_calls']} "
-            f"engine calls for {j['tokens'] // e['batch']} steps; engine host overhead "
-            f"{j['host_overhead_ms_per_step']:.2f} ms/step), {j['bytes_per_s'] / 1e9:.2f} GB/s "
-            f"weights+K/V = {100 * j['bandwidth_fraction']:.0f}% of bandwidth; bandwidth limit "
-            f"{j['bandwidth_limit_tok_per_s']:.1f} tok/s"
-            + (f"; hf {e['hf']['step_ms']:.1f} ms/step" if "hf" in e else ""))
-    for key, t in res["ttft"].items():
-        if key == "e2e_batched":
-            j = t["jaxkv"]
-            notes.append(f"time to first token, e2e batched ({n} requests at once): median "
-                         f"{j['ms_median']:.0f} ms, p90 {j['ms_p90']:.0f} ms, "
-                         f"max {j['ms_max']:.0f} ms")
-        else:
-            notes.append(f"time to first token, {key.replace('prompt', '')}-token prompt: jaxkv "
-                         f"{t['jaxkv']['ms']:.0f} ms" + (f", hf {t['hf']['ms']:.0f} ms"
-                                                          if "hf" in t else ""))
-    for mode in ("batched", "sequential"):
-        j = e2e[mode]["jaxkv"]
-        notes.append(f"e2e {mode}: {j['output_tokens']} output + {j['prompt_tokens']} "
-                     f"prompt tokens "
-                     f"in {j['seconds']:.1f} s ({j['total_tok_per_s']:.1f} total tok/s, "
-                     f"{j['runs']} run(s)), {j['engine_calls']} engine calls, host overhead "
-                     f"{j['host_overhead_ms_per_call']:.1f} ms/call "
-                     f"({100 * j['host_overhead_s'] / j['seconds']:.0f}%)")
-    c = res["compile"]
-    notes.append(f"compiles: {c['programs']} step programs; {c['xla_compiles']} XLA compiles "
-                 f"({c['cache_hits']} from the persistent cache), {c['seconds']:.1f} s compiling; "
-                 f"warm-up {c['warm_up_s']:.0f} s")
-    late = {f"{ph}/{k}": e["jaxkv"]["new_compiles_in_timed_runs"] for ph in ("decode", "prefill")
-            for k, e in res[ph].items() if e["jaxkv"]["new_compiles_in_timed_runs"]}
-    late.update({f"e2e/{m}": e2e[m]["jaxkv"]["new_compiles_in_timed_runs"]
-                 for m in ("batched", "sequential")
-                 if e2e[m]["jaxkv"]["new_compiles_in_timed_runs"]})
-    if late:
-        notes.append(f"WARNING: timed runs compiled new programs: {late}")
-    if "hf_threads" in meta:
-        th = meta["hf_threads"]
-        notes.append(f"hf torch threads (faster in a short trial): decode {th['decode']}, "
-                     f"prefill {th['prefill']}; trial ms {meta['hf_thread_trial_ms']}")
-    notes.append(f"{meta['date']}, {meta['cpu']} ({meta['cores']} cores), jax {meta['jax']}"
-                 + (f", torch {meta['hf_torch']}, transformers {meta['hf_transformers']}"
-                    if "hf_torch" in meta else "")
-                 + f"; load average {meta['loadavg_start']} -> {meta['loadavg_end']}; "
-                   f"medians of {meta['runs']} runs; total {meta['total_s']:.0f} s")
-    return "\n".join(lines + notes)
 
 
 def _parser() -> argparse.ArgumentParser:
