@@ -57,6 +57,19 @@ _MASK_VALUE = -1e30
 _KEY_CHUNK = 128  # keys per online-softmax step of the prefill path
 
 
+def _gather_pages(k_pages, v_pages, k_scale, v_scale, pages):
+    """K and V of `pages` [N, n] as float32 [KVH, N, n * page_size, D],
+    dequantized when the cache is int8."""
+    KVH, _, page_size, D = k_pages.shape
+    kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, N, n, page_size, D]
+    vb = v_pages[:, pages].astype(jnp.float32)
+    if k_scale is not None:
+        kb = kb * k_scale[:, pages][..., None]
+        vb = vb * v_scale[:, pages][..., None]
+    shape = (KVH, pages.shape[0], pages.shape[1] * page_size, D)
+    return kb.reshape(shape), vb.reshape(shape)
+
+
 def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                        num_seqs, *, block_q, num_blocks, sm_scale, sliding_window,
                        soft_cap, k_scale, v_scale, num_sink_tokens):
@@ -118,13 +131,7 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     def step(j, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk_pages, chunk_pages, axis=1)
-        kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, NB, chunk_pages, page_size, D]
-        vb = v_pages[:, pages].astype(jnp.float32)
-        if k_scale is not None:
-            kb = kb * k_scale[:, pages][..., None]
-            vb = vb * v_scale[:, pages][..., None]
-        kb = kb.reshape(KVH, num_blocks, chunk, D)
-        vb = vb.reshape(KVH, num_blocks, chunk, D)
+        kb, vb = _gather_pages(k_pages, v_pages, k_scale, v_scale, pages)  # [KVH, NB, chunk, D]
         key_pos = j * chunk + jnp.arange(chunk)
         key_live = key_pos[None, :] < kv_len[:, None]  # [NB, chunk]
         if sliding_window is not None:
@@ -178,13 +185,7 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
     rows = jnp.where(live, cu_q_lens[:-1], T)  # T = out of range: dropped on scatter
     qs = q[jnp.minimum(rows, T - 1)].astype(jnp.float32)
     qs = qs.reshape(S, KVH, G, D).transpose(1, 0, 2, 3)  # [KVH, S, G, D]
-    kb = k_pages[:, block_tables].astype(jnp.float32)  # [KVH, S, pages_per_seq, page_size, D]
-    vb = v_pages[:, block_tables].astype(jnp.float32)
-    if k_scale is not None:
-        kb = kb * k_scale[:, block_tables][..., None]
-        vb = vb * v_scale[:, block_tables][..., None]
-    kb = kb.reshape(KVH, S, C, D)
-    vb = vb.reshape(KVH, S, C, D)
+    kb, vb = _gather_pages(k_pages, v_pages, k_scale, v_scale, block_tables)  # [KVH, S, C, D]
 
     key_pos = jnp.arange(C)
     key_live = key_pos[None, :] < kv_lens[:, None]  # [S, C]; causal, as the row is the last token
