@@ -106,7 +106,7 @@ def format_report(res: dict[str, Any]) -> str:
         f"{bw['array_bytes'] >> 20} MiB, medians of {bw['repeats']}: numpy sum 1 thread "
         f"{bw['numpy_sum_1thread_bytes_per_s'] / 1e9:.2f}, {bw['threads']} threads "
         f"{bw['numpy_sum_threads_bytes_per_s'] / 1e9:.2f}, BLAS matrix-vector "
-        f"{bw.get('blas_gemv_bytes_per_s', 0) / 1e9:.2f})",
+        f"{bw['blas_gemv_bytes_per_s'] / 1e9:.2f})",
     ]
     for key, e in res["decode"].items():
         j = e["jaxkv"]

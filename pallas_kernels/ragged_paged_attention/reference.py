@@ -27,7 +27,9 @@ query's position, nothing behind every row's sliding window. A batch of
 decodes (every q_len <= 1) takes a one-row-per-sequence path
 (`_decode_attention`, multiply-and-reduce); a batch with prefill chunks
 takes blocks of `prefill_block(T, S)` rows. Both are traced; `lax.cond`
-picks one at run time.
+picks one at run time. The decode path reads every page of the block table,
+so callers keep `pages_per_seq` (its width) as small as their longest
+sequence needs.
 """
 
 from __future__ import annotations

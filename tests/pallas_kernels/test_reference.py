@@ -118,3 +118,31 @@ def test_reference_window_with_released_pages_and_sinks(sinks):
     got = _run(released, **kw)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_reference_long_context_spans_several_key_chunks(window):
+    """Contexts of several 128-key chunks (page size 8: 16 pages a chunk),
+    prefill chunks whose queries stop in different chunks, and with a window
+    the chunks wholly behind it released to the NaN trash page: the prefill
+    path's loop must start, stop and carry its softmax right."""
+    rng = np.random.default_rng(5)
+    ps = 8
+    # with the window, every query's oldest key is past the first chunk
+    q_lens, kv_lens = [20, 1, 64, 30], [300, 260, 250, 290]
+    case = make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=6, num_kv_heads=2,
+                     head_dim=16, page_size=ps, pad_tokens=5, pad_seqs=1)
+    kw = dict(sm_scale=0.25, sliding_window=window)
+    want = naive_attention(**case, **kw)
+    if window is not None:
+        case["k_pages"][:, 0] = np.nan
+        case["v_pages"][:, 0] = np.nan
+        for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+            oldest = kv_len - q_len - window + 1
+            for j in range(case["block_tables"].shape[1]):
+                if (j + 1) * ps <= oldest:
+                    case["block_tables"][s, j] = 0
+        assert (case["block_tables"] == 0).sum() >= 40
+    got = _run(case, **kw)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
