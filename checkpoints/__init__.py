@@ -1,6 +1,6 @@
 """Checkpoint loading and conversion: Hugging Face safetensors dirs, GGUF files
 and jaxkv's own orbax-checkpoint format. Every loader returns
-``(config, params)`` with params as described in `checkpoints.params`."""
+``(config, params)`` with params as described in `jaxkv.model.params`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import numpy as np
 
 from checkpoints.gguf_io import is_gguf, load_gguf
 from checkpoints.jaxkv_format import MARKER, is_jaxkv_checkpoint, restore, save
-from checkpoints.params import check_params, expected_shapes
 from checkpoints.safetensors_io import load_hf_dir
+from checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from jaxkv.config import ModelConfig
+from jaxkv.model.params import check_params, expected_shapes
 from jaxkv.tokenizer import Tokenizer
 
 __all__ = ["check_params", "detect_kind", "expected_shapes", "load_checkpoint", "load_config", "load_gguf",
@@ -44,7 +45,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
     from checkpoints.gguf_io import read_gguf_metadata
     from checkpoints.safetensors_io import read_hf_config
-    from jaxkv.config import from_gguf_metadata
+    from checkpoints.model_config import from_gguf_metadata
 
     kind = detect_kind(path)
     if kind == "jaxkv":
@@ -69,4 +70,4 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = N
         tok = Tokenizer.from_hf_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
         return config, params, tok
     config, params, info = load_gguf(path, dtype=dtype, progress=progress)
-    return config, params, Tokenizer.from_gguf(info)
+    return config, params, tokenizer_from_gguf(info)

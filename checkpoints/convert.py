@@ -11,7 +11,7 @@ from pathlib import Path
 
 from checkpoints import load_checkpoint
 from checkpoints.jaxkv_format import save
-from checkpoints.params import cast_params
+from checkpoints.dtypes import cast_params
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", *,

@@ -1,5 +1,5 @@
 """GGUF checkpoints (llama.cpp): metadata -> ModelConfig, tensors -> params,
-``tokenizer.*`` metadata -> tokenizer_info for `jaxkv.tokenizer.Tokenizer.from_gguf`.
+``tokenizer.*`` metadata -> tokenizer_info for `checkpoints.gguf_tokenizer.tokenizer_from_gguf`.
 
 Tensors are dequantized with ``gguf.quants.dequantize`` into HF layout ([out, in]
 rows, numpy order = reversed GGUF ``ne``), renamed to HF names through the
@@ -23,8 +23,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from checkpoints.model_config import from_gguf_metadata
 from checkpoints.safetensors_io import hf_to_params
-from jaxkv.config import ModelConfig, from_gguf_metadata
+from jaxkv.config import ModelConfig
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_TYPES = {

@@ -21,8 +21,9 @@ from typing import Mapping
 import numpy as np
 import orbax.checkpoint as ocp
 
-from checkpoints.params import DTYPES, cast_params, check_params
+from checkpoints.dtypes import DTYPES, cast_params
 from jaxkv.config import ModelConfig
+from jaxkv.model.params import check_params
 from jaxkv.tokenizer import Tokenizer
 
 MARKER = "jaxkv_checkpoint.json"

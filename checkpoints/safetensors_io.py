@@ -7,7 +7,7 @@ raises a ValueError naming the file instead of a raw numpy/struct error.
 
 HF tensor names map to jaxkv names through the explicit table `hf_tensor_map`
 (gpt-fast ``convert_hf_checkpoint`` style): every tensor's shape is checked and
-missing or unexpected tensors raise. Legend as in `checkpoints.params`.
+missing or unexpected tensors raise. Legend as in `jaxkv.model.params`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from checkpoints.params import check_params, expected_shapes, resolve_dtype, shape_problems
-from jaxkv.config import ModelConfig, from_hf_config
+from checkpoints.dtypes import resolve_dtype
+from checkpoints.model_config import from_hf_config
+from jaxkv.config import ModelConfig
+from jaxkv.model.params import check_params, expected_shapes, shape_problems
 
 _ST_DTYPES = {
     "F64": np.dtype("<f8"),

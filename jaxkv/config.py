@@ -2,7 +2,8 @@
 
 ModelConfig is built by exactly one function per source: `from_hf_config` for a
 Hugging Face ``config.json`` dict and `from_gguf_metadata` for GGUF key/values.
-Both validate with `ModelConfig.validate`, which names the offending field.
+Both live in `checkpoints.model_config` and validate with
+`ModelConfig.validate`, which names the offending field.
 
 Shape legend used throughout jaxkv: B batch, T tokens, S sequences, L layers,
 H query heads, K/KVH kv heads, D head dim, P pages, V vocab, E embed,
@@ -14,25 +15,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-# Hugging Face `architectures` / `model_type` values we can run: all are the
-# same decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP); they differ only in
-# biases, windows and defaults, which the config fields carry.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from pallas_kernels.ragged_paged_attention import BACKENDS as ATTENTION_BACKENDS
+
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+    """RoPE scaling. "linear": every inverse frequency divided by `factor`
+    (positions interpolated). "llama3": frequency-dependent (long
+    wavelengths divided by `factor`, short ones kept, a smooth band between),
+    which also uses the three fields after `factor`."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_scaling: unsupported rope_type {self.rope_type!r} "
+                             "(supported: 'llama3', 'linear')")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling: factor must be positive, got {self.factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,162 +114,6 @@ class ModelConfig:
         return cls(**d)
 
 
-def _require(cfg: Mapping[str, Any], key: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"{key}: missing from config")
-    return cfg[key]
-
-
-def _eos_tuple(eos: Any) -> tuple[int, ...]:
-    if eos is None:
-        return ()
-    if isinstance(eos, (list, tuple)):
-        return tuple(int(e) for e in eos)
-    return (int(eos),)
-
-
-def _rope_scaling_from_hf(rs: Mapping[str, Any] | None) -> RopeScaling | None:
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (supported: 'llama3')")
-    return RopeScaling(
-        factor=float(_require(rs, "factor")),
-        low_freq_factor=float(_require(rs, "low_freq_factor")),
-        high_freq_factor=float(_require(rs, "high_freq_factor")),
-        original_max_position_embeddings=int(_require(rs, "original_max_position_embeddings")),
-    )
-
-
-def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face ``config.json`` dict."""
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type")
-    arch = None
-    for a in archs:
-        if a in SUPPORTED_ARCHITECTURES:
-            arch = SUPPORTED_ARCHITECTURES[a]
-            break
-    if arch is None:
-        if archs:
-            raise ValueError(
-                f"architectures: unknown architecture {archs!r}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type: unknown architecture {model_type!r}; supported: "
-                f"{sorted(SUPPORTED_MODEL_TYPES)}"
-            )
-        arch = model_type
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = cfg.get("head_dim") or (hidden // heads if hidden % heads == 0 else None)
-    if head_dim is None:
-        raise ValueError(f"head_dim: hidden_size {hidden} not divisible by num_attention_heads {heads}")
-    if arch == "qwen2":
-        bias, out_bias = True, False
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    else:
-        bias = out_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window") if arch == "mistral" else None
-    if cfg.get("mlp_bias"):
-        raise ValueError("mlp_bias: MLP biases are not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act: unsupported activation {act!r} (supported: 'silu')")
-    # transformers 5 writes "rope_parameters" (rope_theta inside); 4.x wrote
-    # "rope_theta" and "rope_scaling" at the top level.
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope_theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-    rope_scaling = rope or cfg.get("rope_scaling")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(_require(cfg, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size")),
-        num_layers=int(_require(cfg, "num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
-        rope_theta=float(rope_theta),
-        rope_scaling=_rope_scaling_from_hf(rope_scaling),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bias,
-        attention_out_bias=out_bias,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        sliding_window=int(window) if window else None,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
-    )
-
-
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-
-
-def from_gguf_metadata(meta: Mapping[str, Any], *, vocab_size: int | None = None,
-                       tied: bool | None = None) -> ModelConfig:
-    """Build a ModelConfig from decoded GGUF metadata (``general.architecture``,
-    ``{arch}.block_count``, ...). ``vocab_size`` and ``tied`` come from the tensor
-    list when the metadata lacks them (llama.cpp omits ``vocab_size``; tied models
-    simply have no ``output.weight`` tensor)."""
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"general.architecture: unknown architecture {arch!r}; supported: "
-            f"{sorted(GGUF_ARCHITECTURES)}"
-        )
-
-    def get(key, default=None, required=True):
-        full = f"{arch}.{key}"
-        if full in meta:
-            return meta[full]
-        if required and default is None:
-            raise ValueError(f"{full}: missing from GGUF metadata")
-        return default
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    kv_heads = int(get("attention.head_count_kv", heads))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    vocab = vocab_size if vocab_size is not None else get("vocab_size", None, required=False)
-    if vocab is None:
-        tokens = meta.get("tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ValueError("vocab_size: not in GGUF metadata and no tokenizer.ggml.tokens")
-        vocab = len(tokens)
-    rope_scaling = None
-    if meta.get(f"{arch}.rope.scaling.type") not in (None, "none", "linear") and \
-            meta.get(f"{arch}.rope.scaling.type") != "llama3":
-        raise ValueError(f"{arch}.rope.scaling.type: unsupported {meta[f'{arch}.rope.scaling.type']!r}")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    window = get("attention.sliding_window", None, required=False)
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings=bool(tied) if tied is not None else False,
-        attention_bias=arch == "qwen2",
-        max_position_embeddings=int(get("context_length", 2048)),
-        sliding_window=int(window) if window else None,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_tuple(eos),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry: `num_pages` pages (page 0 is the trash page) of
@@ -282,52 +132,64 @@ class CacheConfig:
             raise ValueError(f"kv_dtype: unsupported {self.kv_dtype!r}")
 
 
+def _opt(default, help: str, **meta):
+    """A config field with its help text (the CLI builds its options from these)."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model.
+    """How the engine runs a model. Every field is a `jaxkv` command option
+    (``--max-num-seqs`` for `max_num_seqs`) and an `LLM(...)` keyword."""
 
-    The page pool is `num_pages` pages when given, else sized from
-    `kv_cache_memory` bytes, else from `gpu_memory_utilization` of the
-    device's free memory where the device reports it, else 1 GiB.
-    `max_model_len` caps prompt + output (default: the model's maximum
-    positions, or the pool, whichever is smaller).
-    """
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.8
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
-    dtype: str = "float32"
-    kv_dtype: str | None = None  # default: same as dtype
-    quantize: str | None = None  # "int8" weight-only; "w8a8" int8 dots for batched CPU steps
-    num_decode_steps: int = 8  # decode steps per jitted call when only decodes run
-    kv_eviction: str | None = None  # "streaming": attention sinks + a recent window
-    streaming_window: int = 1024  # recent tokens kept by "streaming" eviction
-    num_sink_tokens: int = 4  # first tokens kept by "streaming" eviction
-    seed: int = 0
+    max_num_seqs: int = _opt(64, "most sequences in one step")
+    max_num_batched_tokens: int = _opt(
+        512, "token budget of one step; longer prompts are prefilled in chunks")
+    page_size: int = _opt(16, "tokens per KV cache page")
+    num_pages: int | None = _opt(None, "KV pages in the pool (default: sized from "
+                                       "--kv-cache-memory)")
+    kv_cache_memory: int | None = _opt(
+        None, "bytes for the KV cache (default: --gpu-memory-utilization of free device "
+              "memory, or 1 GiB where the device does not report it)", parse="bytes")
+    gpu_memory_utilization: float = _opt(0.8, "fraction of free device memory for the KV "
+                                              "cache when --kv-cache-memory is not given")
+    max_model_len: int | None = _opt(None, "cap on prompt + output tokens (default: the "
+                                           "model's context, or the pool, if smaller)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV pages of shared prompt prefixes")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    attention_backend: str = _opt(
+        "auto", "auto: the Pallas kernel on TPU/GPU, the jnp reference on CPU; pallas on CPU "
+                "runs the kernels in interpret mode (slow, for testing)",
+        choices=ATTENTION_BACKENDS)
+    dtype: str = _opt("float32", "weight and activation dtype",
+                      choices=("float32", "bfloat16"))
+    kv_dtype: str | None = _opt(None, "KV cache dtype (default: same as --dtype)",
+                                choices=("float32", "bfloat16", "int8"))
+    quantize: str | None = _opt(
+        None, "int8: weight-only int8 matmul weights with per-channel scales (a quarter of "
+              "the fp32 bytes; for accelerators). w8a8: int8 x int8 dots for steps of 16+ "
+              "rows (faster batched decode on CPU), fp32 below", choices=("int8", "w8a8"))
+    num_decode_steps: int = _opt(8, "decode steps per jitted call when only decodes run")
+    kv_eviction: str | None = _opt(
+        None, "streaming: keep attention sinks plus a recent window (StreamingLLM), so "
+              "generation runs past the pool with bounded memory", choices=("streaming",))
+    streaming_window: int = _opt(1024, "recent tokens kept by streaming eviction")
+    num_sink_tokens: int = _opt(4, "first tokens kept by streaming eviction")
+    warmup: bool = _opt(True, "compile every step program at engine start (else each "
+                              "compiles on first use)")
+    seed: int = _opt(0, "base seed of the engine's sampler")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_decode_steps"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
-        if self.attention_backend not in ("auto", "reference", "pallas"):
-            raise ValueError(f"attention_backend: must be 'auto', 'reference' or 'pallas', "
-                             f"got {self.attention_backend!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.kv_dtype not in (None, "float32", "bfloat16", "int8"):
-            raise ValueError(f"kv_dtype: must be 'float32', 'bfloat16' or 'int8', got {self.kv_dtype!r}")
-        if self.quantize not in (None, "int8", "w8a8"):
-            raise ValueError(f"quantize: must be None, 'int8' or 'w8a8', got {self.quantize!r}")
-        if self.kv_eviction not in (None, "streaming"):
-            raise ValueError(f"kv_eviction: must be None or 'streaming', got {self.kv_eviction!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            v = getattr(self, f.name)
+            if choices and v is not None and v not in choices:
+                raise ValueError(f"{f.name}: must be one of {choices}"
+                                 f"{' or None' if f.default is None else ''}, got {v!r}")
         if self.streaming_window <= 0 or self.num_sink_tokens < 0:
             raise ValueError("streaming_window must be positive and num_sink_tokens >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -5,7 +5,7 @@
 
 import sys
 
-from jaxkv.cli import main
+from jaxkv.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["batch", *sys.argv[1:]]))

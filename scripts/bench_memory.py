@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.block_manager import BlockManager, OutOfPages
+from jaxkv.core.block_manager import BlockManager, OutOfPages
 
 GOAL_LIVE = 0.95  # fraction of allocated slots that hold live tokens (paged)
 GOAL_CONCURRENCY = 2.5  # mean concurrent sequences, paged / contiguous

@@ -15,10 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.quality_utils import (agreement, greedy_outputs, mean_loglik,  # noqa: E402
-                                 teacher_forced_agreement)
+from quality_lib import agreement, greedy_outputs, mean_loglik, teacher_forced_agreement
 
 
 def main(argv=None):
@@ -32,8 +29,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     from checkpoints import load_checkpoint
-    from jaxkv.llm import resolve_model_path
-    from jaxkv.model import Llama
+    from checkpoints.known_models import resolve_model_path
+    from jaxkv.model.llama import Llama
 
     config, params, tok = load_checkpoint(resolve_model_path(a.model))
     t0 = time.perf_counter()

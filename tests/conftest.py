@@ -16,7 +16,7 @@ def smollm2_gguf() -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"JAXKV_TEST_GGUF={env} is not a file")
         return path
-    from jaxkv.default_model import fetch_smollm2_gguf
+    from checkpoints.known_models import fetch_smollm2_gguf
 
     return fetch_smollm2_gguf()
 
@@ -43,7 +43,7 @@ def hf_smollm2(smollm2_gguf):
 def smollm2(smollm2_gguf):
     """(Llama module float32, Tokenizer) loaded by jaxkv from the GGUF."""
     from checkpoints import load_checkpoint
-    from jaxkv.model import Llama
+    from jaxkv.model.llama import Llama
 
     config, params, tok = load_checkpoint(smollm2_gguf)
     return Llama.from_params(config, params), tok

@@ -3,14 +3,15 @@ direct call of the jaxkv model that returns logits at chosen rows."""
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention import StepBatch
 from jaxkv.config import CacheConfig
-from jaxkv.kv_cache import create_cache
-from jaxkv.runner import Buckets, SeqInput, build_batch
+from jaxkv.model.kv_cache import create_cache
+from jaxkv.worker.scoring import prefill_logits
 
 
 def make_hf_model(kind: str, tmp_path, **overrides):
@@ -56,34 +57,18 @@ def nan_cache(model_cfg, num_pages, page_size, kv_dtype="float32"):
         lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x, cache)
 
 
-def step_logits(model, cache, seqs: list[SeqInput], page_size: int, rows_per_seq: bool = False):
+class Seq(NamedTuple):
+    """One sequence of a direct model call: its rows' tokens, the position of
+    the first, its pages in order."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+
+
+def step_logits(model, cache, seqs: list[Seq], page_size: int, rows_per_seq: bool = False):
     """Run the model once on `seqs`; return (list of logits arrays, cache).
     Each entry is [q_len, V] (every row of the sequence) when rows_per_seq,
     else [V] (its last row)."""
-    T = sum(len(s.token_ids) for s in seqs)
-    max_pages = max(len(s.block_table) for s in seqs)
-    batch, _ = build_batch(seqs, page_size, Buckets((max(T, 1),), (len(seqs),), (max_pages,)))
-    if rows_per_seq:
-        # One logits row per token: pad the sequence axis of logits_indices
-        # to T rows (only cu_q_lens / kv_lens describe the real sequences).
-        S = len(seqs)
-        idx = np.arange(T, dtype=np.int32)
-        pad = T - S
-        if pad > 0:
-            batch = _pad_seqs(batch, pad)
-        batch = StepBatch(**{**batch.__dict__, "logits_indices": idx})
-    logits, cache = jax.jit(lambda c, b: model(c, b))(cache, batch)
-    logits = np.asarray(logits)
-    if rows_per_seq:
-        cu = batch.cu_q_lens
-        return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))], cache
-    return [logits[i] for i in range(len(seqs))], cache
-
-
-def _pad_seqs(batch: StepBatch, pad: int) -> StepBatch:
-    d = dict(batch.__dict__)
-    d["cu_q_lens"] = np.concatenate([d["cu_q_lens"], np.full(pad, d["cu_q_lens"][-1], np.int32)])
-    d["kv_lens"] = np.concatenate([d["kv_lens"], np.zeros(pad, np.int32)])
-    d["block_tables"] = np.concatenate(
-        [d["block_tables"], np.zeros((pad, d["block_tables"].shape[1]), np.int32)])
-    return StepBatch(**d)
+    assert cache.page_size == page_size
+    return prefill_logits(model, [tuple(s) for s in seqs], cache, rows_per_seq=rows_per_seq)

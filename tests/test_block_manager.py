@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxkv.block_manager import (
+from jaxkv.core.block_manager import (
     TRASH_PAGE,
     BlockManager,
     OutOfPages,

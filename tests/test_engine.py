@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from jaxkv.config import EngineConfig, ModelConfig
-from jaxkv.engine import LLMEngine
-from jaxkv.model import Llama
-from jaxkv.sequence import SamplingParams
+from jaxkv.core.engine import LLMEngine
+from jaxkv.model.llama import Llama
+from jaxkv.core.sampling_params import SamplingParams
+from tests.compile_count import count_compiles
 
 CFG = ModelConfig(architecture="llama", vocab_size=211, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -21,7 +22,7 @@ def model():
 
 
 def _alone(model, prompt, params=GREEDY):
-    eng = LLMEngine(model, None, EngineConfig(num_pages=80, page_size=8, max_num_seqs=4,
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=80, page_size=8, max_num_seqs=4,
                                               max_num_batched_tokens=128,
                                               enable_prefix_caching=False))
     rid = eng.add_request(prompt, params)
@@ -35,7 +36,7 @@ def test_batch_invariance_with_preemption_chunking_and_prefix_hits(model):
     for i in range(64):
         pre = prefixes[i % 3] if i % 4 else []
         prompts.append(pre + list(rng.integers(0, 211, int(rng.integers(1, 30)))))
-    eng = LLMEngine(model, None, EngineConfig(num_pages=40, page_size=8, max_num_seqs=16,
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=40, page_size=8, max_num_seqs=16,
                                               max_num_batched_tokens=64))
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     final = eng.run_to_completion()
@@ -53,7 +54,7 @@ def test_prefix_cache_prefills_only_new_tokens(model):
     rng = np.random.default_rng(1)
     shared = list(rng.integers(0, 211, 64))
     a, b = shared + [5, 6, 7], shared + [9, 10, 11, 12, 13]
-    eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8))
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=64, page_size=8))
     ra = eng.add_request(a, GREEDY)
     eng.run_to_completion()
     before = eng.stats["prompt_tokens_computed"]
@@ -66,7 +67,7 @@ def test_prefix_cache_prefills_only_new_tokens(model):
 
 
 def test_every_request_finishes_with_a_reason(model):
-    eng = LLMEngine(model, None, EngineConfig(num_pages=24, page_size=8, max_num_seqs=8,
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=24, page_size=8, max_num_seqs=8,
                                               max_num_batched_tokens=64))
     ok = [eng.add_request(list(range(1, 10 + i)), SamplingParams(max_tokens=30, temperature=0))
           for i in range(4)]
@@ -111,7 +112,7 @@ def test_stop_token_and_seeded_sampling(model):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     ref = _alone(model, prompt, SamplingParams(max_tokens=10, temperature=0))
     stop_at = ref[4]
-    eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8))
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=64, page_size=8))
     r = eng.add_request(prompt, SamplingParams(max_tokens=10, temperature=0,
                                                stop_token_ids=[stop_at]))
     out = eng.run_to_completion()[r].outputs[0]
@@ -120,7 +121,7 @@ def test_stop_token_and_seeded_sampling(model):
     sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
     a = _alone(model, prompt, sp)
     # The same seed gives the same tokens inside a busy batch.
-    eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8))
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=64, page_size=8))
     for i in range(5):
         eng.add_request([7 + i] * (3 + i), SamplingParams(max_tokens=12, temperature=1.0))
     r = eng.add_request(prompt, sp)
@@ -140,7 +141,7 @@ def test_multi_step_decode_matches_single_steps(model):
     prompts[2] = prompts[0]
 
     def run(k):
-        eng = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=8, num_decode_steps=k))
+        eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=64, page_size=8, num_decode_steps=k))
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         out = eng.run_to_completion()
         return eng, [out[i].outputs[0] for i in ids]
@@ -158,20 +159,28 @@ def test_multi_step_decode_matches_single_steps(model):
     assert list(multi[1].logprobs[0].top) == list(single[1].logprobs[0].top)
 
 
-def test_two_hundred_mixed_requests_compile_a_bounded_number_of_times(model):
-    rng = np.random.default_rng(9)
+def test_after_warm_up_two_hundred_mixed_requests_compile_nothing(model):
     eng = LLMEngine(model, None, EngineConfig(num_pages=128, page_size=8, max_num_seqs=16,
                                               max_num_batched_tokens=64))
-    for i in range(200):
-        eng.add_request(list(rng.integers(0, 211, int(rng.integers(1, 60)))),
-                        SamplingParams(max_tokens=int(rng.integers(1, 24)),
-                                       temperature=float(rng.choice([0.0, 0.8]))))
-        if i % 20 == 19:  # requests keep arriving while others run
-            for _ in range(3):
-                eng.step()
-    eng.run_to_completion()
-    b = eng.runner.buckets
-    bound = len(b.tokens) * len(b.pages) * 2 + len(b.seqs) * len(b.pages) * 2
-    print(f"200 requests: {eng.runner.compiles} compiled programs (bound {bound})")
-    assert eng.runner.compiles <= bound
-    assert eng.runner.compiles <= 40
+    warmed = set(eng.runner.compiled)
+    assert warmed == set(eng.runner.program_keys())
+    assert eng.warmup_report["programs"] == len(warmed)
+    rng = np.random.default_rng(9)
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=20),
+             dict(temperature=1.0, top_p=0.9, min_p=0.05, seed=3), dict(temperature=0.0, logprobs=3),
+             dict(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5),
+             dict(temperature=0.0, stop_token_ids=[5, 7], min_tokens=2)]
+    with count_compiles() as compiles:
+        for i in range(200):
+            eng.add_request(list(rng.integers(0, 211, int(rng.integers(1, 150)))),
+                            SamplingParams(max_tokens=int(rng.integers(1, 40)), **kinds[i % 6]))
+            if i % 20 == 19:  # requests keep arriving while others run
+                for _ in range(3):
+                    eng.step()
+        final = eng.run_to_completion()
+    assert len(final) >= 180  # the rest finished during the interleaved steps
+    assert eng.scheduler.num_preemptions > 0 and eng.stats["decode_steps"] > eng.stats["steps"]
+    print(f"warm-up: {len(warmed)} programs in {eng.warmup_report['seconds']:.1f} s; "
+          f"200 requests: {len(compiles)} compiles")
+    assert compiles == [], f"{len(compiles)} XLA compiles after warm-up"
+    assert set(eng.runner.compiled) == warmed

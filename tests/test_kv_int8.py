@@ -3,7 +3,7 @@ log-likelihood of a fixed text barely moves and greedy outputs stay close.
 (The full 16 prompts x 64 tokens measurement is `scripts/quality.py`; this
 CI check runs 8 x 24.)"""
 
-from tests.quality_utils import agreement, greedy_outputs, mean_loglik
+from scripts.quality_lib import agreement, greedy_outputs, mean_loglik
 
 
 def test_int8_kv_cache_log_likelihood_close(smollm2):
@@ -31,8 +31,8 @@ def test_int8_rotation_is_orthonormal_and_spreads_outlier_channels():
 
     import jax.numpy as jnp
 
-    from jaxkv.kv_cache import quantize_int8
-    from jaxkv.quant import hadamard, rotate_blocks
+    from jaxkv.model.kv_cache import quantize_vectors as quantize_int8
+    from jaxkv.model.quant import hadamard, rotate_blocks
 
     from scipy.linalg import hadamard as sylvester
 

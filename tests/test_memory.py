@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxkv.config import ModelConfig
-from jaxkv.memory import (
+from jaxkv.model.memory import (
     bytes_per_token,
     kv_cache_breakdown,
     kv_cache_bytes,

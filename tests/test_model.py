@@ -7,9 +7,8 @@ import pytest
 import jax.numpy as jnp
 
 from checkpoints.safetensors_io import load_hf_dir
-from jaxkv.model import Llama
-from jaxkv.runner import SeqInput
-from tests.model_utils import hf_logits, make_hf_model, nan_cache, step_logits
+from jaxkv.model.llama import Llama
+from tests.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -46,7 +45,7 @@ def test_logits_match_hf_every_position(pair):
     tokens = list(np.random.default_rng(1).integers(0, 128, 37))
     want = hf_logits(hf, tokens)
     cache = nan_cache(model.config, 16, PAGE)
-    (got,), _ = step_logits(model, cache, [SeqInput(tokens, 0, [9, 3, 14, 6, 11])], PAGE,
+    (got,), _ = step_logits(model, cache, [Seq(tokens, 0, [9, 3, 14, 6, 11])], PAGE,
                             rows_per_seq=True)
     _close(got, want)
 
@@ -59,12 +58,12 @@ def test_chunked_prefill_then_decode_matches_hf(pair):
     cache = nan_cache(model.config, 16, PAGE)
     pos = 0
     for chunk in (5, 1, 11):  # uneven chunks crossing page boundaries
-        (got,), cache = step_logits(model, cache, [SeqInput(tokens[pos:pos + chunk], pos, table)],
+        (got,), cache = step_logits(model, cache, [Seq(tokens[pos:pos + chunk], pos, table)],
                                     PAGE, rows_per_seq=True)
         _close(got, want[pos:pos + chunk])
         pos += chunk
     while pos < len(tokens):  # then one token at a time
-        (got,), cache = step_logits(model, cache, [SeqInput(tokens[pos:pos + 1], pos, table)], PAGE)
+        (got,), cache = step_logits(model, cache, [Seq(tokens[pos:pos + 1], pos, table)], PAGE)
         _close(got, want[pos])
         pos += 1
 
@@ -78,10 +77,10 @@ def test_mixed_step_matches_each_sequence_alone(pair):
     cache = nan_cache(model.config, 16, PAGE)
     # Step 1: prefill the prompts up to a cut; seq 1 is fully prefilled.
     cut = [12, 4, 17, 8]
-    _, cache = step_logits(model, cache, [SeqInput(s[:c], 0, t) for s, c, t in
+    _, cache = step_logits(model, cache, [Seq(s[:c], 0, t) for s, c, t in
                                           zip(seqs, cut, tables)], PAGE)
     # Step 2: a mix of prefill chunks (seqs 0, 2) and single-token steps.
-    step = [SeqInput(s[c:c + n], c, t) for s, c, t, n in zip(seqs, cut, tables, (7, 0, 9, 1))
+    step = [Seq(s[c:c + n], c, t) for s, c, t, n in zip(seqs, cut, tables, (7, 0, 9, 1))
             if n]
     which = [0, 2, 3]
     got, _ = step_logits(model, cache, step, PAGE, rows_per_seq=True)
@@ -97,7 +96,7 @@ def test_bfloat16_model_close_to_float32(pair):
     cfg, params = load_hf_dir(path)
     m16 = Llama.from_params(cfg, params, dtype=jnp.bfloat16)
     cache = nan_cache(cfg, 16, PAGE, kv_dtype="bfloat16")
-    (got,), _ = step_logits(m16, cache, [SeqInput(tokens, 0, [1, 2, 3])], PAGE, rows_per_seq=True)
+    (got,), _ = step_logits(m16, cache, [Seq(tokens, 0, [1, 2, 3])], PAGE, rows_per_seq=True)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 0.05, f"bfloat16 relative error {err:.3g}"
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8

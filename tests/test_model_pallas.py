@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from jaxkv.config import EngineConfig, ModelConfig
-from jaxkv.engine import LLMEngine
-from jaxkv.model import Llama
-from jaxkv.sequence import SamplingParams
+from jaxkv.core.engine import LLMEngine
+from jaxkv.model.llama import Llama
+from jaxkv.core.sampling_params import SamplingParams
 
 CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
                   num_layers=2, num_heads=6, num_kv_heads=2, head_dim=64,
@@ -16,7 +16,7 @@ CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermedi
 
 def _run(backend, prompts, kv_dtype=None):
     model = Llama.random_init(CFG, seed=3)
-    eng = LLMEngine(model, None, EngineConfig(num_pages=32, page_size=8, max_num_seqs=4,
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=32, page_size=8, max_num_seqs=4,
                                               max_num_batched_tokens=32, kv_dtype=kv_dtype,
                                               attention_backend=backend))
     ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0)) for p in prompts]

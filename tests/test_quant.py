@@ -5,10 +5,9 @@ import numpy as np
 import jax.numpy as jnp
 
 from checkpoints.safetensors_io import load_hf_dir
-from jaxkv.model import Llama
-from jaxkv.quant import Dense, quantize_int8
-from jaxkv.runner import SeqInput
-from tests.model_utils import hf_logits, make_hf_model, nan_cache, step_logits
+from jaxkv.model.llama import Llama
+from jaxkv.model.quant import Dense, quantize_weight as quantize_int8
+from tests.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
 
 
 def test_int8_dense_matches_numpy_dequantized_matmul():
@@ -33,7 +32,7 @@ def test_int8_model_logits_close_to_hf(tmp_path):
     want = hf_logits(hf, tokens)
     m8 = Llama.from_params(cfg, params, quantize="int8")
     assert m8.layers[0].w_down.w[...].dtype == jnp.int8
-    (got,), _ = step_logits(m8, nan_cache(cfg, 8, 8), [SeqInput(tokens, 0, [1, 2, 3, 4])], 8,
+    (got,), _ = step_logits(m8, nan_cache(cfg, 8, 8), [Seq(tokens, 0, [1, 2, 3, 4])], 8,
                             rows_per_seq=True)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < err < 0.03, err

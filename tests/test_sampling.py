@@ -1,31 +1,47 @@
 """The in-jit sampler against numpy oracles."""
 
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.sampling import SamplingBatch, sample
+from jaxkv.worker.sampler import sample
+from jaxkv.worker.step_batch import PenaltyBatch, SamplingBatch
 
 V = 40
 
 
+class _Batch(NamedTuple):
+    sampling: SamplingBatch
+    num_output: jax.Array
+    penalties: PenaltyBatch
+
+
 def _batch(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, index=None,
-           presence=0.0, frequency=0.0, repetition=1.0, history=None, is_output=None):
+           presence=0.0, frequency=0.0, repetition=1.0, history=None, is_output=None,
+           logprobs=0):
     f = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), (S,))  # noqa: E731
+    i = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.int32), (S,))  # noqa: E731
     hist = np.zeros((S, 0), np.int32) if history is None else history
-    return SamplingBatch(
-        temperature=f(temperature), top_k=jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (S,)),
-        top_p=f(top_p), min_p=f(min_p),
+    sb = SamplingBatch(
+        temperature=f(temperature), top_k=i(top_k), top_p=f(top_p), min_p=f(min_p),
         seeds=jnp.asarray(np.arange(S) if seeds is None else seeds, jnp.uint32),
-        sample_index=jnp.asarray(np.zeros(S) if index is None else index, jnp.int32),
-        presence_penalty=f(presence), frequency_penalty=f(frequency),
-        repetition_penalty=f(repetition), history=jnp.asarray(hist),
-        history_is_output=jnp.asarray(np.zeros(hist.shape, bool) if is_output is None
-                                      else is_output))
+        num_logprobs=i(logprobs), presence_penalty=f(presence), frequency_penalty=f(frequency),
+        repetition_penalty=f(repetition))
+    pen = PenaltyBatch(history=jnp.asarray(hist), history_is_output=jnp.asarray(
+        np.zeros(hist.shape, bool) if is_output is None else is_output))
+    return _Batch(sb, jnp.asarray(np.zeros(S) if index is None else index, jnp.int32), pen)
 
 
-_sample = jax.jit(sample, static_argnames=("num_top_logprobs", "all_greedy"))
+_jit_sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
+
+
+def _sample(logits, b: _Batch, rng, num_top_logprobs=0):
+    return _jit_sample(logits, b.sampling, rng, b.num_output, num_top_logprobs=num_top_logprobs)
+
+
 RNG = jax.random.key(0)
 
 
@@ -35,9 +51,11 @@ def _logits(S, seed=0):
 
 def test_temperature_zero_is_argmax():
     logits = _logits(16)
-    for greedy in (False, True):
-        out = _sample(jnp.asarray(logits), _batch(16, temperature=0.0), RNG, all_greedy=greedy)
-        np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
+    for all_greedy in (False, True):
+        # With one sampled row beside them the draw runs; greedy rows still argmax.
+        temps = np.zeros(16, np.float32) if all_greedy else np.r_[np.zeros(15), 1.0]
+        out = _sample(jnp.asarray(logits), _batch(16, temperature=temps), RNG)
+        np.testing.assert_array_equal(np.asarray(out.token_ids)[:15], logits.argmax(-1)[:15])
 
 
 def test_top_k_never_outside_set():
@@ -97,7 +115,8 @@ def test_empirical_frequencies_match_softmax():
 
 def test_logprobs_are_raw_log_softmax():
     logits = _logits(4, seed=9)
-    out = _sample(jnp.asarray(logits), _batch(4, temperature=0.0), RNG, num_top_logprobs=5)
+    out = _sample(jnp.asarray(logits), _batch(4, temperature=0.0, logprobs=5), RNG,
+                  num_top_logprobs=5)
     ref = logits - logits.max(-1, keepdims=True)
     ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
     np.testing.assert_allclose(out.logprob, ref[np.arange(4), logits.argmax(-1)], atol=1e-5)
@@ -111,8 +130,8 @@ def test_penalties_match_numpy():
     is_out = np.array([[False, True, True, True, False], [False, False, True, True, True]])
     sb = _batch(2, temperature=0.0, presence=0.5, frequency=0.25, repetition=1.3,
                 history=hist, is_output=is_out)
-    from jaxkv.sampling import apply_penalties
-    got = np.asarray(apply_penalties(jnp.asarray(logits), sb))
+    from jaxkv.worker.sampler import apply_penalties
+    got = np.asarray(apply_penalties(jnp.asarray(logits), sb.sampling, sb.penalties))
     want = logits.copy()
     for s in range(2):
         seen = {t for t in hist[s] if t >= 0}

@@ -6,9 +6,8 @@ import sys
 
 import numpy as np
 
-from jaxkv.runner import SeqInput
 from tests.conftest import SMOLLM2_KV_BYTES, SMOLLM2_PAGES
-from tests.model_utils import nan_cache, step_logits
+from tests.model_utils import Seq, nan_cache, step_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "Explain paged attention in one sentence."]
@@ -25,7 +24,7 @@ def test_tokenization_and_logits_match_hf(smollm2, hf_smollm2, smollm2_gguf):
     # All prompts in one ragged step, pages scrambled, unused pages NaN.
     tables = [[7, 2], [5, 11], [3, 9, 1]]
     cache = nan_cache(model.config, 12, 16)
-    got, _ = step_logits(model, cache, [SeqInput(x, 0, t) for x, t in zip(ids, tables)], 16,
+    got, _ = step_logits(model, cache, [Seq(x, 0, t) for x, t in zip(ids, tables)], 16,
                          rows_per_seq=True)
     worst = 0.0
     for prompt, x, g in zip(PROMPTS, ids, got):
@@ -40,8 +39,8 @@ def test_tokenization_and_logits_match_hf(smollm2, hf_smollm2, smollm2_gguf):
 def test_32_greedy_tokens_match_hf(smollm2, hf_smollm2):
     import torch
     from jaxkv.config import EngineConfig
-    from jaxkv.engine import LLMEngine
-    from jaxkv.sequence import SamplingParams
+    from jaxkv.core.engine import LLMEngine
+    from jaxkv.core.sampling_params import SamplingParams
 
     model, tok = smollm2
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
@@ -54,7 +53,7 @@ def test_32_greedy_tokens_match_hf(smollm2, hf_smollm2):
             past = out.past_key_values
             want.append(int(out.logits[0, -1].argmax()))
             inp = torch.tensor([[want[-1]]])
-    eng = LLMEngine(model, tok, EngineConfig(num_pages=SMOLLM2_PAGES, max_num_seqs=8,
+    eng = LLMEngine(model, tok, EngineConfig(warmup=False, num_pages=SMOLLM2_PAGES, max_num_seqs=8,
                                              max_num_batched_tokens=64))
     rid = eng.add_request({"prompt_token_ids": ids},
                           SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
@@ -65,7 +64,7 @@ def test_32_greedy_tokens_match_hf(smollm2, hf_smollm2):
 
 def test_jaxkv_generate_command_answers(smollm2_gguf):
     out = subprocess.run(
-        [sys.executable, "-m", "jaxkv.cli", "generate", "What is the capital of France?",
+        [sys.executable, "-m", "jaxkv", "generate", "What is the capital of France?",
          "--model", str(smollm2_gguf), "--max-tokens", "24", "--max-num-seqs", "8",
          "--max-num-batched-tokens", "64", "--kv-cache-memory", str(SMOLLM2_KV_BYTES)],
         capture_output=True, text=True, timeout=600)

@@ -6,6 +6,7 @@ import pytest
 import regex
 
 from checkpoints.gguf_io import read_gguf_metadata
+from checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from jaxkv.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -37,7 +38,7 @@ def smol_info(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def smol(smol_info):
-    return Tokenizer.from_gguf(smol_info)
+    return tokenizer_from_gguf(smol_info)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def tiny_gguf_info(extra_merges=(), **overrides):
 
 def test_tiny_gguf_bpe_by_hand():
     info = tiny_gguf_info()
-    tok = Tokenizer.from_gguf(info)
+    tok = tokenizer_from_gguf(info)
     idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
     # h e l l o -> he l l o -> he ll o -> hell o -> hello
     assert tok.encode("hello") == [0, idx["hello"]]
@@ -146,7 +147,7 @@ def test_tiny_gguf_merge_order():
                          (["Ġw o", "Ġwo r", "o r"], ["Ġwor", "l", "d"])]:
         info = tiny_gguf_info(extra_merges=merges)
         idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
-        tok = Tokenizer.from_gguf(info)
+        tok = tokenizer_from_gguf(info)
         assert tok.encode(" world", add_special_tokens=False) == [idx[t] for t in want], merges
 
 
@@ -202,7 +203,7 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path):
     info = spm_gguf_info()
     write_tokenizer_gguf(tmp_path / "spm.gguf", info)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
-    ours = Tokenizer.from_gguf(info)
+    ours = tokenizer_from_gguf(info)
     for text in ["hello world", " hello  world!", "hello\nworld \u00e9\U0001f600", "<|user|>hello world</s>",
                  "", "  ", "hi", "world hello<s>x"]:
         ids = ours.encode(text)
@@ -225,7 +226,7 @@ def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
     del info["tokenizer.chat_template"]
     write_tokenizer_gguf(tmp_path / "bpe.gguf", info)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="bpe.gguf")
-    ours = Tokenizer.from_gguf(info)
+    ours = tokenizer_from_gguf(info)
     idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
     assert ours.encode("1234", add_special_tokens=False) == [idx[t] for t in ids]
     for text in PROMPTS + ["hello world", "HELLO  world\n\n\tx", "1234567 abc12 x²"]:
@@ -241,7 +242,7 @@ def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
 ])
 def test_unsupported_gguf_tokenizer(key, value, match):
     with pytest.raises(ValueError, match=match):
-        Tokenizer.from_gguf(tiny_gguf_info(**{key: value}))
+        tokenizer_from_gguf(tiny_gguf_info(**{key: value}))
 
 
 def test_files_round_trip(smol, tmp_path):
@@ -315,10 +316,10 @@ def test_hf_dir_token_dicts_and_template_file(hf_dir, tmp_path):
 
 
 def test_no_template_and_sandbox():
-    tok = Tokenizer.from_gguf(tiny_gguf_info(**{"tokenizer.chat_template": None}))
+    tok = tokenizer_from_gguf(tiny_gguf_info(**{"tokenizer.chat_template": None}))
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
-    evil = Tokenizer.from_gguf(tiny_gguf_info(**{
+    evil = tokenizer_from_gguf(tiny_gguf_info(**{
         "tokenizer.chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}))
     with pytest.raises(ValueError):
         evil.apply_chat_template([{"role": "user", "content": "x"}])

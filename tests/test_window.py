@@ -7,9 +7,9 @@ import pytest
 
 from checkpoints.safetensors_io import load_hf_dir
 from jaxkv.config import EngineConfig, ModelConfig
-from jaxkv.engine import LLMEngine
-from jaxkv.model import Llama
-from jaxkv.sequence import SamplingParams
+from jaxkv.core.engine import LLMEngine
+from jaxkv.model.llama import Llama
+from jaxkv.core.sampling_params import SamplingParams
 from tests.model_utils import make_hf_model
 
 
@@ -41,7 +41,7 @@ def test_mistral_window_frees_pages_and_matches_hf(tmp_path):
             ids.append(nxt)
     # A pool of 10 pages x 4 tokens holds 36 tokens, less than the 60 the
     # sequence reaches: only freeing pages behind the window lets it finish.
-    eng = LLMEngine(model, None, EngineConfig(num_pages=10, page_size=4, max_num_batched_tokens=8))
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=10, page_size=4, max_num_batched_tokens=8))
     rid = eng.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     held, out = _held_pages_trace(eng, rid)
     assert out.outputs[0].token_ids == want
@@ -57,7 +57,7 @@ def test_streaming_eviction_runs_past_the_pool_with_bounded_pages():
     sp = SamplingParams(max_tokens=150, temperature=0)
     opts = dict(page_size=8, kv_eviction="streaming", streaming_window=24, num_sink_tokens=4,
                 max_num_batched_tokens=16)
-    eng = LLMEngine(model, None, EngineConfig(num_pages=9, **opts))  # 64 tokens of pool
+    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=9, **opts))  # 64 tokens of pool
     assert eng.max_model_len > 64
     rid = eng.add_request(prompt, sp)
     held, out = _held_pages_trace(eng, rid)
@@ -66,7 +66,7 @@ def test_streaming_eviction_runs_past_the_pool_with_bounded_pages():
     assert max(held) <= 1 + 24 // 8 + 2, max(held)
     # Freeing pages changes nothing: the same run on a large pool that keeps
     # every page (same sink + window mask) gives the same tokens.
-    keep = LLMEngine(model, None, EngineConfig(num_pages=40, **opts))
+    keep = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=40, **opts))
     keep.bm.release_range = lambda *a: 0
     r2 = keep.add_request(prompt, sp)
     assert keep.run_to_completion()[r2].outputs[0].token_ids == out.outputs[0].token_ids

@@ -3,7 +3,8 @@
     ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                            num_seqs, *, sm_scale, sliding_window=None,
                            soft_cap=None, k_scale=None, v_scale=None,
-                           backend="auto", pallas_target=None, interpret=None,
+                           num_sink_tokens=0, all_decode=None, backend="auto",
+                           pallas_target=None, interpret=None,
                            kernel_options=None) -> [T, H, D]
 
 The contract (shapes, masking, padding rows) is `reference.py`'s. Backends:
@@ -15,6 +16,13 @@ The contract (shapes, masking, padding rows) is `reference.py`'s. Backends:
   if given, must name it); on CPU it runs in interpret mode, the TPU kernel by
   default (pallas_target="gpu" for the Triton one). Asking for a kernel the
   platform cannot run raises ValueError.
+
+all_decode (static): True promises that every live sequence brings at most
+one query row (a batch of decodes), False that some bring more; with
+either, implementations that keep a decode and a prefill configuration
+compile only the one that applies. None (the default) compiles both and
+picks at run time. A caller that knows the batch (the engine's scheduler
+does) saves the compile time of the other path.
 
 interpret (Pallas only): None picks the platform default (compiled on TPU /
 GPU, interpreted on CPU); True, or a `pltpu.InterpretParams` for the TPU
@@ -65,8 +73,8 @@ def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, num_sink_tokens=0, backend="auto", pallas_target=None,
-                           interpret=None, kernel_options=None):
+                           v_scale=None, num_sink_tokens=0, all_decode=None, backend="auto",
+                           pallas_target=None, interpret=None, kernel_options=None):
     """Ragged paged attention on the chosen backend (see the module docstring).
     q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
     block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D]."""
@@ -74,14 +82,19 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     if num_sink_tokens and impl != "reference":
         raise ValueError("num_sink_tokens (attention sinks for streaming eviction) is supported "
                          "by the reference backend only")
+    if all_decode not in (None, True, False):
+        raise ValueError(f"all_decode must be None, True or False, got {all_decode!r}")
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     if impl == "reference":
         if kernel_options:
             raise ValueError("kernel_options apply to Pallas kernels only")
-        return reference.ragged_paged_attention(*args, **kw, num_sink_tokens=num_sink_tokens)
-    kernel = tpu if impl == "tpu" else gpu
+        return reference.ragged_paged_attention(*args, **kw, num_sink_tokens=num_sink_tokens,
+                                                all_decode=all_decode)
+    if impl == "gpu":
+        kw["all_decode"] = all_decode
+    kernel = tpu if impl == "tpu" else gpu  # the TPU kernel has one configuration
     return kernel.ragged_paged_attention(*args, **kw, interpret=interpret,
                                          **(kernel_options or {}))
 

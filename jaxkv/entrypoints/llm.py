@@ -7,54 +7,23 @@
 
 `model` is the name of a known model (fetched and converted once into the
 cache folder) or a path: a Hugging Face folder, a GGUF file or a jaxkv
-checkpoint. Engine options (EngineConfig fields) pass as keywords.
+checkpoint. Engine options (EngineConfig fields) pass as keywords; the
+persistent compilation cache is on (`jaxkv.paths.enable_compilation_cache`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Sequence
 
-import jax.numpy as jnp
-
-from jaxkv.engine import LLMEngine
-from jaxkv.sequence import RequestOutput, SamplingParams
-
-KNOWN_MODELS = ("smollm2-135m-instruct",)
-
-
-def resolve_model_path(model: str) -> Path:
-    """A known model name -> its converted jaxkv checkpoint (fetching and
-    converting it on first use); anything else must be an existing path."""
-    if model.lower() in KNOWN_MODELS:
-        from checkpoints.convert import convert
-        from checkpoints.jaxkv_format import is_jaxkv_checkpoint
-        from jaxkv.default_model import default_cache_dir, fetch_smollm2_gguf
-
-        dst = default_cache_dir() / "models" / model.lower()
-        if not is_jaxkv_checkpoint(dst):
-            gguf = fetch_smollm2_gguf()
-            convert(gguf, dst, "float32")
-        return dst
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model: {model!r} is neither a known model name "
-                         f"({', '.join(KNOWN_MODELS)}) nor an existing path")
-    return path
-
-
-def load_model(model: str, *, dtype: str = "float32", quantize: str | None = None):
-    """-> (Llama module, Tokenizer or None)."""
-    from checkpoints import load_checkpoint
-    from jaxkv.model import Llama
-
-    config, params, tokenizer = load_checkpoint(resolve_model_path(model))
-    module = Llama.from_params(config, params, dtype=jnp.dtype(dtype), quantize=quantize)
-    return module, tokenizer
+from jaxkv.core.engine import LLMEngine
+from jaxkv.core.outputs import RequestOutput
+from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.paths import enable_compilation_cache
 
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_options: Any):
+        enable_compilation_cache()
         self.engine = LLMEngine.from_pretrained(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 

@@ -1,8 +1,8 @@
 """A Flax NNX Llama-family decoder (Llama, Mistral, Qwen2) that reads and
 writes the paged KV cache through StepBatch metadata.
 
-Parameters live in the module under the flat names of
-`checkpoints.params.expected_shapes` (embed [V, E], layers.i.wq [E, H, D], ...);
+Parameters are built from the flat names of `jaxkv.model.params`
+(embed [V, E], layers.i.wq [E, H, D], ...), with q/k/v and gate/up fused;
 the cache is passed in and returned. GQA: H query heads share KVH kv heads
 (MHA when H == KVH, MQA when KVH == 1).
 """
@@ -16,50 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.attention import StepBatch, paged_attention
 from jaxkv.config import ModelConfig
-from jaxkv.kv_cache import KVCache, write_layer
-from jaxkv.quant import Dense, rotate_blocks
+from jaxkv.model.attention import AttentionSpec, paged_attention
+from jaxkv.model.kv_cache import KVCache, write_layer
+from jaxkv.model.layers import apply_rope, rms_norm, rope_frequencies
+from jaxkv.model.params import check_params
+from jaxkv.model.quant import Dense, rotate_blocks
 
 Init = Callable[[str, tuple], jax.Array]
-
-
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [D/2] with Llama-3 scaling applied when configured:
-    long wavelengths are divided by `factor`, short ones kept, and the band in
-    between interpolated smoothly."""
-    D = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    rs = config.rope_scaling
-    if rs is None:
-        return inv.astype(np.float32)
-    wavelen = 2 * np.pi / inv
-    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
-    scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
-    mid = (wavelen >= high_wl) & (wavelen <= low_wl)
-    scaled = np.where(mid, (1 - smooth) * scaled / rs.factor + smooth * scaled, scaled)
-    return scaled.astype(np.float32)
-
-
-def apply_rope(x, positions, inv_freq):
-    """x [T, N, D] rotated by positions [T] in the half-split layout (the
-    first D/2 features pair with the last D/2)."""
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def rms_norm(x, scale, eps):
-    """Normalize in float32, cast back, then scale (as Hugging Face does)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return xf.astype(x.dtype) * scale
 
 
 class Attention(nnx.Module):
@@ -116,8 +80,6 @@ class Llama(nnx.Module):
                     dtype=jnp.float32, quantize: str | None = None) -> "Llama":
         """Build from a flat name -> array dict (checkpoints.* loaders).
         `quantize="int8"`: weight-only int8 matmul weights (jaxkv.quant)."""
-        from checkpoints.params import check_params
-
         check_params(config, params)
         return cls(config, lambda name, shape: jnp.asarray(params[name], dtype), quantize)
 
@@ -137,14 +99,16 @@ class Llama(nnx.Module):
 
         return cls(config, init)
 
-    def __call__(self, cache: KVCache, batch: StepBatch, *, attention_backend: str = "auto",
-                 sliding_window: int | None = None, num_sink_tokens: int = 0):
+    def __call__(self, cache: KVCache, batch, attention: AttentionSpec, *,
+                 all_decode: bool | None = None):
         """One ragged step: returns (logits [S, V] float32 at each sequence's
-        logits_indices row, updated cache). `attention_backend`: "auto",
-        "reference" or "pallas" (see pallas_kernels). `sliding_window` and
-        `num_sink_tokens` override the config's window (streaming eviction)."""
+        logits_indices row, updated cache). `batch` is a
+        `jaxkv.worker.step_batch.StepBatch` (any object with its token,
+        position, slot and sequence fields); `attention` the engine's
+        attention choice; `all_decode` (static) tells the attention that
+        every sequence brings one row (True), that some bring more (False),
+        or nothing (None: decided at run time)."""
         cfg = self.config
-        window = sliding_window or cfg.sliding_window
         H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         x = self.embed[...][batch.token_ids]  # [T, E]
         inv_freq = self.inv_freq[...]
@@ -168,9 +132,7 @@ class Llama(nnx.Module):
             if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
             cache = write_layer(cache, i, k, v, batch.slot_mapping)
-            o = paged_attention(q, cache, i, batch, backend=attention_backend,
-                                sliding_window=window,
-                                num_sink_tokens=num_sink_tokens)
+            o = paged_attention(q, cache, i, batch, attention, all_decode=all_decode)
             if cache.quantized:  # values were rotated: rotate the output back
                 o = rotate_blocks(o, rot)
             o = o.astype(x.dtype)

@@ -1,18 +1,11 @@
-"""Host-side page pool for the paged KV cache: block tables, refcounts,
-prefix caching by chained page hashes, copy-on-write for shared pages.
+"""Block tables for the paged KV cache: which pages each sequence holds, how
+many slots it reserved and how many tokens are computed, prefix caching by
+chained page hashes, copy-on-write for shared pages.
 
 Plain Python, no jax: the scheduler asks this module *where* each token's K/V
 lives; the device only ever sees the resulting int32 block tables and slot
-mappings. Pages are ints ``1 .. num_pages-1``; page 0 is the trash page that
-padded tokens write to, so it is never handed out.
-
-Every page is in exactly one of three states:
-
-- free: never used or no longer cached, no holder (``free_pages()``);
-- evictable: no holder, but it holds a full, computed, hashed page of tokens
-  that a later prompt with the same prefix may reuse (``evictable_pages()``,
-  least recently released first: eviction takes from the front);
-- held: ``refcount(page) > 0`` sequences hold it in their block tables.
+mappings. The pool of pages under it (free / evictable / held, refcounts,
+the prefix cache's page hashes) is `jaxkv.core.page_pool`.
 
 How the scheduler drives it, per sequence (ids are any hashable):
 
@@ -42,13 +35,9 @@ so the scheduler can preempt a sequence and retry; ``can_allocate`` and
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
-TRASH_PAGE = 0
-_ROOT_HASH = b""
+from jaxkv.core.page_pool import ROOT_HASH, TRASH_PAGE, PagePool, hash_page  # noqa: F401
 
 
 class OutOfPages(RuntimeError):
@@ -60,17 +49,6 @@ class OutOfPages(RuntimeError):
 class UnknownSequenceError(LookupError):
     """A sequence id that is not allocated: never allocated, or already freed
     (a double free)."""
-
-
-def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained hash identifying one full page: blake2b over the parent page's
-    hash and this page's token ids. Chaining makes the hash name the whole
-    prefix, so equal hashes mean equal K/V (positions and all earlier tokens
-    agree). 128 bits make an accidental collision, which would silently reuse
-    wrong K/V, practically impossible; the value is stable across processes."""
-    h = hashlib.blake2b(parent_hash, digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 class _SeqPages:
@@ -88,7 +66,7 @@ class _SeqPages:
         self.hashes = hashes
 
 
-class BlockManager:
+class BlockManager(PagePool):
     """Page pool of ``num_pages`` pages (page 0 reserved) of ``page_size``
     token slots each; see the module docstring for the calling protocol.
 
@@ -97,46 +75,14 @@ class BlockManager:
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
-        if num_pages < 2:
-            raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {num_pages}")
-        if page_size < 1:
-            raise ValueError(f"page_size: must be positive, got {page_size}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(1, num_pages))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._refcount = [0] * num_pages
-        self._page_hash: dict[int, bytes] = {}
-        self._hash_to_page: dict[bytes, int] = {}
+        super().__init__(num_pages, page_size, enable_prefix_caching)
         self._seqs: dict[Hashable, _SeqPages] = {}
         # Cumulative counters for metrics and tests.
         self.prefix_query_tokens = 0  # prompt tokens of successful allocate calls
         self.prefix_hit_pages = 0  # pages reused from the cache by allocate
         self.prefix_hit_tokens = 0  # prompt tokens those pages covered
-        self.num_evictions = 0  # cached pages dropped to make room
 
     # ------------------------------------------------------------------ queries
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages that can be handed out now: free plus evictable cached pages."""
-        return len(self._free) + len(self._evictable)
-
-    @property
-    def num_evictable_pages(self) -> int:
-        """Cached pages no sequence holds (reusable on a hit, evicted LRU first)."""
-        return len(self._evictable)
-
-    @property
-    def num_cached_pages(self) -> int:
-        """Pages registered in the prefix cache, held or evictable."""
-        return len(self._page_hash)
-
-    @property
-    def num_used_pages(self) -> int:
-        """Pages held by at least one sequence."""
-        return self.num_pages - 1 - self.num_free_pages
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -161,45 +107,10 @@ class BlockManager:
         (or served from the prefix cache by ``allocate``)."""
         return self._seq(seq_id).num_computed
 
-    def refcount(self, page: int) -> int:
-        """Number of block tables holding ``page``."""
-        return self._refcount[page]
-
-    def page_hash(self, page: int) -> bytes | None:
-        """The prefix-cache hash registered for ``page``, or None."""
-        return self._page_hash.get(page)
-
-    def free_pages(self) -> list[int]:
-        """Unheld, uncached pages in the order they will be handed out."""
-        return list(self._free)
-
-    def evictable_pages(self) -> list[int]:
-        """Unheld cached pages, least recently released (next evicted) first."""
-        return list(self._evictable)
-
     # ----------------------------------------------------------------- planning
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
-
-    def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full pages that prefixes ``token_ids``, never
-        covering the last token (its logits must be computed)."""
-        if not self.enable_prefix_caching:
-            return [], []
-        ps = self.page_size
-        pages: list[int] = []
-        hashes: list[bytes] = []
-        parent = _ROOT_HASH
-        for i in range((len(token_ids) - 1) // ps):
-            h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
-            page = self._hash_to_page.get(h)
-            if page is None:
-                break
-            pages.append(page)
-            hashes.append(h)
-            parent = h
-        return pages, hashes
 
     def _allocate_plan(self, num_tokens: int, hit_pages: list[int]) -> tuple[int, bool]:
         """(new pages needed, whether the pool can supply them) for a new
@@ -261,9 +172,7 @@ class BlockManager:
                 f"({len(hit_pages)} cached), {self.num_free_pages} free or evictable"
             )
         for p in hit_pages:
-            if self._refcount[p] == 0:
-                del self._evictable[p]
-            self._refcount[p] += 1
+            self._hold(p)
         pages = hit_pages + [self._take_page() for _ in range(need)]
         self._seqs[seq_id] = _SeqPages(pages, num_tokens, cached, hit_hashes)
         self.prefix_query_tokens += len(token_ids)
@@ -324,14 +233,11 @@ class BlockManager:
         if self.enable_prefix_caching:
             ps = self.page_size
             for i in range(len(s.hashes), num_computed_tokens // ps):
-                parent = s.hashes[-1] if s.hashes else _ROOT_HASH
+                parent = s.hashes[-1] if s.hashes else ROOT_HASH
                 h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
-                page = s.pages[i]
                 # Pages past s.hashes are this sequence's own (prefix hits and
                 # fork-shared pages arrive with their hashes), so unregistered.
-                if h not in self._hash_to_page:
-                    self._page_hash[page] = h
-                    self._hash_to_page[h] = page
+                self._register(s.pages[i], h)
                 s.hashes.append(h)
         s.num_computed = num_computed_tokens
 
@@ -353,7 +259,7 @@ class BlockManager:
             )
         for p in s.pages:
             if p != TRASH_PAGE:
-                self._refcount[p] += 1
+                self._hold(p)
         self._seqs[child_id] = _SeqPages(list(s.pages), s.num_tokens, s.num_computed, list(s.hashes))
 
     def free(self, seq_id: Hashable) -> None:
@@ -394,26 +300,3 @@ class BlockManager:
         if s is None:
             raise UnknownSequenceError(f"sequence {seq_id!r} is not allocated")
         return s
-
-    def _take_page(self) -> int:
-        """Hand out a free page, else evict the least recently released cached
-        page. Callers have checked that one exists."""
-        if self._free:
-            page = self._free.popleft()
-        else:
-            page, _ = self._evictable.popitem(last=False)
-            del self._hash_to_page[self._page_hash.pop(page)]
-            self.num_evictions += 1
-        self._refcount[page] = 1
-        return page
-
-    def _release_page(self, page: int) -> None:
-        rc = self._refcount[page] - 1
-        if rc < 0:
-            raise RuntimeError(f"page {page} released more often than held")
-        self._refcount[page] = rc
-        if rc == 0:
-            if page in self._page_hash:
-                self._evictable[page] = None
-            else:
-                self._free.append(page)

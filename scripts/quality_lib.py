@@ -1,15 +1,14 @@
-"""Quality checks on the real model: greedy agreement between two engine
-set-ups and the mean log-likelihood of a fixed text."""
+"""Quality checks on a model: greedy agreement between two engine set-ups
+and the mean log-likelihood of a fixed text (used by scripts/quality.py and
+the int8 KV tests), through jaxkv's public API."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from jaxkv import LLMEngine, SamplingParams
 from jaxkv.config import EngineConfig
-from jaxkv.engine import LLMEngine
-from jaxkv.runner import SeqInput
-from jaxkv.sequence import SamplingParams
-from tests.model_utils import nan_cache, step_logits
+from jaxkv.worker.scoring import sequence_logits
 
 QUESTIONS = [
     "What is a KV cache?", "Name three planets.", "Write a haiku about rain.",
@@ -35,7 +34,8 @@ def chat_ids(tok, question):
 
 def greedy_outputs(model, tok, n_prompts=16, max_tokens=64, **engine_opts):
     """Greedy token ids of the first n_prompts chat prompts (ignore_eos)."""
-    opts = dict(num_pages=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+    opts = dict(num_pages=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                warmup=False)
     eng = LLMEngine(model, tok, EngineConfig(**{**opts, **engine_opts}))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     ids = [eng.add_request({"prompt_token_ids": chat_ids(tok, q)}, sp)
@@ -47,9 +47,7 @@ def greedy_outputs(model, tok, n_prompts=16, max_tokens=64, **engine_opts):
 def mean_loglik(model, tok, kv_dtype="float32"):
     """Mean log p(token | prefix) over TEXT, one prefill through the paged cache."""
     ids = tok.encode(TEXT)
-    cache = nan_cache(model.config, -(-len(ids) // 16) + 2, 16, kv_dtype=kv_dtype)
-    table = list(range(1, -(-len(ids) // 16) + 1))
-    (logits,), _ = step_logits(model, cache, [SeqInput(ids, 0, table)], 16, rows_per_seq=True)
+    (logits,) = sequence_logits(model, [ids], kv_dtype=kv_dtype)
     logits = logits.astype(np.float64)
     lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     lp = logits[np.arange(len(ids) - 1), ids[1:]] - lse[:-1]
@@ -73,14 +71,8 @@ def teacher_forced_agreement(model, tok, outputs, kv_dtype="float32"):
     prefix: all prompts + outputs in one ragged prefill. Unlike whole-output
     agreement, one early flip does not decide a prompt's score."""
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:len(outputs)]]
-    seqs, first = [], 1
-    for prompt, out in zip(prompts, outputs):
-        ids = prompt + list(out)
-        pages = -(-len(ids) // 16)
-        seqs.append(SeqInput(ids, 0, list(range(first, first + pages))))
-        first += pages
-    cache = nan_cache(model.config, first + 1, 16, kv_dtype=kv_dtype)
-    logits, _ = step_logits(model, cache, seqs, 16, rows_per_seq=True)
+    logits = sequence_logits(model, [p + list(o) for p, o in zip(prompts, outputs)],
+                             kv_dtype=kv_dtype)
     hits = total = 0
     for lg, prompt, out in zip(logits, prompts, outputs):
         pred = lg[len(prompt) - 1:len(prompt) - 1 + len(out)].argmax(-1)

@@ -55,8 +55,9 @@ def rotate_blocks(x, block: int):
     return y.reshape(*lead, N)
 
 
-def quantize_int8(w):
-    """w [N_in, N_out] -> (int8 [N_in, N_out], scale [N_out] float32)."""
+def quantize_weight(w):
+    """w [N_in, N_out] -> (int8 [N_in, N_out], scale [N_out] float32): one
+    symmetric absmax scale per output channel."""
     w = jnp.asarray(w, jnp.float32)
     scale = jnp.max(jnp.abs(w), axis=0) / 127.0
     scale = jnp.where(scale == 0, 1.0, scale)
@@ -71,7 +72,7 @@ class Dense(nnx.Module):
             raise ValueError(f"quantize: must be one of {QUANT_MODES}, got {quantize!r}")
         self.mode = quantize
         if quantize == "int8":
-            q, s = quantize_int8(w)
+            q, s = quantize_weight(w)
             self.w = nnx.Param(q)
             self.scale = nnx.Param(s)
         else:
@@ -86,7 +87,7 @@ class Dense(nnx.Module):
                 wr = jnp.einsum("bc,ncO->nbO", h,
                                 jnp.asarray(w, jnp.float32).reshape(n_in // b, b, n_out),
                                 precision=jax.lax.Precision.HIGHEST)
-                q, s = quantize_int8(wr.reshape(n_in, n_out))
+                q, s = quantize_weight(wr.reshape(n_in, n_out))
                 self.w8 = nnx.Param(q)
                 self.w8_scale = nnx.Param(s)
 
@@ -110,7 +111,3 @@ class Dense(nnx.Module):
     def shape(self):
         return self.w[...].shape
 
-
-def weight_bytes(tree) -> int:
-    """Bytes of every array in a module state (what a decode step reads)."""
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))

@@ -94,7 +94,7 @@ class HFBench:
 def _hf_source(model: str) -> tuple[str, str | None]:
     """(folder, gguf file name or None) for transformers' from_pretrained."""
     if model.lower() == DEFAULT_MODEL:
-        from jaxkv.default_model import fetch_smollm2_gguf
+        from checkpoints.known_models import fetch_smollm2_gguf
         path = fetch_smollm2_gguf()
     else:
         path = Path(model).expanduser()

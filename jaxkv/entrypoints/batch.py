@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxkv.sequence import SamplingParams
+from jaxkv.core.sampling_params import SamplingParams
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 

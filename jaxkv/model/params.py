@@ -1,4 +1,4 @@
-"""The parameter contract between the loaders and the model.
+"""The parameter contract between the checkpoint loaders and the model.
 
 Every loader returns ``(config, params)`` with ``params`` a FLAT dict of numpy
 arrays named and shaped as `expected_shapes` says. Legend: V vocab, E hidden,
@@ -26,16 +26,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import ml_dtypes
-import numpy as np
-
 from jaxkv.config import ModelConfig
-
-DTYPES = {
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float16": np.dtype(np.float16),
-}
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -89,23 +80,3 @@ def shape_problems(want: Mapping[str, tuple], got: Mapping[str, tuple]) -> list[
     if wrong:
         problems.append(f"wrong shapes: {wrong}")
     return problems
-
-
-def resolve_dtype(dtype: str | np.dtype | None) -> np.dtype:
-    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or a numpy dtype) -> np.dtype."""
-    if dtype is None:
-        return DTYPES["float32"]
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: unsupported {dtype!r}; supported: {sorted(DTYPES)}")
-        return DTYPES[dtype]
-    dt = np.dtype(dtype)
-    if dt not in DTYPES.values():
-        raise ValueError(f"dtype: unsupported {dt}; supported: {sorted(DTYPES)}")
-    return dt
-
-
-def cast_params(params: Mapping[str, np.ndarray], dtype: str | np.dtype | None) -> dict[str, np.ndarray]:
-    """Cast every array to ``dtype`` (no copy for arrays already of that dtype)."""
-    dt = resolve_dtype(dtype)
-    return {k: np.asarray(v).astype(dt, copy=False) for k, v in params.items()}

@@ -79,8 +79,9 @@ def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCac
     return jax.tree_util.tree_map(zeros, shapes)
 
 
-def quantize_int8(x):
-    """x [..., D] -> (int8 [..., D], scale [...] float32), symmetric per vector."""
+def quantize_vectors(x):
+    """x [..., D] -> (int8 [..., D], scale [...] float32): one symmetric absmax
+    scale per vector (per token and KV head for the cache)."""
     x = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
     scale = jnp.where(scale == 0, 1.0, scale)
@@ -98,8 +99,8 @@ def write_layer(cache: KVCache, layer: int, new_k, new_v, slot_mapping) -> KVCac
     nv = jnp.swapaxes(new_v, 0, 1)
     ks = vs = None
     if cache.quantized:
-        nk, sk = quantize_int8(nk)
-        nv, sv = quantize_int8(nv)
+        nk, sk = quantize_vectors(nk)
+        nv, sv = quantize_vectors(nv)
         ks = cache.k_scale[layer].at[:, page, off].set(sk)
         vs = cache.v_scale[layer].at[:, page, off].set(sv)
     k = k.at[:, page, off].set(nk.astype(k.dtype))

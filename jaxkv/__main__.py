@@ -1,0 +1,7 @@
+"""`python -m jaxkv ...` is the `jaxkv` command."""
+
+import sys
+
+from jaxkv.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,153 @@
+"""The page pool under the block manager: which pages are free, held or
+cached, with refcounts and the prefix cache.
+
+Pages are ints ``1 .. num_pages-1``; page 0 is the trash page that padded
+tokens write to, so it is never handed out. Every page is in exactly one of
+three states:
+
+- free: never used or no longer cached, no holder (``free_pages()``);
+- evictable: no holder, but it holds a full, computed, hashed page of tokens
+  that a later prompt with the same prefix may reuse (``evictable_pages()``,
+  least recently released first: eviction takes from the front);
+- held: ``refcount(page) > 0`` sequences hold it in their block tables.
+
+A cached page is named by a chained hash of the tokens it holds and of every
+page before it (`hash_page`), so equal names mean equal K/V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+TRASH_PAGE = 0
+ROOT_HASH = b""
+
+
+def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash identifying one full page: blake2b over the parent page's
+    hash and this page's token ids. Chaining makes the hash name the whole
+    prefix, so equal hashes mean equal K/V (positions and all earlier tokens
+    agree). 128 bits make an accidental collision, which would silently reuse
+    wrong K/V, practically impossible; the value is stable across processes."""
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class PagePool:
+    """``num_pages`` pages (page 0 reserved) of ``page_size`` token slots."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size: must be positive, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._refcount = [0] * num_pages
+        self._page_hash: dict[int, bytes] = {}
+        self._hash_to_page: dict[bytes, int] = {}
+        self.num_evictions = 0  # cached pages dropped to make room
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that can be handed out now: free plus evictable cached pages."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages no sequence holds (reusable on a hit, evicted LRU first)."""
+        return len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages registered in the prefix cache, held or evictable."""
+        return len(self._page_hash)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one sequence."""
+        return self.num_pages - 1 - self.num_free_pages
+
+    def refcount(self, page: int) -> int:
+        """Number of block tables holding ``page``."""
+        return self._refcount[page]
+
+    def page_hash(self, page: int) -> bytes | None:
+        """The prefix-cache hash registered for ``page``, or None."""
+        return self._page_hash.get(page)
+
+    def free_pages(self) -> list[int]:
+        """Unheld, uncached pages in the order they will be handed out."""
+        return list(self._free)
+
+    def evictable_pages(self) -> list[int]:
+        """Unheld cached pages, least recently released (next evicted) first."""
+        return list(self._evictable)
+
+    # ------------------------------------------------------------- prefix cache
+
+    def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full pages that prefixes ``token_ids``, never
+        covering the last token (its logits must be computed)."""
+        if not self.enable_prefix_caching:
+            return [], []
+        ps = self.page_size
+        pages: list[int] = []
+        hashes: list[bytes] = []
+        parent = ROOT_HASH
+        for i in range((len(token_ids) - 1) // ps):
+            h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
+            page = self._hash_to_page.get(h)
+            if page is None:
+                break
+            pages.append(page)
+            hashes.append(h)
+            parent = h
+        return pages, hashes
+
+    def _register(self, page: int, h: bytes) -> None:
+        """Name ``page`` by ``h``, unless another page already caches that
+        prefix (then this one stays private)."""
+        if h not in self._hash_to_page:
+            self._page_hash[page] = h
+            self._hash_to_page[h] = page
+
+    # ------------------------------------------------------------ page moves
+
+    def _hold(self, page: int) -> None:
+        """One more block table holds ``page`` (a prefix hit or a fork)."""
+        if self._refcount[page] == 0:
+            del self._evictable[page]
+        self._refcount[page] += 1
+
+    def _take_page(self) -> int:
+        """Hand out a free page, else evict the least recently released cached
+        page. Callers have checked that one exists."""
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._hash_to_page[self._page_hash.pop(page)]
+            self.num_evictions += 1
+        self._refcount[page] = 1
+        return page
+
+    def _release_page(self, page: int) -> None:
+        rc = self._refcount[page] - 1
+        if rc < 0:
+            raise RuntimeError(f"page {page} released more often than held")
+        self._refcount[page] = rc
+        if rc == 0:
+            if page in self._page_hash:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)

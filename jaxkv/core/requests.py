@@ -1,0 +1,56 @@
+"""Checks a request before it is queued: the prompt's form and token ids,
+the sampling parameters, and whether it fits the model. Each failure is a
+ValueError whose message starts with the field at fault."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.core.sampling_params import SamplingParams
+
+
+def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A string, a list of token ids, or {"prompt": str} /
+    {"prompt_token_ids": [...]} -> (text or None, token ids)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: empty prompt")
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        ids = [int(t) for t in prompt] if all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) \
+            else None
+        if ids is None:
+            raise ValueError("prompt_token_ids: must be a list of integers")
+        if not ids:
+            raise ValueError("prompt_token_ids: empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: unknown token id {bad[0]} "
+                             f"(vocab size {vocab_size})")
+        return None, ids
+    raise ValueError(f"prompt: expected str, token ids or dict, got {type(prompt).__name__}")
+
+
+def check_request(ids: list[int], params, *, vocab_size: int, max_model_len: int,
+                  has_tokenizer: bool) -> None:
+    """Raise ValueError naming the first thing wrong with running `params`
+    on a prompt of `ids`."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+    params.validate(vocab_size)
+    if params.stop_list and not has_tokenizer:
+        raise ValueError("stop: stop strings need a tokenizer; this model has none")
+    if len(ids) + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+            f"the maximum model length {max_model_len}")

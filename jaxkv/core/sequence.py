@@ -1,0 +1,74 @@
+"""A request's state on the host.
+
+Each piece of per-sequence state has one owner: the Sequence owns its
+tokens, status, finish and streaming state; the block manager owns where
+its K/V lives (its pages, the slots reserved, how many tokens are computed:
+`BlockManager.block_table` / `num_tokens` / `num_computed_tokens`, keyed by
+the request id) from admission until it is freed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from jaxkv.core.outputs import Logprob
+from jaxkv.core.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens (prompt, then output), the stop rule, status and finish reason,
+    and what has been streamed out so far."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, seed: int, stop=None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.stop = stop  # jaxkv.worker.stop.StopRule (None for a refused request)
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        self.text = ""
+        self.sent_tokens = 0
+        self.sent_text = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.t_arrival = time.perf_counter()
+        self.t_first_token: float | None = None
+        self.t_finish: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def tokens_left(self) -> int:
+        """Output tokens it may still generate."""
+        return self.stop.tokens_left(len(self.output_token_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, stop_reason=None, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.t_finish = time.perf_counter()

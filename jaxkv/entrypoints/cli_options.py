@@ -1,0 +1,72 @@
+"""Command-line options derived from config dataclasses, so a new engine or
+sampling field is a new option with no second edit: the option is the
+field name with dashes (`max_num_seqs` -> ``--max-num-seqs``), its help and
+choices come from the field's metadata, its type and default from the
+field. Booleans get ``--x`` / ``--no-x``; list fields are repeatable."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, Mapping
+
+
+def parse_size(text: str) -> int:
+    """'24GB', '512MiB', '1e9' -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    try:
+        for u, m in units.items():
+            if t.endswith(u):
+                return int(float(t[:-len(u)]) * m)
+        return int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 24GB, 512MiB)")
+
+
+def _base_type(hint) -> tuple[type, bool]:
+    """(scalar type, is a list) of a field annotation such as `int | None`
+    or `Sequence[str] | str | None`."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    for a in args:
+        if typing.get_origin(a) is not None and typing.get_args(a):  # Sequence[int]
+            return typing.get_args(a)[0], True
+    return args[0], False
+
+
+def add_options(group, cls, *, prefix: str, defaults: Mapping[str, Any] | None = None,
+                skip: tuple[str, ...] = (), rename: Mapping[str, str] | None = None) -> None:
+    """Add one option per field of dataclass `cls` to `group`; values land in
+    the namespace as `prefix + field name`. `defaults` overrides the
+    dataclass defaults for this command; `rename` the option names."""
+    hints = typing.get_type_hints(cls)
+    defaults, rename = dict(defaults or {}), dict(rename or {})
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        flag = "--" + rename.get(f.name, f.name).replace("_", "-")
+        default = defaults.get(f.name, f.default)
+        kind, is_list = _base_type(hints[f.name])
+        kw: dict[str, Any] = dict(dest=prefix + f.name, default=default,
+                                  help=f.metadata["help"] + " (default: %(default)s)")
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif is_list:
+            kw.update(action="append", type=kind, default=None)
+            kw["help"] = f.metadata["help"]
+        else:
+            kw["type"] = parse_size if f.metadata.get("parse") == "bytes" else kind
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+        group.add_argument(flag, **kw)
+
+
+def values(ns: argparse.Namespace, cls, *, prefix: str) -> dict[str, Any]:
+    """The fields of `cls` found in `ns` (as added by `add_options`)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if hasattr(ns, prefix + f.name):
+            out[f.name] = getattr(ns, prefix + f.name)
+    return out

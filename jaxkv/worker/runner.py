@@ -1,0 +1,171 @@
+"""The Runner owns what lives on the device: the split model, the KV cache
+and the compiled step programs.
+
+    runner.step(batch, key[, penalties]) -> StepResult (numpy)   one call per engine step
+    runner.warm_up()                                            compile every program
+    runner.copy_pages(pairs)                                    copy-on-write
+
+Programs are compiled ahead of time from their shapes (`jax.jit(...).lower
+(...).compile()`) and kept by key: one per step program (`Buckets.programs`),
+one penalty sampler per (S, history) bucket, one page copy. `warm_up`
+compiles them all up front, two at a time (XLA's CPU compiler is mostly
+single-threaded); without it each compiles on first use. Either way a
+program is compiled once per Runner and `compiled` lists them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxkv.model.attention import AttentionSpec
+from jaxkv.model.kv_cache import KVCache, copy_pages
+from jaxkv.worker.sampler import sample_with_penalties
+from jaxkv.worker.step import StepOutput, step
+from jaxkv.worker.step_batch import Buckets, PenaltyBatch, ProgramKey, StepBatch, empty
+
+# Copy-on-write pairs per page-copy call (padded with trash-to-trash pairs).
+COPY_WIDTH = 64
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's outputs on the host, cut to the live sequences: tokens /
+    logprobs [n, S_live], top_ids / top_logprobs [n, S_live, N], n the
+    model calls run."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+class Runner:
+    def __init__(self, model, cache: KVCache, buckets: Buckets, attention: AttentionSpec, *,
+                 max_decode_steps: int = 1, num_top_logprobs: int = 0, seed: int = 0):
+        self.graphdef, state = nnx.split(model)
+        self.vocab_size = model.config.vocab_size
+        # Commit every array to its device up front: outputs of the step are
+        # committed, and a committed/uncommitted mismatch would not match
+        # the compiled programs.
+        commit = functools.partial(jax.tree_util.tree_map, lambda x: jax.device_put(x, x.sharding))
+        self.state = commit(state)
+        self.cache = commit(cache)
+        self.page_size = cache.page_size
+        self.buckets = buckets
+        self.attention = attention
+        self.max_decode_steps = max_decode_steps
+        self.num_top_logprobs = num_top_logprobs
+        self.rng = jax.random.key(seed)
+        self._programs: dict[Any, Any] = {}
+        self.stats = dict(calls=0, seconds=0.0)  # step() calls and their wall time
+
+    # ------------------------------------------------------------ programs
+
+    def program_keys(self) -> list:
+        """Every program this runner can run: step programs, penalty
+        samplers (per sequence bucket and history width), the page copy."""
+        seqs = sorted({k.seqs for k in self.buckets.programs()})
+        return (self.buckets.programs()
+                + [("penalties", s, n) for s in seqs for n in self.buckets.history]
+                + [("copy", COPY_WIDTH)])
+
+    @property
+    def compiled(self) -> list:
+        """Keys of the programs compiled so far."""
+        return list(self._programs)
+
+    def _lower(self, key):
+        """The jitted function of `key` lowered with placeholder inputs."""
+        if isinstance(key, ProgramKey):
+            fn = jax.jit(functools.partial(
+                step, kind=key.kind, max_steps=self.max_decode_steps if key.kind == "decode" else 1,
+                num_top_logprobs=self.num_top_logprobs, attention=self.attention),
+                static_argnums=(0,), donate_argnums=(2,))
+            batch = empty(key, self.buckets.pages_per_seq)
+            return fn.lower(self.graphdef, self.state, self.cache, batch, self.rng)
+        if key[0] == "penalties":
+            _, S, N = key
+            fn = jax.jit(functools.partial(sample_with_penalties,
+                                           num_top_logprobs=self.num_top_logprobs))
+            b = empty(ProgramKey("mixed", S, S), self.buckets.pages_per_seq)
+            logits = jax.ShapeDtypeStruct((S, self.vocab_size), np.float32)
+            pen = PenaltyBatch(np.zeros((S, N), np.int32), np.zeros((S, N), bool))
+            return fn.lower(logits, b.sampling, pen, self.rng, b.num_output)
+        idx = np.zeros(COPY_WIDTH, np.int32)
+        return jax.jit(copy_pages, donate_argnums=(0,)).lower(self.cache, idx, idx)
+
+    def _program(self, key):
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._programs[key] = self._lower(key).compile()
+        return prog
+
+    def warm_up(self, progress: bool | Callable[[int, int], None] = True,
+                keys: Sequence | None = None, workers: int = 2) -> dict[str, Any]:
+        """Compile every program (or `keys`) not compiled yet; returns
+        {"programs": number compiled, "seconds": wall time}. `progress`: a
+        tqdm bar, or a callback (done, total)."""
+        todo = [k for k in (self.program_keys() if keys is None else keys)
+                if k not in self._programs]
+        t0 = time.perf_counter()
+        bar = None
+        if progress is True and todo:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(todo), desc="jaxkv warm-up", unit="program", dynamic_ncols=True)
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            # Tracing holds the GIL, XLA's compile does not: lower here,
+            # compile in the pool.
+            futures = {pool.submit(low.compile): k for k, low in ((k, self._lower(k)) for k in todo)}
+            for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+                self._programs[futures[fut]] = fut.result()
+                if bar is not None:
+                    bar.update(1)
+                elif callable(progress):
+                    progress(n, len(todo))
+        if bar is not None:
+            bar.close()
+        return dict(programs=len(todo), seconds=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ running
+
+    def step(self, batch: StepBatch, key: ProgramKey, num_seqs: int,
+             penalties: PenaltyBatch | None = None) -> StepResult:
+        """Run one step (a mixed step, or `batch.num_steps` decode steps);
+        returns the first `num_seqs` sequences' outputs as numpy. With
+        `penalties`, every sequence's token is drawn again from the last
+        logits with the penalties applied (the engine runs such steps one
+        decode step at a time)."""
+        t0 = time.perf_counter()
+        out, self.cache = self._program(key)(self.state, self.cache, batch, self.rng)
+        out: StepOutput
+        fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+        if penalties is not None:
+            N = penalties.history.shape[1]
+            redo = self._program(("penalties", key.seqs, N))(
+                out.logits, batch.sampling, penalties, self.rng, batch.num_output)
+            fields = tuple(np.asarray(x)[None] for x in
+                           (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs))
+        n = int(out.steps)
+        res = StepResult(*(np.asarray(x)[:n, :num_seqs] for x in fields))
+        self.stats["calls"] += 1
+        self.stats["seconds"] += time.perf_counter() - t0
+        return res
+
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Device-side copy-on-write: copy page src -> dst for each pair."""
+        prog = self._program(("copy", COPY_WIDTH)) if pairs else None
+        for i in range(0, len(pairs), COPY_WIDTH):
+            chunk = list(pairs[i:i + COPY_WIDTH])
+            src = np.zeros(COPY_WIDTH, np.int32)
+            dst = np.zeros(COPY_WIDTH, np.int32)
+            src[:len(chunk)] = [p[0] for p in chunk]
+            dst[:len(chunk)] = [p[1] for p in chunk]
+            self.cache = prog(self.cache, src, dst)

@@ -1,0 +1,115 @@
+"""The in-jit sampler: greedy, temperature, top-k, top-p, min-p, with
+reproducible per-request seeds and log-probabilities, and a second entry
+that first applies presence / frequency / repetition penalties.
+
+    sample(logits [S, V], SamplingBatch, rng, num_output [S]) -> SampleOutput
+    sample_with_penalties(logits, SamplingBatch, PenaltyBatch, rng, num_output)
+
+The draw for a request's n-th token uses key fold_in(fold_in(rng, seed), n)
+where rng is the engine's base key and n = num_output, so a seeded request
+gives the same tokens however it is batched or preempted. Whether any row
+samples (not greedy) and whether any row wants top log-probabilities are
+decided at run time (`lax.cond`), so one program serves every mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.worker.step_batch import PenaltyBatch, SamplingBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    """token_ids[S]; logprob[S] f32 of the chosen token under the model's raw
+    distribution; top_ids / top_logprobs [S, N] the N most likely tokens
+    (zeros when no row asked for them)."""
+
+    token_ids: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def apply_penalties(logits, sb: SamplingBatch, pen: PenaltyBatch):
+    """Penalties like vLLM's: repetition divides positive / multiplies negative
+    logits of tokens seen in prompt or output; presence and frequency subtract
+    per occurrence in the output. logits [S, V] f32."""
+    S, V = logits.shape
+    hist = pen.history
+    valid = hist >= 0
+    idx = jnp.where(valid, hist, 0)
+    rows = jnp.arange(S)[:, None]
+    seen = jnp.zeros((S, V), bool).at[rows, idx].max(valid)
+    out_counts = jnp.zeros((S, V), jnp.float32).at[rows, idx].add(
+        (valid & pen.history_is_output).astype(jnp.float32))
+    rp = sb.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - sb.frequency_penalty[:, None] * out_counts
+    logits = logits - sb.presence_penalty[:, None] * (out_counts > 0)
+    return logits
+
+
+def sample(logits, sb: SamplingBatch, rng, num_output, *, num_top_logprobs: int,
+           raw_logits=None) -> SampleOutput:
+    """logits [S, V] -> SampleOutput with N = `num_top_logprobs` (static)
+    columns of top log-probabilities. `raw_logits` (default: `logits`) is
+    the distribution log-probabilities are reported under."""
+    logits = logits.astype(jnp.float32)
+    raw = logits if raw_logits is None else raw_logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    ids = jax.lax.cond(
+        jnp.all(sb.temperature <= 0), lambda: greedy_ids,
+        lambda: jnp.where(sb.temperature <= 0, greedy_ids, _draw(logits, sb, rng, num_output)))
+    chosen = jnp.take_along_axis(raw_logprobs, ids[:, None], axis=-1)[:, 0]
+    S, N = logits.shape[0], num_top_logprobs
+
+    def top():
+        lp, tid = jax.lax.top_k(raw_logprobs, N)
+        return lp, tid.astype(jnp.int32)
+
+    def none():
+        return jnp.zeros((S, N), jnp.float32), jnp.zeros((S, N), jnp.int32)
+
+    top_lp, top_ids = jax.lax.cond(jnp.any(sb.num_logprobs > 0), top, none) if N else none()
+    return SampleOutput(token_ids=ids, logprob=chosen, top_ids=top_ids, top_logprobs=top_lp)
+
+
+def sample_with_penalties(logits, sb: SamplingBatch, pen: PenaltyBatch, rng, num_output, *,
+                          num_top_logprobs: int) -> SampleOutput:
+    """`sample` after `apply_penalties`; log-probabilities stay those of the
+    model's own distribution."""
+    return sample(apply_penalties(logits.astype(jnp.float32), sb, pen), sb, rng, num_output,
+                  num_top_logprobs=num_top_logprobs, raw_logits=logits)
+
+
+def _draw(logits, sb: SamplingBatch, rng, num_output):
+    """Filtered random draw: temperature, then top-k, top-p, min-p over the
+    sorted distribution, then Gumbel-max with the per-request key."""
+    S, V = logits.shape
+    t = jnp.where(sb.temperature > 0, sb.temperature, 1.0)[:, None]
+    scaled = logits / t
+    sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending [S, V]
+    rank = jnp.arange(V)[None, :]
+    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, V), V)[:, None]
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first
+    # token always stays).
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= (before < sb.top_p[:, None]) | (rank == 0)
+    keep &= probs >= sb.min_p[:, None] * probs[:, :1]
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    def gumbel(seed, n):
+        key = jax.random.fold_in(jax.random.fold_in(rng, seed), n)
+        return jax.random.gumbel(key, (V,), jnp.float32)
+
+    g = jax.vmap(gumbel)(sb.seeds, num_output)
+    choice = jnp.argmax(masked + g, axis=-1)
+    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -1,0 +1,82 @@
+"""Logits at every row of a few sequences, in one ragged prefill: for
+log-likelihoods and teacher-forced checks (quality scripts, model tests),
+outside the engine's step programs.
+
+    logits = prefill_logits(model, [(token_ids, start, block_table), ...], cache)
+
+Each entry writes its tokens at positions start, start + 1, ... into the
+pages of its block table (the cache is donated and returned) and gets the
+logits of each of its rows, [len(token_ids), V], or of its last row only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jaxkv.model.attention import AttentionSpec
+from jaxkv.model.kv_cache import KVCache, create_cache
+from jaxkv.worker.step_batch import ProgramKey, StepBatch, empty
+
+
+def scoring_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], page_size: int,
+                  rows_per_seq: bool) -> StepBatch:
+    """A StepBatch of `seqs` (token ids, first position, block table) with no
+    padding; with `rows_per_seq`, logits_indices holds every row (the
+    sequence axis of the per-sequence arrays is padded to T rows)."""
+    T = sum(len(t) for t, _, _ in seqs)
+    S = T if rows_per_seq else len(seqs)
+    W = max(len(b) for _, _, b in seqs)
+    b = empty(ProgramKey("mixed", T, S), W)
+    row = 0
+    for i, (toks, start, table) in enumerate(seqs):
+        n, table = len(toks), np.asarray(table, np.int32)
+        pos = np.arange(start, start + n)
+        b.token_ids[row:row + n] = toks
+        b.positions[row:row + n] = pos
+        b.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
+        b.block_tables[i, :len(table)] = table
+        b.kv_lens[i] = start + n
+        row += n
+        b.cu_q_lens[i + 1] = row
+        b.logits_indices[i] = row - 1
+    b.cu_q_lens[len(seqs) + 1:] = row
+    if rows_per_seq:
+        b.logits_indices[:] = np.arange(T)
+    return dataclasses.replace(b, num_seqs=np.asarray(len(seqs), np.int32))
+
+
+def prefill_logits(model, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+                   cache: KVCache, *, rows_per_seq: bool = True,
+                   attention: AttentionSpec | None = None):
+    """-> (list of float32 numpy logits per sequence: [len, V] with
+    `rows_per_seq`, else [V] of the last row; the updated cache). The
+    attention is the model's own (its sliding window) unless given."""
+    attention = attention or AttentionSpec(sliding_window=model.config.sliding_window)
+    batch = scoring_batch(seqs, cache.page_size, rows_per_seq)
+    logits, cache = jax.jit(lambda c, b: model(c, b, attention))(cache, batch)
+    logits = np.asarray(logits)
+    if not rows_per_seq:
+        return [logits[i] for i in range(len(seqs))], cache
+    cu = batch.cu_q_lens
+    return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))], cache
+
+
+def sequence_logits(model, token_lists: Sequence[Sequence[int]], *, page_size: int = 16,
+                    kv_dtype: str = "float32") -> list[np.ndarray]:
+    """Logits [len, V] at every position of each token list, through a
+    fresh paged cache of `kv_dtype` (pages laid out one list after another)."""
+    from jaxkv.config import CacheConfig
+
+    seqs, first = [], 1
+    for toks in token_lists:
+        pages = -(-len(toks) // page_size)
+        seqs.append((list(toks), 0, list(range(first, first + pages))))
+        first += pages
+    cache = create_cache(model.config, CacheConfig(num_pages=first + 1, page_size=page_size,
+                                                   kv_dtype=kv_dtype))
+    logits, _ = prefill_logits(model, seqs, cache)
+    return logits

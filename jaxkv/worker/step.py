@@ -1,0 +1,101 @@
+"""The jitted step programs.
+
+    step(graphdef, state, cache, batch, rng) -> (StepOutput, cache)   cache donated
+
+One function serves both kinds of step (`jaxkv.worker.step_batch`): a
+mixed step runs the model once and samples one token per sequence; a
+decode step runs up to `max_steps` (static) model calls in a
+`lax.while_loop`, `batch.num_steps` of them (dynamic), each call's sampled
+token the next one's input, and ends early once every live sequence hit
+its stop rule (`jaxkv.worker.stop.check`). Either way the outputs are
+[K, S] with K = 1 or max_steps, and the last call's logits [S, V] stay on
+the device for the penalty sampler.
+
+The NNX model is split once (`nnx.split`, by the Runner) and merged inside
+the jitted function; no state crosses calls except the donated cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.model.attention import AttentionSpec
+from jaxkv.model.kv_cache import KVCache
+from jaxkv.worker import stop as stop_rules
+from jaxkv.worker.sampler import SampleOutput, sample
+from jaxkv.worker.step_batch import StepBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """tokens / logprobs [K, S]; top_ids / top_logprobs [K, S, N]; steps[]
+    the model calls run (rows past it are zeros); logits [S, V] f32 of the
+    last call."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    steps: jax.Array
+    logits: jax.Array
+
+
+def _stack(outs: SampleOutput):
+    return outs.token_ids, outs.logprob, outs.top_ids, outs.top_logprobs
+
+
+def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, kind: str,
+         max_steps: int, num_top_logprobs: int, attention: AttentionSpec):
+    model = nnx.merge(graphdef, state)
+    if kind == "mixed":
+        logits, cache = model(cache, batch, attention, all_decode=False)
+        out = sample(logits, batch.sampling, rng, batch.num_output,
+                     num_top_logprobs=num_top_logprobs)
+        t, lp, ti, tl = (x[None] for x in _stack(out))
+        return StepOutput(t, lp, ti, tl, jnp.int32(1), logits), cache
+    return _decode_loop(model, cache, batch, rng, max_steps=max_steps,
+                        num_top_logprobs=num_top_logprobs, attention=attention)
+
+
+def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int,
+                 num_top_logprobs: int, attention: AttentionSpec):
+    S = batch.kv_lens.shape[0]
+    V = model.config.vocab_size
+    N = num_top_logprobs
+    page_size = cache.page_size
+    live = jnp.arange(S) < batch.num_seqs
+    st = batch.stops
+    bufs = (jnp.zeros((max_steps, S), jnp.int32), jnp.zeros((max_steps, S), jnp.float32),
+            jnp.zeros((max_steps, S, N), jnp.int32), jnp.zeros((max_steps, S, N), jnp.float32))
+    num_steps = jnp.minimum(batch.num_steps, max_steps)
+
+    def cond(carry):
+        i, _, _, done, _, _ = carry
+        return (i < num_steps) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, b, done, bufs, _ = carry
+        logits, cache = model(cache, b, attention, all_decode=True)
+        out = sample(logits, b.sampling, rng, b.num_output, num_top_logprobs=N)
+        bufs = tuple(buf.at[i].set(x) for buf, x in zip(bufs, _stack(out)))
+        t = out.token_ids
+        stopped, length = stop_rules.check(jnp, t, b.num_output + 1, st.stop_ids, st.min_tokens,
+                                           st.max_tokens)
+        done = done | stopped | length
+        pos = b.positions + 1
+        page = jnp.take_along_axis(b.block_tables, (pos // page_size)[:, None], axis=1)[:, 0]
+        # A finished sequence writes nothing more (its reserved pages end).
+        slot = jnp.where(live & ~done, page * page_size + pos % page_size, 0)
+        b = dataclasses.replace(b, token_ids=t, positions=pos, slot_mapping=slot,
+                                kv_lens=jnp.where(live, b.kv_lens + 1, 0),
+                                num_output=b.num_output + 1)
+        return i + 1, cache, b, done, bufs, logits
+
+    init = (jnp.int32(0), cache, batch, ~live, bufs, jnp.zeros((S, V), jnp.float32))
+    n, cache, _, _, bufs, logits = jax.lax.while_loop(cond, body, init)
+    return StepOutput(*bufs, n, logits), cache

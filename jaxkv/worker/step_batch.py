@@ -1,0 +1,250 @@
+"""StepBatch: everything the device needs for one step, in fixed shapes, and
+the one function that builds it from the scheduler's output.
+
+Every array is int32 unless said otherwise. T tokens and S sequences are
+padded up to a bucket (`Buckets`); W, the block-table width, is fixed per
+engine (the pages of its longest allowed sequence), so a step compiles once
+per (kind, T, S) and never again:
+
+    token_ids[T]        input token of each row (0 for padding)
+    positions[T]        absolute position of each row (RoPE)
+    slot_mapping[T]     page * page_size + offset the row's K/V goes to
+                        (padding rows point into the trash page 0)
+    cu_q_lens[S+1]      rows of sequence s are cu_q_lens[s] : cu_q_lens[s+1]
+    kv_lens[S]          tokens in the cache for s after this step's writes
+    block_tables[S, W]  pages of s in order (0 past its last page)
+    num_seqs[]          live sequences; the rest are padding
+    logits_indices[S]   row whose logits are sampled for s (its last row)
+    num_output[S]       tokens s generated before this step (seed stream
+                        index, stop rules)
+    num_steps[]         decode steps to run (decode programs; 1 otherwise)
+    sampling            SamplingBatch: per-sequence sampling parameters
+    stops               StopBatch: per-sequence stop rules (`jaxkv.worker.stop`)
+
+A decode is a sequence with one row, a prefill chunk one with several; both
+ride in the same step. A "decode" program serves steps where every sequence
+brings one row and may run several decode steps in one call (each step's
+token is the next one's input); a "mixed" program serves every other step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from jaxkv.worker.stop import STOP_WIDTH, StopBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-sequence sampling parameters [S] (f32 unless said otherwise):
+    temperature (0: greedy), top_k i32 (<= 0: off), top_p (1: off), min_p
+    (0: off), seeds u32 (the request's seed), num_logprobs i32 (top
+    log-probabilities wanted, 0: none), and the penalties (0, 0, 1: off),
+    applied by the penalty sampler only (`PenaltyBatch`)."""
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    seeds: Any
+    num_logprobs: Any
+    presence_penalty: Any
+    frequency_penalty: Any
+    repetition_penalty: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyBatch:
+    """What penalties need beside the logits: history[S, N] the prompt and
+    output tokens (-1 padded, N a history bucket), history_is_output[S, N]
+    bool. Only built for steps where some sequence uses a penalty."""
+
+    history: Any
+    history_is_output: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    token_ids: Any
+    positions: Any
+    slot_mapping: Any
+    cu_q_lens: Any
+    kv_lens: Any
+    block_tables: Any
+    num_seqs: Any
+    logits_indices: Any
+    num_output: Any
+    num_steps: Any
+    sampling: SamplingBatch
+    stops: StopBatch
+
+
+class ProgramKey(NamedTuple):
+    """Which compiled step program runs a batch: kind "decode" (T == S) or
+    "mixed", and the padded token and sequence counts."""
+
+    kind: str
+    tokens: int
+    seqs: int
+
+
+def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The padded shapes an engine runs, small enough to compile them all.
+
+    decode_seqs: S of decode programs (powers of two up to the most
+    sequences a step can hold). mixed: (T, S) of mixed programs: T powers
+    of two from 16 up to the token budget; S = T's most sequences, and from
+    T = 64 on also a few (8), since padded sequences cost rows of the head
+    and the sampler. pages_per_seq: W. history: N of the penalty sampler
+    (powers of four from 2048 up to the longest sequence)."""
+
+    decode_seqs: tuple[int, ...]
+    mixed: tuple[tuple[int, int], ...]
+    pages_per_seq: int
+    history: tuple[int, ...]
+
+    @classmethod
+    def make(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int,
+             max_model_len: int) -> "Buckets":
+        max_s = min(max_num_seqs, max_num_batched_tokens)
+        mixed = []
+        for t in _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens):
+            few = min(8, max_s) if t >= 64 else min(max_s, t)
+            for s in sorted({few, min(max_s, t)}):
+                mixed.append((t, s))
+        return cls(decode_seqs=_pow2_buckets(1, max_s), mixed=tuple(mixed),
+                   pages_per_seq=pages_per_seq,
+                   history=_pow2_buckets(min(2048, max_model_len), max_model_len, factor=4))
+
+    def decode_key(self, num_seqs: int) -> ProgramKey:
+        s = _pick(self.decode_seqs, num_seqs, "sequences per step")
+        return ProgramKey("decode", s, s)
+
+    def mixed_key(self, num_tokens: int, num_seqs: int) -> ProgramKey:
+        for t, s in self.mixed:
+            if num_tokens <= t and num_seqs <= s:
+                return ProgramKey("mixed", t, s)
+        raise ValueError(f"tokens per step: {num_tokens} tokens of {num_seqs} sequences exceed "
+                         f"the largest bucket {self.mixed[-1]}")
+
+    def history_width(self, n: int) -> int:
+        return _pick(self.history, n, "penalty history")
+
+    def programs(self) -> list[ProgramKey]:
+        """Every step program an engine with these buckets can run."""
+        return ([ProgramKey("decode", s, s) for s in self.decode_seqs]
+                + [ProgramKey("mixed", t, s) for t, s in self.mixed])
+
+
+def _pick(buckets: Sequence[int], n: int, what: str) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{what}: {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def empty(key: ProgramKey, pages_per_seq: int) -> StepBatch:
+    """An all-padding StepBatch of `key`'s shape (every row writes to the trash
+    page; no live sequence). Also the template `build_step_batch` fills."""
+    T, S = key.tokens, key.seqs
+    f32 = lambda v: np.full(S, v, np.float32)  # noqa: E731
+    i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    sampling = SamplingBatch(temperature=f32(0.0), top_k=i32(S), top_p=f32(1.0), min_p=f32(0.0),
+                             seeds=np.zeros(S, np.uint32), num_logprobs=i32(S),
+                             presence_penalty=f32(0.0), frequency_penalty=f32(0.0),
+                             repetition_penalty=f32(1.0))
+    stops = StopBatch(stop_ids=np.full((S, STOP_WIDTH), -1, np.int32), min_tokens=i32(S),
+                      max_tokens=np.ones(S, np.int32))
+    return StepBatch(token_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
+                     cu_q_lens=i32(S + 1), kv_lens=i32(S),
+                     block_tables=np.zeros((S, pages_per_seq), np.int32),
+                     num_seqs=np.asarray(0, np.int32), logits_indices=i32(S),
+                     num_output=i32(S), num_steps=np.asarray(1, np.int32),
+                     sampling=sampling, stops=stops)
+
+
+def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
+                     buckets: Buckets) -> tuple[StepBatch, ProgramKey]:
+    """Pack the scheduler's output into a padded StepBatch and pick its program.
+
+    `scheduled[i]` has `seq` (with `all_token_ids`, `output_token_ids`,
+    `params` (SamplingParams), `seed` and `stop` (StopRule)), `start` (first
+    position computed), `num_tokens` (rows) and `block_table` (its pages,
+    reserved for every position this call writes). With `num_steps` > 1
+    every sequence brings one row and its block table already covers the
+    positions of the tokens it may still generate, up to num_steps. This is the only place SamplingParams fields are
+    copied into arrays."""
+    n_tok = sum(sc.num_tokens for sc in scheduled)
+    decode = all(sc.num_tokens == 1 for sc in scheduled)
+    if num_steps > 1 and not decode:
+        raise ValueError("num_steps > 1 needs every sequence to bring exactly one token")
+    key = (buckets.decode_key(len(scheduled)) if decode
+           else buckets.mixed_key(n_tok, len(scheduled)))
+    W = buckets.pages_per_seq
+    b = empty(key, W)
+    sp, st = b.sampling, b.stops
+    row = 0
+    for i, sc in enumerate(scheduled):
+        seq, n = sc.seq, sc.num_tokens
+        end = sc.start + n
+        table = np.asarray(sc.block_table, np.int32)
+        if len(table) > W or len(table) * page_size < end:
+            raise ValueError(f"sequence {i}: {end} positions but {len(table)} pages "
+                             f"(at most {W})")
+        pos = np.arange(sc.start, end)
+        b.token_ids[row:row + n] = seq.all_token_ids[sc.start:end]
+        b.positions[row:row + n] = pos
+        b.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
+        b.block_tables[i, :len(table)] = table
+        b.kv_lens[i] = end
+        row += n
+        b.cu_q_lens[i + 1] = row
+        b.logits_indices[i] = row - 1
+        b.num_output[i] = len(seq.output_token_ids)
+        p = seq.params
+        sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = (
+            p.temperature, min(p.top_k, np.iinfo(np.int32).max), p.top_p, p.min_p)
+        sp.seeds[i] = seq.seed & 0xFFFFFFFF
+        sp.num_logprobs[i] = p.logprobs or 0
+        sp.presence_penalty[i], sp.frequency_penalty[i], sp.repetition_penalty[i] = (
+            p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        seq.stop.fill(st, i)
+    b.cu_q_lens[len(scheduled) + 1:] = row
+    b = dataclasses.replace(b, num_seqs=np.asarray(len(scheduled), np.int32),
+                            num_steps=np.asarray(num_steps, np.int32))
+    return b, key
+
+
+def build_penalty_batch(scheduled: Sequence[Any], num_seqs: int,
+                        buckets: Buckets) -> PenaltyBatch | None:
+    """The history the penalty sampler reads, or None when no sequence of
+    the step uses a penalty."""
+    users = [i for i, sc in enumerate(scheduled) if sc.seq.params.uses_penalties]
+    if not users:
+        return None
+    N = buckets.history_width(max(scheduled[i].seq.num_tokens for i in users))
+    hist = np.full((num_seqs, N), -1, np.int32)
+    is_out = np.zeros((num_seqs, N), bool)
+    for i in users:
+        seq = scheduled[i].seq
+        toks = seq.all_token_ids
+        hist[i, :len(toks)] = toks
+        is_out[i, len(seq.prompt_token_ids):len(toks)] = True
+    return PenaltyBatch(history=hist, history_is_output=is_out)
