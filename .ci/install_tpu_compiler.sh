@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Installs the libtpu wheel into the active Python environment so the TPU
-# Pallas kernel can be compiled deviceless (no TPU needed) in the lowering
-# tests. Takes the libtpu version the installed jax's "tpu" extra pins, else
+# Installs the libtpu wheel into .tpu-compiler/ (not into the environment) so
+# the TPU Pallas kernel can be compiled deviceless (no TPU needed) in the
+# lowering tests, which put that folder on the path of their own subprocess.
+# Kept out of the environment because, once importable, every JAX process on
+# a machine without a TPU probes for one (slow, and an error message each
+# time). Takes the libtpu version the installed jax's "tpu" extra pins, else
 # the newest. Never fails the caller: without libtpu those tests skip.
+cd "$(dirname "$0")/.."
+target=.tpu-compiler
+if [ -d "$target/libtpu" ]; then
+  echo "install_tpu_compiler: $target already has libtpu"
+  exit 0
+fi
 spec=$(python - <<'PY' 2>/dev/null
 from importlib.metadata import requires
 for r in requires("jax") or []:
@@ -12,8 +21,8 @@ for r in requires("jax") or []:
 PY
 )
 for want in ${spec:+"$spec"} libtpu; do
-  if python -m pip install -q "$want"; then
-    echo "install_tpu_compiler: installed $want"
+  if python -m pip install -q --no-deps --target "$target" "$want"; then
+    echo "install_tpu_compiler: installed $want into $target"
     exit 0
   fi
 done

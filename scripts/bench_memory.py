@@ -2,15 +2,17 @@
 allocator, under one KV budget and one continuous-batching scheduler.
 
 A host-only simulation (no model, no device): requests with long-tailed
-prompt and output lengths arrive over time; each step the scheduler first
-grows every running sequence by one slot (oldest first; when out of pages it
-preempts the most recently admitted by recompute), then admits waiting
-requests FCFS while memory allows. An admitted request's prefill and every
-later decode yield one token per step; a finished request frees its memory.
+prompt and output lengths arrive over time and go through jaxkv's own
+Scheduler (decodes first, oldest first; when out of pages it preempts the
+most recently admitted by recompute; then FCFS admission while memory
+allows), with a token budget large enough that a prompt prefills in one
+step. An admitted request's prefill and every later decode yield one token
+per step; a finished request frees its memory. The allocator under it:
 
-  (a) paged: jaxkv BlockManager pages, grown lazily page by page;
-  (b) contiguous: reserves max_len slots (prompt + max_tokens, where
-      max_tokens fills the model's max length) per request up front.
+  (a) paged: jaxkv's BlockManager, pages grown lazily page by page;
+  (b) contiguous: the same interface reserving max_len slots (prompt +
+      max_tokens, where max_tokens fills the model's max length) per
+      request up front.
 
 Reported per allocator: the fraction of allocated KV slots that hold live
 tokens (mean over steps), mean and peak concurrent sequences, completed
@@ -34,7 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.core.block_manager import BlockManager, OutOfPages
+from jaxkv.core.block_manager import BlockManager
+from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.core.scheduler import Scheduler
+from jaxkv.core.sequence import Sequence
 
 GOAL_LIVE = 0.95  # fraction of allocated slots that hold live tokens (paged)
 GOAL_CONCURRENCY = 2.5  # mean concurrent sequences, paged / contiguous
@@ -47,157 +52,81 @@ class Request:
     tokens: list[int]  # prompt, then the output tokens it will generate
     prompt_len: int
     output_len: int
-    generated: int = 0
-    kv_len: int = 0  # K/V slots this step: prompt + generated while running
-
-    def context(self) -> list[int]:
-        """Tokens whose K/V a (re)admission must hold: prompt + generated."""
-        return self.tokens[:self.prompt_len + self.generated]
 
 
-class PagedKV:
-    """jaxkv's BlockManager: pages on demand, prefix caching optional."""
+class ContiguousBlockManager(BlockManager):
+    """The baseline allocator behind the same interface: every admitted
+    request reserves max_len slots (whole pages) in one piece, up front, and
+    never shares them (no prefix caching)."""
 
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool):
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
-        self.page_size = page_size
-
-    def admit(self, r: Request) -> int | None:
-        """Allocate the request's context; cached tokens, None when full."""
-        try:
-            return self.bm.allocate(r.rid, r.context())
-        except OutOfPages:
-            return None
-
-    def grow(self, r: Request) -> bool:
-        try:
-            self.bm.append_slots(r.rid, 1)  # no forks here, so never a copy
-        except OutOfPages:
-            return False
-        return True
-
-    def computed(self, r: Request) -> None:
-        self.bm.mark_computed(r.rid, r.tokens, r.kv_len)
-
-    def release(self, r: Request) -> None:
-        self.bm.free(r.rid)
-
-    def allocated_slots(self) -> int:
-        return self.bm.num_used_pages * self.page_size
-
-    def pages_saved(self, running) -> int:
-        """Pages the running sequences would hold without sharing, minus
-        the pages held."""
-        ps = self.page_size
-        return sum(-(-r.kv_len // ps) for r in running) - self.bm.num_used_pages
-
-    def live_slots(self, running, pages_saved: int) -> int:
-        """Distinct slots holding live tokens: shared pages are full prefix
-        pages, so each extra holder of one counts page_size slots twice."""
-        return sum(r.kv_len for r in running) - pages_saved * self.page_size
-
-
-class ContiguousKV:
-    """Reserves max_len slots per request at admission, in one piece."""
-
-    def __init__(self, capacity_tokens: int, max_len: int):
-        self.capacity = capacity_tokens
+    def __init__(self, num_pages: int, page_size: int, max_len: int):
+        super().__init__(num_pages, page_size, enable_prefix_caching=False)
         self.max_len = max_len
-        self.used = 0
 
-    def admit(self, r: Request) -> int | None:
-        if self.used + self.max_len > self.capacity:
-            return None
-        self.used += self.max_len
-        return 0
+    def allocate(self, seq_id, token_ids, num_tokens=None) -> int:
+        cached = super().allocate(seq_id, token_ids, num_tokens=self.max_len)
+        self._seqs[seq_id].num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        return cached
 
-    def grow(self, r: Request) -> bool:
-        return True
-
-    def computed(self, r: Request) -> None:
-        pass
-
-    def release(self, r: Request) -> None:
-        self.used -= self.max_len
-
-    def allocated_slots(self) -> int:
-        return self.used
-
-    def pages_saved(self, running) -> int:
-        return 0
-
-    def live_slots(self, running, pages_saved: int) -> int:
-        return sum(r.kv_len for r in running)
+    def append_slots(self, seq_id, num_new_tokens):
+        s = self._seq(seq_id)
+        if s.num_tokens + num_new_tokens > self.max_len:
+            raise ValueError(f"sequence {seq_id!r} grows past max_len {self.max_len}")
+        s.num_tokens += num_new_tokens  # its pages are reserved already
+        return []
 
 
-def simulate(requests: list[Request], kv, max_num_seqs: int) -> dict:
-    """Run the continuous-batching scheduler to completion; return metrics."""
-    for r in requests:
-        r.generated, r.kv_len = 0, 0
+def simulate(requests: list[Request], bm: BlockManager, max_num_seqs: int) -> dict:
+    """Run jaxkv's Scheduler over `bm` to completion, every scheduled chunk
+    "computed" at once and every completed one emitting the request's next
+    output token; return metrics."""
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=1 << 30)
     arrivals = collections.deque(sorted(requests, key=lambda r: (r.arrival, r.rid)))
-    waiting: collections.deque[Request] = collections.deque()
-    running: list[Request] = []  # admission order
-    step = completed = preemptions = prefill_tokens = peak_running = 0
+    by_id: dict[str, Request] = {}
+    step = completed = prefill_tokens = peak_running = peak_saved = 0
     live_fraction_sum = running_sum = busy_steps = saved_sum = 0.0
-    peak_saved = 0
-
-    def preempt(victim: Request) -> None:
-        nonlocal preemptions
-        running.remove(victim)
-        kv.release(victim)
-        victim.kv_len = 0
-        waiting.appendleft(victim)
-        preemptions += 1
-
+    ps = bm.page_size
     while completed < len(requests):
         while arrivals and arrivals[0].arrival <= step:
-            waiting.append(arrivals.popleft())
-        preempted = False
-        for r in list(running):
-            if r.kv_len == 0:  # preempted earlier in this loop
-                continue
-            while not kv.grow(r):
-                victim = running[-1]
-                preempt(victim)
-                preempted = True
-                if victim is r:
-                    break
-            else:
-                r.kv_len += 1
-        while waiting and len(running) < max_num_seqs and not preempted:
-            r = waiting[0]
-            cached = kv.admit(r)
-            if cached is None:
-                break
-            waiting.popleft()
-            r.kv_len = r.prompt_len + r.generated
-            prefill_tokens += r.kv_len - cached
-            running.append(r)
+            r = arrivals.popleft()
+            by_id[str(r.rid)] = r
+            sched.add(Sequence(str(r.rid), None, r.tokens[:r.prompt_len],
+                               SamplingParams(max_tokens=r.output_len), seed=0))
+        out = sched.schedule()
+        running = sched.running
         if running:
-            saved = kv.pages_saved(running)
-            live_fraction_sum += kv.live_slots(running, saved) / kv.allocated_slots()
+            slots = [bm.num_tokens(s.request_id) for s in running]
+            # Pages the block tables list beyond the pages held: sharing.
+            saved = sum(len(bm.block_table(s.request_id)) for s in running) - bm.num_used_pages
+            # Shared pages are full prefix pages: each extra holder counts
+            # page_size slots twice.
+            live = sum(slots) - saved * ps
+            live_fraction_sum += live / (bm.num_used_pages * ps)
             running_sum += len(running)
             saved_sum += saved
             busy_steps += 1
             peak_running = max(peak_running, len(running))
             peak_saved = max(peak_saved, saved)
-        for r in list(running):  # the step: every running sequence emits a token
-            kv.computed(r)
-            r.generated += 1
-            if r.generated == r.output_len:
-                running.remove(r)
-                kv.release(r)
-                completed += 1
+        for sc in out.scheduled:
+            s, r = sc.seq, by_id[sc.seq.request_id]
+            decode = sc.start == s.num_tokens - 1 and s.output_token_ids
+            prefill_tokens += 0 if decode else sc.num_tokens
+            bm.mark_computed(s.request_id, s.all_token_ids, sc.start + sc.num_tokens)
+            if sc.completes:
+                s.output_token_ids.append(r.tokens[s.num_tokens])
+                if len(s.output_token_ids) == r.output_len:
+                    sched.remove(s)
+                    completed += 1
         step += 1
     out = dict(
         steps=step, completed=completed, completed_per_step=completed / step,
         live_slot_fraction=live_fraction_sum / busy_steps, mean_running=running_sum / busy_steps,
-        peak_running=peak_running, preemptions=preemptions, prefill_tokens=prefill_tokens,
-        mean_pages_saved=saved_sum / busy_steps, peak_pages_saved=peak_saved,
-    )
-    if isinstance(kv, PagedKV):
-        out.update(prefix_hit_rate=kv.bm.prefix_hit_rate, prefix_hit_pages=kv.bm.prefix_hit_pages,
-                   evictions=kv.bm.num_evictions)
+        peak_running=peak_running, preemptions=sched.num_preemptions,
+        prefill_tokens=prefill_tokens, mean_pages_saved=saved_sum / busy_steps,
+        peak_pages_saved=peak_saved)
+    if bm.enable_prefix_caching:
+        out.update(prefix_hit_rate=bm.prefix_hit_rate, prefix_hit_pages=bm.prefix_hit_pages,
+                   evictions=bm.num_evictions)
     return out
 
 
@@ -282,9 +211,10 @@ def main(argv=None) -> int:
           f"p99 {np.percentile(prompts, 99):.0f}; output mean {outputs.mean():.0f}, "
           f"p50 {np.median(outputs):.0f}, p99 {np.percentile(outputs, 99):.0f}\n")
     a = {
-        "paged (jaxkv)": simulate(reqs, PagedKV(args.num_pages, args.page_size, True),
+        "paged (jaxkv)": simulate(reqs, BlockManager(args.num_pages, args.page_size),
                                   args.max_num_seqs),
-        "contiguous": simulate(reqs, ContiguousKV(capacity, args.max_len), args.max_num_seqs),
+        "contiguous": simulate(reqs, ContiguousBlockManager(args.num_pages, args.page_size,
+                                                            args.max_len), args.max_num_seqs),
     }
     keys_a = ["live_slot_fraction", "mean_running", "peak_running", "completed_per_step", "steps",
               "preemptions", "prefill_tokens", "prefix_hit_rate"]
@@ -302,9 +232,10 @@ def main(argv=None) -> int:
     reqs_b = make_workload(args, args.prefix_requests, args.system_prompt, args.user_median,
                            args.seed + 1)
     b = {
-        "prefix caching on": simulate(reqs_b, PagedKV(args.num_pages, args.page_size, True),
+        "prefix caching on": simulate(reqs_b, BlockManager(args.num_pages, args.page_size),
                                       args.max_num_seqs),
-        "prefix caching off": simulate(reqs_b, PagedKV(args.num_pages, args.page_size, False),
+        "prefix caching off": simulate(reqs_b, BlockManager(args.num_pages, args.page_size,
+                                                            enable_prefix_caching=False),
                                        args.max_num_seqs),
     }
     keys_b = ["prefix_hit_rate", "prefix_hit_pages", "mean_pages_saved", "peak_pages_saved",

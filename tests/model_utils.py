@@ -3,6 +3,7 @@ direct call of the jaxkv model that returns logits at chosen rows."""
 
 from __future__ import annotations
 
+import json
 from typing import NamedTuple, Sequence
 
 import jax
@@ -72,3 +73,30 @@ def step_logits(model, cache, seqs: list[Seq], page_size: int, rows_per_seq: boo
     else [V] (its last row)."""
     assert cache.page_size == page_size
     return prefill_logits(model, [tuple(s) for s in seqs], cache, rows_per_seq=rows_per_seq)
+
+
+WORDS = ("the a cache key value page token model step is of and to in it that "
+         "what why how fast slow big small red blue one two three four five six "
+         "seven eight nine ten yes no hello world sky sea tree run read write").split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def save_tiny_tokenizer(path, vocab_size: int = 128):
+    """A word-level tokenizer of `vocab_size` ids (specials, the WORDS, then
+    filler words) with a chat template, saved as Hugging Face files
+    (tokenizer.json, tokenizer_config.json) next to a model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    special = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = special + list(WORDS) + [f"w{i}" for i in range(vocab_size)]
+    vocab = {w: i for i, w in enumerate(vocab[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(special)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path

@@ -5,11 +5,15 @@ numbers. No timing goals are asserted here."""
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from jaxkv import bench
 from tests.model_utils import make_hf_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench  # noqa: E402  (scripts/bench.py)
 
 TINY = bench.Sizes(decode_batches=(1, 4), hf_decode_batches=(1, 4), decode_prompt=12,
                    decode_steps=3, prefill_lens=(40,), e2e_requests=5, e2e_prompt=(3, 30),
@@ -70,8 +74,9 @@ def test_warm_up_compiles_everything_the_timed_runs_need(results):
              for m in ("batched", "sequential")]
     assert late == [0] * len(late)
     c = results["compile"]
-    assert c["programs"] >= 4 and c["xla_compiles"] >= c["programs"] and c["seconds"] > 0
-    assert sum(w["new_programs"] for w in c["warm_up"].values()) <= c["programs"]
+    # Every program was compiled (or served by the persistent cache) once, at warm-up.
+    assert c["programs"] >= 4 and c["xla_compiles"] + c["cache_hits"] >= c["programs"]
+    assert sum(w["new_programs"] for w in c["warm_up"].values()) == c["programs"]
 
 
 def test_report_and_json(results, tmp_path):

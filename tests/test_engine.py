@@ -42,8 +42,7 @@ def test_batch_invariance_with_preemption_chunking_and_prefix_hits(model):
     final = eng.run_to_completion()
     assert eng.scheduler.num_preemptions > 0, "pool too large: no preemption happened"
     assert eng.bm.prefix_hit_tokens > 0, "no prefix cache hit happened"
-    chunked = eng.stats["steps"]
-    assert chunked > 0
+    assert eng.stats["partial_prefills"] > 0, "no prompt was split across steps"
     for i, p in enumerate(prompts):
         got = final[ids[i]].outputs[0]
         assert got.finish_reason == "length"
@@ -55,7 +54,7 @@ def test_prefix_cache_prefills_only_new_tokens(model):
     shared = list(rng.integers(0, 211, 64))
     a, b = shared + [5, 6, 7], shared + [9, 10, 11, 12, 13]
     eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=64, page_size=8))
-    ra = eng.add_request(a, GREEDY)
+    eng.add_request(a, GREEDY)
     eng.run_to_completion()
     before = eng.stats["prompt_tokens_computed"]
     rb = eng.add_request(b, GREEDY)
@@ -63,7 +62,6 @@ def test_prefix_cache_prefills_only_new_tokens(model):
     assert out.num_cached_tokens == 64
     assert eng.stats["prompt_tokens_computed"] - before == len(b) - 64
     assert out.outputs[0].token_ids == _alone(model, b)
-    assert ra != rb
 
 
 def test_every_request_finishes_with_a_reason(model):

@@ -91,7 +91,11 @@ class LLMEngine:
         self._errors: list[Sequence] = []
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        self.stats = dict(steps=0, decode_steps=0, prompt_tokens_computed=0, generated_tokens=0)
+        # steps: engine steps run; decode_steps: model calls (a multi-step
+        # decode call counts each); partial_prefills: prompt chunks that
+        # stopped short of the prompt's end (chunked prefill).
+        self.stats = dict(steps=0, decode_steps=0, prompt_tokens_computed=0, generated_tokens=0,
+                          partial_prefills=0)
         log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB); "
                  "max_model_len %d; up to %d sequences at full length", num_pages,
                  config.page_size, pool_tokens, kv_dtype,
@@ -205,6 +209,7 @@ class LLMEngine:
             s = sc.seq
             if not sc.completes:  # a prefill chunk short of the prompt's end
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
+                self.stats["partial_prefills"] += 1
                 self._computed(s, sc.start + sc.num_tokens)
                 continue
             if not s.output_token_ids:

@@ -24,7 +24,7 @@ H heads, K kv heads, D head dim, F MLP hidden, L layers.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from jaxkv.config import ModelConfig
 
@@ -57,7 +57,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_params(config: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
+def check_params(config: ModelConfig, params: Mapping[str, Any]) -> None:
     """Raise ValueError naming every missing, unexpected or wrong-shape tensor."""
     want = expected_shapes(config)
     problems = shape_problems(want, {k: tuple(v.shape) for k, v in params.items()})

@@ -19,7 +19,7 @@ kernel is the next step for prefill throughput.
 
 Design
 ------
-Queries are cut into work blocks of `block_q` tokens that never span two
+The kernel body is `gpu_kernel.py`. Queries are cut into work blocks of `block_q` tokens that never span two
 sequences (at most cdiv(T, block_q) + S of them, built on device from
 cu_q_lens). Grid ``(num_blocks, KVH, num_splits)``: a program owns one block,
 one KV head, all G query heads of that KV head (rows = block_q x G_pad, token
@@ -54,131 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention.checks import check_inputs
-
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _rpa_kernel(
-    # inputs
-    blk_seq_ref,  # [NB] sequence of each work block
-    blk_row_ref,  # [NB] first token row of each work block
-    blk_len_ref,  # [NB] rows of the block that belong to it (0: no work)
-    kv_lens_ref,  # [S]
-    cu_q_lens_ref,  # [S + 1]
-    block_tables_ref,  # [S, pages_per_seq_pad]
-    q_ref,  # [T + block_q, KVH, G_pad, D] (whole array)
-    k_ref,  # [P, page_size, D] (this KV head)
-    v_ref,
-    k_scale_ref,  # [P, page_size] or None
-    v_scale_ref,
-    # outputs
-    o_ref,  # [T + block_q, KVH, G_pad, D] (this split)
-    lse_ref,  # [T + block_q, KVH, G_pad] or None (this split)
-    *,
-    block_q: int,
-    group: int,
-    pages_per_block: int,
-    num_splits: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-):
-    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    _, _, g_pad, head_dim = q_ref.shape
-    page_size = k_ref.shape[1]
-    block_kv = pages_per_block * page_size
-    rows = block_q * g_pad
-
-    seq = blk_seq_ref[b]
-    row0 = blk_row_ref[b]
-    n_tok = blk_len_ref[b]
-    kv_len = kv_lens_ref[seq]
-    q_start = cu_q_lens_ref[seq]
-    q_len = cu_q_lens_ref[seq + 1] - q_start
-    pos0 = kv_len - q_len + (row0 - q_start)  # position of the block's first row
-    kv_hi = pos0 + n_tok  # one past the last row's position (<= kv_len)
-    kv_lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-    kb_lo = kv_lo // block_kv
-    kb_hi = jnp.where(n_tok > 0, pl.cdiv(kv_hi, block_kv), kb_lo)
-    per_split = pl.cdiv(kb_hi - kb_lo, num_splits)
-    kb_start = jnp.minimum(kb_lo + split * per_split, kb_hi)
-    kb_stop = jnp.minimum(kb_start + per_split, kb_hi)
-    n_pages = pl.cdiv(kv_hi, page_size)
-
-    tok = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // g_pad  # row -> token
-    q_pos = pos0 + tok
-    row_live = tok < n_tok
-    if g_pad != group:
-        row_live = row_live & (lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) % g_pad
-                               < group)
-    q = q_ref[pl.ds(row0, block_q), h, :, :].reshape(rows, head_dim)
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-
-    def body(kb, carry):
-        acc, m, l = carry
-        page_idx = kb * pages_per_block + jnp.arange(pages_per_block)
-        pages = block_tables_ref[seq, pl.ds(kb * pages_per_block, pages_per_block)]
-        pages = jnp.where(page_idx < n_pages, pages, 0)  # never follow unused entries
-        key = kb * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        k = k_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
-        v = v_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
-        key_col = kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
-        v = jnp.where(key_col < kv_hi, v, jnp.zeros_like(v))
-
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * sm_scale  # [rows, block_kv]
-        if k_scale_ref is not None:
-            s = s * k_scale_ref[pages].reshape(1, block_kv)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = row_live & (key <= q_pos)
-        if sliding_window is not None:
-            mask = mask & (key > q_pos - sliding_window)
-        s = jnp.where(mask, s, _MASK_VALUE)
-        m_next = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_next)
-        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
-        l_next = alpha * l + jnp.sum(p, axis=1)
-        if v_scale_ref is not None:
-            v_scale = v_scale_ref[pages].reshape(1, block_kv)
-            key_row = kb * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            p = p * jnp.where(key_row < kv_hi, v_scale, 0.0)  # unwritten slots: any value
-        pv = lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())),
-                             precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_next, l_next
-
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = lax.fori_loop(kb_start, kb_stop, body, (acc, m, l))
-
-    live = l > 0.0
-    out = acc / jnp.where(live, l, 1.0)[:, None]
-    tok_live = lax.broadcasted_iota(jnp.int32, (block_q, g_pad), 0) < n_tok
-    plgpu.store(o_ref.at[pl.ds(row0, block_q), h, :, :],
-                out.reshape(block_q, g_pad, head_dim).astype(o_ref.dtype),
-                mask=jnp.broadcast_to(tok_live[:, :, None], (block_q, g_pad, head_dim)))
-    if lse_ref is not None:
-        lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
-        plgpu.store(lse_ref.at[pl.ds(row0, block_q), h, :], lse.reshape(block_q, g_pad),
-                    mask=tok_live)
-
-
-def _work_blocks(cu_q_lens, num_seqs, *, block_q, num_blocks):
-    """Query work blocks that never span two sequences: (seq, first row, rows)
-    each [num_blocks]; blocks past the last carry 0 rows."""
-    S = cu_q_lens.shape[0] - 1
-    q_lens = jnp.where(jnp.arange(S) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    blocks = (q_lens + block_q - 1) // block_q
-    ends = jnp.cumsum(blocks)
-    b = jnp.arange(num_blocks)
-    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), S - 1).astype(jnp.int32)
-    local = b - (ends[seq] - blocks[seq])
-    row0 = cu_q_lens[seq] + local * block_q
-    n = jnp.clip(q_lens[seq] - local * block_q, 0, block_q)
-    n = jnp.where(b < ends[-1], n, 0).astype(jnp.int32)
-    return seq, jnp.where(n > 0, row0, 0).astype(jnp.int32), n
-
+from pallas_kernels.ragged_paged_attention.gpu_kernel import rpa_kernel, work_blocks
 
 def _rpa_pallas_call(q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables,
                      cu_q_lens, num_seqs, *, group, block_q, num_splits, pages_per_block,
@@ -191,7 +67,7 @@ def _rpa_pallas_call(q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
     _, P, page_size, _ = k_pages.shape
     # Sum over sequences of cdiv(q_len, block_q) is at most this.
     num_blocks = (T + S * (block_q - 1)) // block_q
-    blk_seq, blk_row, blk_len = _work_blocks(cu_q_lens, num_seqs, block_q=block_q,
+    blk_seq, blk_row, blk_len = work_blocks(cu_q_lens, num_seqs, block_q=block_q,
                                              num_blocks=num_blocks)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, s: (h, 0, 0, 0))
@@ -205,7 +81,7 @@ def _rpa_pallas_call(q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
         out_shape.append(jax.ShapeDtypeStruct((num_splits, *q_g.shape[:3]), jnp.float32))
         out_specs.append(pl.BlockSpec((None, *q_g.shape[:3]), lambda b, h, s: (s, 0, 0, 0)))
     kernel = functools.partial(
-        _rpa_kernel, block_q=block_q, group=group, pages_per_block=pages_per_block,
+        rpa_kernel, block_q=block_q, group=group, pages_per_block=pages_per_block,
         num_splits=num_splits, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap)
     kernel = _adapt(kernel, quantized=quantized, with_lse=with_lse)

@@ -5,7 +5,7 @@ q [T, H, D], k_pages / v_pages [KVH, P, page_size, D] -> [T, H, D].
 
 Design
 ------
-Grid ``(KVH, T_pad // block_q)``: one cell owns one KV head and one aligned
+The kernel body is `tpu_kernel.py`. Grid ``(KVH, T_pad // block_q)``: one cell owns one KV head and one aligned
 block of ``block_q`` query tokens, for *all* G = H // KVH query heads of that
 KV head (GQA without copying K/V). The wrapper lays q out as
 ``[KVH, T_pad * G, D]`` (rows ordered token-major, head-minor), so a cell's
@@ -57,231 +57,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.checks import check_inputs
-
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LANES = 128
-
-
-def _lane_bcast(x, n):
-    """[R, 128] lane-replicated row statistic -> [R, n]."""
-    if n == _LANES:
-        return x
-    if n < _LANES:
-        return x[:, :n]
-    return jnp.tile(x, (1, n // _LANES))
-
-
-def _flatten_pages(x, dtype):
-    """[pages, page_size, D] -> [pages * page_size, D] in `dtype`. Sub-32-bit
-    dtypes pack rows into sublanes, so a page that is not a whole number of
-    packed tiles is merged in float32 (always tile-aligned for page_size % 8)."""
-    pages, page_size, d = x.shape
-    packing = 4 // x.dtype.itemsize
-    if page_size % (8 * packing):
-        x = x.astype(jnp.float32)
-    return x.reshape(pages * page_size, d).astype(dtype)
-
-
-def _scale_row(scales, live):
-    """[pages, page_size] per-token scales -> [1, pages * page_size] lane row,
-    via a one-hot matmul (exact at HIGHEST precision) instead of a lane-merging
-    reshape. Slots where `live` is False become 0 first: one NaN would spread
-    along its page row through the matmul."""
-    pages, page_size = scales.shape
-    scales = jnp.where(live, scales, 0.0)
-    n = pages * page_size
-    col = lax.broadcasted_iota(jnp.int32, (page_size, n), 1)
-    sel = (col % page_size == lax.broadcasted_iota(jnp.int32, (page_size, n), 0))
-    tiled = jnp.dot(scales, sel.astype(jnp.float32), precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32)  # [pages, n]: scales[j, n % ps]
-    own = (lax.broadcasted_iota(jnp.int32, (pages, n), 1) // page_size
-           == lax.broadcasted_iota(jnp.int32, (pages, n), 0))
-    return jnp.sum(jnp.where(own, tiled, 0.0), axis=0, keepdims=True)
-
-
-def _rpa_kernel(
-    # scalar prefetch (SMEM)
-    kv_lens_ref,  # [S]
-    block_tables_ref,  # [S * pages_per_seq]
-    cu_q_lens_ref,  # [S + 1]
-    num_seqs_ref,  # [1]
-    first_seq_ref,  # [num_q_blocks]
-    # inputs
-    q_ref,  # [R, D] VMEM, R = block_q * G
-    k_hbm,  # [KVH, P, page_size, D] HBM
-    v_hbm,
-    k_scale_hbm,  # [KVH, P, page_size] HBM, or None
-    v_scale_hbm,
-    # output
-    o_ref,  # [R, D]
-    # scratch
-    k_buf,  # [2, pages_per_block, page_size, D]
-    v_buf,
-    ks_buf,  # [2, pages_per_block, page_size] f32, or None
-    vs_buf,
-    sems,  # DMA [2 slots, 4 (k, v, k_scale, v_scale)]
-    m_ref,  # [R, 128] f32
-    l_ref,  # [R, 128] f32
-    acc_ref,  # [R, D] f32
-    *,
-    block_q: int,
-    group: int,
-    pages_per_seq: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-):
-    h = pl.program_id(0)
-    qb = pl.program_id(1)
-    rows, head_dim = q_ref.shape
-    pages_per_block, page_size = k_buf.shape[1], k_buf.shape[2]
-    block_kv = pages_per_block * page_size
-    num_seqs = num_seqs_ref[0]
-    blk_start = qb * block_q
-    blk_end = blk_start + block_q
-    quantized = ks_buf is not None
-    compute_dtype = q_ref.dtype
-
-    m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    def seq_in_block(s):
-        return jnp.logical_and(s < num_seqs, cu_q_lens_ref[jnp.minimum(s, num_seqs)] < blk_end)
-
-    def seq_span(s):
-        """Token rows [t0, t1) of sequence s inside this block, the position of
-        its first row and its KV block range [kb_lo, kb_hi) (empty if no rows)."""
-        q_start, q_end = cu_q_lens_ref[s], cu_q_lens_ref[s + 1]
-        t0 = jnp.maximum(q_start, blk_start)
-        t1 = jnp.minimum(q_end, blk_end)
-        pos0 = kv_lens_ref[s] - (q_end - q_start) + (t0 - q_start)
-        kv_hi = pos0 + (t1 - t0)  # one past the last row's position
-        kv_lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-        kb_lo = kv_lo // block_kv
-        kb_hi = jnp.where(t1 > t0, pl.cdiv(kv_hi, block_kv), kb_lo)
-        return t0, t1, pos0, kv_hi, kb_lo, kb_hi
-
-    def next_seq_with_work(s):
-        def cond(s):
-            _, _, _, _, kb_lo, kb_hi = seq_span(jnp.clip(s, 0, jnp.maximum(num_seqs - 1, 0)))
-            return jnp.logical_and(seq_in_block(s), kb_hi <= kb_lo)
-        return lax.while_loop(cond, lambda s: s + 1, s)
-
-    def copies(s, kb, slot):
-        """(predicate, descriptor) for each page DMA of KV block kb of seq s:
-        only pages holding keys some row of this block may see are copied."""
-        _, _, _, kv_hi, _, _ = seq_span(s)
-        n_pages = pl.cdiv(kv_hi, page_size)
-        out = []
-        for j in range(pages_per_block):
-            p = kb * pages_per_block + j
-            live = p < n_pages
-            page = block_tables_ref[s * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
-            out.append((live, pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, j],
-                                                    sems.at[slot, 0])))
-            out.append((live, pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, j],
-                                                    sems.at[slot, 1])))
-            if quantized:
-                out.append((live, pltpu.make_async_copy(
-                    k_scale_hbm.at[h, pl.ds(page, 1)], ks_buf.at[slot, pl.ds(j, 1)],
-                    sems.at[slot, 2])))
-                out.append((live, pltpu.make_async_copy(
-                    v_scale_hbm.at[h, pl.ds(page, 1)], vs_buf.at[slot, pl.ds(j, 1)],
-                    sems.at[slot, 3])))
-        return out
-
-    def start(s, kb, slot):
-        for live, cp in copies(s, kb, slot):
-            pl.when(live)(cp.start)
-
-    def wait(s, kb, slot):
-        for live, cp in copies(s, kb, slot):
-            pl.when(live)(cp.wait)
-
-    def attend(s, kb, slot):
-        """One online-softmax step: rows of sequence s against KV block kb."""
-        t0, t1, pos0, _, _, _ = seq_span(s)
-        row_tok = blk_start + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // group
-        key = kb * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        q_pos = pos0 + (row_tok - t0)
-        mask = (row_tok >= t0) & (row_tok < t1) & (key <= q_pos)
-        if sliding_window is not None:
-            mask = mask & (key > q_pos - sliding_window)
-
-        k = _flatten_pages(k_buf[slot], compute_dtype)  # [block_kv, D]
-        v = _flatten_pages(v_buf[slot], compute_dtype)
-        # Keys past the causal end were never copied (stale VMEM) or are unwritten
-        # slots: zero them so 0-probability * garbage stays 0.
-        v_live = (kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
-                  < pos0 + (t1 - t0))
-        v = jnp.where(v_live, v, jnp.zeros_like(v))
-        precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-
-        s_ = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * sm_scale  # [R, block_kv]
-        if quantized:
-            slot_key = (kb * block_kv + page_size
-                        * lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
-                        + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1))
-            scale_live = slot_key < pos0 + (t1 - t0)
-            s_ = s_ * _scale_row(ks_buf[slot], scale_live)
-        if soft_cap is not None:
-            s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-        s_ = jnp.where(mask, s_, _MASK_VALUE)
-
-        m_prev = m_ref[...]  # [R, 128]
-        m_next = jnp.maximum(m_prev, jnp.max(s_, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(mask, jnp.exp(s_ - m_next[:, :1]), 0.0)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_next
-        if quantized:
-            p = p * _scale_row(vs_buf[slot], scale_live)
-        pv = jnp.dot(p.astype(compute_dtype), v, precision=precision,
-                     preferred_element_type=jnp.float32)  # [R, D]
-        acc_ref[...] = _lane_bcast(alpha, head_dim) * acc_ref[...] + pv
-
-    def seq_body(carry):
-        s, slot = carry
-        _, _, _, _, kb_lo, kb_hi = seq_span(s)
-        s_next = next_seq_with_work(s + 1)
-        has_next_seq = seq_in_block(s_next)
-
-        def kv_body(kb, slot):
-            # Prefetch the next KV block: this sequence's, or the next one's first.
-            last = kb + 1 == kb_hi
-            fetch_s = jnp.where(last, jnp.minimum(s_next, num_seqs - 1), s)
-            fetch_kb = jnp.where(last, seq_span(fetch_s)[4], kb + 1)
-
-            @pl.when(jnp.logical_or(jnp.logical_not(last), has_next_seq))
-            def _():
-                start(fetch_s, fetch_kb, 1 - slot)
-
-            wait(s, kb, slot)
-            attend(s, kb, slot)
-            return 1 - slot
-
-        slot = lax.fori_loop(kb_lo, kb_hi, kv_body, slot)
-        return s_next, slot
-
-    s0 = next_seq_with_work(first_seq_ref[qb])
-
-    @pl.when(seq_in_block(s0))
-    def _():
-        start(s0, seq_span(s0)[4], 0)
-
-    lax.while_loop(lambda c: seq_in_block(c[0]), seq_body, (s0, 0))
-
-    l = l_ref[...]
-    inv = jnp.where(l > 0.0, 1.0 / jnp.where(l > 0.0, l, 1.0), 0.0)
-    o_ref[...] = (acc_ref[...] * _lane_bcast(inv, head_dim)).astype(o_ref.dtype)
-
+from pallas_kernels.ragged_paged_attention.tpu_kernel import LANES, rpa_kernel
 
 def _rpa_pallas_call(q_t, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables_flat,
                      cu_q_lens, num_seqs, first_seq, *, group, pages_per_seq, block_q,
@@ -298,9 +78,9 @@ def _rpa_pallas_call(q_t, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kv_buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
     scale_buf = pltpu.VMEM((2, pages_per_block, page_size), jnp.float32) if quantized else None
-    stat = pltpu.VMEM((rows, _LANES), jnp.float32)
+    stat = pltpu.VMEM((rows, LANES), jnp.float32)
     kernel = functools.partial(
-        _rpa_kernel, block_q=block_q, group=group, pages_per_seq=pages_per_seq,
+        rpa_kernel, block_q=block_q, group=group, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if not quantized:
         kernel = _with_none_args(kernel)

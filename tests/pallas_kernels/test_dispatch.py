@@ -53,8 +53,9 @@ def _has_pallas_call(fn, args):
     return "pallas_call" in str(jax.make_jaxpr(lambda a: fn(**a))(args))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="the CPU default is checked on a host whose JAX backend is the CPU")
 def test_cpu_default_is_the_reference():
-    assert jax.default_backend() == "cpu"
     case, args, kw = _case()
     entry = lambda **a: pallas_kernels.ragged_paged_attention(**a, **kw)
     assert not _has_pallas_call(entry, args)

@@ -3,16 +3,18 @@ compiled (Mosaic included) deviceless for v5e and v6e against libtpu's
 topology descriptions, and lowered to Mosaic MLIR; the GPU kernel is lowered
 for CUDA (Triton IR inside XLA custom calls).
 
-The TPU compile runs in a subprocess: libtpu takes a machine-wide lockfile
-when a process initializes it (another JAX process, e.g. a parallel pytest
-worker, may hold it), and ALLOW_MULTIPLE_LIBTPU_LOAD=1 must be set before that.
+The TPU compile runs in a subprocess, the only process that sees libtpu: it
+lives in .tpu-compiler/ (`.ci/install_tpu_compiler.sh`), outside the
+environment, because an importable libtpu makes every JAX process on a
+machine without a TPU probe for one. libtpu also takes a machine-wide
+lockfile when a process initializes it (another test's subprocess may hold
+it), so ALLOW_MULTIPLE_LIBTPU_LOAD=1 is set.
 Run as a module it prints one JSON line: {config id: "ok" | error}.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -86,10 +88,12 @@ def compile_for_topology(topology):
 def test_tpu_kernel_compiles_deviceless(topology):
     # One subprocess per topology compiles every config (one test, so parallel
     # workers never compile the same topology twice).
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip("libtpu is not installed, so the TPU kernel cannot be compiled deviceless "
-                    "(bash .ci/install_tpu_compiler.sh installs it)")
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=str(REPO))
+    compiler = Path(os.environ.get("JAXKV_TPU_COMPILER", REPO / ".tpu-compiler"))
+    if not (compiler / "libtpu").is_dir():
+        pytest.skip(f"libtpu is not in {compiler}, so the TPU kernel cannot be compiled "
+                    "deviceless (bash .ci/install_tpu_compiler.sh installs it there)")
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(compiler)]))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.pallas_kernels.test_lowering", "--topology", topology],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
