@@ -5,6 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from jaxkv.paths import enable_compilation_cache
+
+# The test processes (xdist workers, the CLI subprocesses) share compiled
+# programs through JAX's persistent cache, as users' runs do.
+enable_compilation_cache()
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:

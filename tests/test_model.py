@@ -18,6 +18,8 @@ CONFIGS = {
     "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "llama-mqa-bias": ("llama", dict(num_key_value_heads=1, attention_bias=True)),
     "llama3-rope-scaling": ("llama", dict(rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),
+    "llama-linear-rope-scaling": ("llama", dict(rope_scaling={"rope_type": "linear",
+                                                              "factor": 4.0})),
     "qwen2-gqa-bias-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=8)),
 }

@@ -251,3 +251,19 @@ def test_detect_by_magic(tmp_path):
     assert detect_kind(path) == "gguf"
     config, params, tok = load_checkpoint(path)
     assert tok is not None and config.num_layers == L
+
+
+def test_gguf_rope_scaling_linear_is_kept_and_others_refused():
+    from checkpoints.model_config import from_gguf_metadata
+
+    base = {"general.architecture": "llama", "llama.embedding_length": 64,
+            "llama.attention.head_count": 4, "llama.feed_forward_length": 96,
+            "llama.block_count": 2, "llama.vocab_size": 128}
+    cfg = from_gguf_metadata({**base, "llama.rope.scaling.type": "linear",
+                              "llama.rope.scaling.factor": 2.0})
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 2.0)
+    assert from_gguf_metadata({**base, "llama.rope.scaling.type": "none"}).rope_scaling is None
+    with pytest.raises(ValueError, match="rope.scaling.type: unsupported 'yarn'"):
+        from_gguf_metadata({**base, "llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match="rope.scaling.factor: missing"):
+        from_gguf_metadata({**base, "llama.rope.scaling.type": "linear"})
