@@ -142,8 +142,16 @@ def bytes_per_token(model: Any, dtype: str = "float16") -> int:
     return kv_cache_breakdown(*_geometry(model), tokens=1, dtype=dtype).bytes_per_token
 
 
-def _kv_budget(budget_bytes: int, weight_bytes: int) -> int:
-    return max(budget_bytes - weight_bytes, 0)
+def _kv_tokens(model: Any, budget_bytes: int, weight_bytes: int, dtype: str) -> int:
+    """Tokens (of one sequence) whose KV fits beside the weights."""
+    return max(budget_bytes - weight_bytes, 0) // bytes_per_token(model, dtype)
+
+
+def _usable_pages(model: Any, budget_bytes: int, weight_bytes: int, dtype: str,
+                  page_size: int) -> int:
+    """Whole pages that fit beside the weights, less the trash page."""
+    per_page = bytes_per_token(model, dtype) * page_size
+    return max(max(budget_bytes - weight_bytes, 0) // per_page - 1, 0)
 
 
 def max_batch(model: Any, context: int, budget_bytes: int, weight_bytes: int = 0,
@@ -155,12 +163,9 @@ def max_batch(model: Any, context: int, budget_bytes: int, weight_bytes: int = 0
     takes whole pages and one page is the reserved trash page."""
     if context <= 0:
         raise ValueError(f"context: must be positive, got {context}")
-    per_token = bytes_per_token(model, dtype)
-    kv = _kv_budget(budget_bytes, weight_bytes)
     if page_size is None:
-        return kv // (per_token * context)
-    usable_pages = max(kv // (per_token * page_size) - 1, 0)
-    return usable_pages // -(-context // page_size)
+        return _kv_tokens(model, budget_bytes, weight_bytes, dtype) // context
+    return _usable_pages(model, budget_bytes, weight_bytes, dtype, page_size) // -(-context // page_size)
 
 
 def max_context(model: Any, batch: int, budget_bytes: int, weight_bytes: int = 0,
@@ -171,12 +176,9 @@ def max_context(model: Any, batch: int, budget_bytes: int, weight_bytes: int = 0
     positions: compare with `max_position_embeddings` yourself."""
     if batch <= 0:
         raise ValueError(f"batch: must be positive, got {batch}")
-    per_token = bytes_per_token(model, dtype)
-    kv = _kv_budget(budget_bytes, weight_bytes)
     if page_size is None:
-        return kv // (per_token * batch)
-    usable_pages = max(kv // (per_token * page_size) - 1, 0)
-    return usable_pages // batch * page_size
+        return _kv_tokens(model, budget_bytes, weight_bytes, dtype) // batch
+    return _usable_pages(model, budget_bytes, weight_bytes, dtype, page_size) // batch * page_size
 
 
 def pages_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,

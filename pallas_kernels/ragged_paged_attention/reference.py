@@ -72,6 +72,25 @@ def _gather_pages(k_pages, v_pages, k_scale, v_scale, pages):
     return kb.reshape(shape), vb.reshape(shape)
 
 
+def _key_chunks(tables, page_size):
+    """Key chunks of about `_KEY_CHUNK` keys over block tables [N, W]: (pages
+    per chunk, keys per chunk, the tables padded to whole chunks)."""
+    W = tables.shape[1]
+    chunk_pages = max(1, min(W, _KEY_CHUNK // page_size))
+    num_chunks = -(-W // chunk_pages)
+    return (chunk_pages, chunk_pages * page_size,
+            jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_pages - W))))
+
+
+def _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j, chunk_pages):
+    """K and V [KVH, N, chunk, D] of key chunk j of each row of `tables`,
+    and the chunk's key positions [chunk]."""
+    pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk_pages, chunk_pages, axis=1)
+    kb, vb = _gather_pages(k_pages, v_pages, k_scale, v_scale, pages)
+    chunk = kb.shape[2]
+    return kb, vb, j * chunk + jnp.arange(chunk)
+
+
 def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                        num_seqs, *, block_q, num_blocks, sm_scale, sliding_window,
                        soft_cap, k_scale, v_scale, num_sink_tokens):
@@ -113,11 +132,7 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     qb = qb.reshape(KVH, num_blocks, R, D)
     row_pos = jnp.broadcast_to(q_pos[:, None, :], (num_blocks, G, block_q)).reshape(num_blocks, R)
 
-    chunk_pages = max(1, min(pages_per_seq, _KEY_CHUNK // page_size))
-    chunk = chunk_pages * page_size
-    num_chunks = -(-pages_per_seq // chunk_pages)
-    tables = block_tables[blk_seq]  # [NB, pages_per_seq]
-    tables = jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_pages - pages_per_seq)))
+    chunk_pages, chunk, tables = _key_chunks(block_tables[blk_seq], page_size)  # [NB, ...]
 
     newest = jnp.max(jnp.where(row_valid, q_pos, -1))  # the last key any row sees
     stop = (newest + chunk) // chunk
@@ -132,9 +147,8 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
 
     def step(j, carry):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk_pages, chunk_pages, axis=1)
-        kb, vb = _gather_pages(k_pages, v_pages, k_scale, v_scale, pages)  # [KVH, NB, chunk, D]
-        key_pos = j * chunk + jnp.arange(chunk)
+        kb, vb, key_pos = _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
+                                       chunk_pages)  # [KVH, NB, chunk, D]
         key_live = key_pos[None, :] < kv_len[:, None]  # [NB, chunk]
         if sliding_window is not None:
             key_live &= ((key_pos[None, :] >= oldest[:, None])
@@ -191,10 +205,7 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
     qs = qs.reshape(S, KVH, G, D).transpose(1, 0, 2, 3)  # [KVH, S, G, D]
     kv_len = jnp.where(live, kv_lens, 0)
 
-    chunk_pages = max(1, min(pages_per_seq, _KEY_CHUNK // page_size))
-    chunk = chunk_pages * page_size
-    num_chunks = -(-pages_per_seq // chunk_pages)
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk_pages - pages_per_seq)))
+    chunk_pages, chunk, tables = _key_chunks(block_tables, page_size)
     stop = (jnp.max(kv_len) + chunk - 1) // chunk  # the row is its sequence's last token
     if sliding_window is not None and not num_sink_tokens:
         # Keys before every row's window are dead; their pages may already be
@@ -206,9 +217,8 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
 
     def step(j, carry):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk_pages, chunk_pages, axis=1)
-        kb, vb = _gather_pages(k_pages, v_pages, k_scale, v_scale, pages)  # [KVH, S, chunk, D]
-        key_pos = j * chunk + jnp.arange(chunk)
+        kb, vb, key_pos = _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
+                                       chunk_pages)  # [KVH, S, chunk, D]
         key_live = key_pos[None, :] < kv_len[:, None]  # [S, chunk]
         if sliding_window is not None:
             in_window = key_pos[None, :] > (kv_len - 1 - sliding_window)[:, None]
