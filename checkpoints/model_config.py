@@ -20,10 +20,29 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+_REQUIRED = object()
+
+
 def _require(cfg: Mapping[str, Any], key: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"{key}: missing from config")
     return cfg[key]
+
+
+def _num(cfg: Mapping[str, Any], key: str, kind, default=_REQUIRED):
+    """cfg[key] as `kind` (int or float), `default` when it is absent or
+    null; ValueError naming the key when required and missing, or not a
+    number."""
+    v = cfg.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{key}: missing from config")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            kind is int and isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"{key}: must be {'an integer' if kind is int else 'a number'}, "
+                         f"got {v!r}")
+    return kind(v)
 
 
 def _eos_tuple(eos: Any) -> tuple[int, ...]:
@@ -74,18 +93,20 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
                 f"{sorted(SUPPORTED_MODEL_TYPES)}"
             )
         arch = model_type
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = cfg.get("head_dim") or (hidden // heads if hidden % heads == 0 else None)
+    hidden = _num(cfg, "hidden_size", int)
+    heads = _num(cfg, "num_attention_heads", int)
+    if heads <= 0:
+        raise ValueError(f"num_attention_heads: must be positive, got {heads}")
+    kv_heads = _num(cfg, "num_key_value_heads", int, heads)
+    head_dim = _num(cfg, "head_dim", int, 0) or (hidden // heads if hidden % heads == 0 else None)
     if head_dim is None:
         raise ValueError(f"head_dim: hidden_size {hidden} not divisible by num_attention_heads {heads}")
     if arch == "qwen2":
         bias, out_bias = True, False
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        window = _num(cfg, "sliding_window", int, None) if cfg.get("use_sliding_window") else None
     else:
         bias = out_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window") if arch == "mistral" else None
+        window = _num(cfg, "sliding_window", int, None) if arch == "mistral" else None
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
     act = cfg.get("hidden_act", "silu")
@@ -94,24 +115,24 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     # transformers 5 writes "rope_parameters" (rope_theta inside); 4.x wrote
     # "rope_theta" and "rope_scaling" at the top level.
     rope = dict(cfg.get("rope_parameters") or {})
-    rope_theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    rope_theta = rope.pop("rope_theta", None) or _num(cfg, "rope_theta", float, 10000.0)
     rope_scaling = rope or cfg.get("rope_scaling")
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(_require(cfg, "vocab_size")),
+        vocab_size=_num(cfg, "vocab_size", int),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size")),
-        num_layers=int(_require(cfg, "num_hidden_layers")),
+        intermediate_size=_num(cfg, "intermediate_size", int),
+        num_layers=_num(cfg, "num_hidden_layers", int),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(head_dim),
         rope_theta=float(rope_theta),
         rope_scaling=_rope_scaling_from_hf(rope_scaling),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_num(cfg, "rms_norm_eps", float, 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bias,
         attention_out_bias=out_bias,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_num(cfg, "max_position_embeddings", int, 2048),
         sliding_window=int(window) if window else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),

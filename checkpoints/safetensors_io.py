@@ -1,9 +1,9 @@
 """Hugging Face checkpoints: ``config.json`` + safetensors (single or sharded).
 
-The safetensors container is parsed here (8-byte little-endian header length,
-JSON header, raw little-endian data) so that bfloat16 works through ml_dtypes,
-tensors are memory-mapped rather than copied, and a truncated or corrupt file
-raises a ValueError naming the file instead of a raw numpy/struct error.
+Files are read with the `safetensors` library (bfloat16 comes back as
+ml_dtypes' numpy type), which validates each header and the tensors' data
+offsets; a truncated or corrupt file raises a ValueError naming the file
+instead of the library's own error.
 
 HF tensor names map to jaxkv names through the explicit table `hf_tensor_map`
 (gpt-fast ``convert_hf_checkpoint`` style): every tensor's shape is checked and
@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping
 
-import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from checkpoints.dtypes import resolve_dtype
@@ -26,12 +26,7 @@ from checkpoints.model_config import from_hf_config
 from jaxkv.config import ModelConfig
 from jaxkv.model.params import check_params, expected_shapes, shape_problems
 
-_ST_DTYPES = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-}
+_ST_DTYPES = ("F64", "F32", "F16", "BF16")  # floating weights jaxkv loads
 
 # HF per-layer name (under "model.layers.{i}.") -> (jaxkv name, transform).
 # Transforms: "copy"; "T" ([out, in] -> [in, out]); "q"/"kv" ([n*D, E] -> [E, n, D]);
@@ -137,61 +132,36 @@ def hf_to_params(
     return params
 
 
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
-    """Parse and validate a safetensors header: returns ({name: {dtype, shape,
-    data_offsets}}, byte offset of the data section). Raises ValueError naming the
-    file when it is truncated or corrupt."""
+def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """name -> (shape, loader) for each tensor of one safetensors file, read
+    with the `safetensors` library (it validates the header, and that the
+    tensors' data offsets are in range, contiguous and do not overlap).
+    Raises ValueError naming the file when it is truncated or corrupt, or a
+    tensor has a dtype jaxkv does not load."""
     path = Path(path)
-    size = path.stat().st_size
-    if size < 8:
-        raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        if header_len > size - 8:
-            raise ValueError(f"{path}: truncated or corrupt safetensors file (header of "
-                             f"{header_len} bytes, file of {size} bytes)")
-        raw = f.read(header_len)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: corrupt safetensors file (bad JSON header: {e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt safetensors file (header is not a JSON object)")
-    header.pop("__metadata__", None)
-    data_start = 8 + header_len
-    data_len = size - data_start
-    for name, info in header.items():
-        try:
-            dtype = info["dtype"]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: corrupt safetensors file (bad header entry for {name!r})") from None
+        with safe_open(str(path), framework="numpy") as f:
+            info = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                    for name in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
+    for name, (_, dtype) in info.items():
         if dtype not in _ST_DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype} "
-                             f"(supported: {sorted(_ST_DTYPES)})")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[dtype].itemsize
-        if not 0 <= begin <= end or end - begin != nbytes:
-            raise ValueError(f"{path}: corrupt safetensors file (tensor {name!r} spans "
-                             f"{end - begin} bytes, its shape {shape} {dtype} needs {nbytes})")
-        if end > data_len:
-            raise ValueError(f"{path}: truncated safetensors file (tensor {name!r} ends at byte "
-                             f"{data_start + end}, file has {size})")
-        info["shape"] = shape
-    return header, data_start
+                             f"(supported: {_ST_DTYPES})")
 
+    def loader(name):
+        def load() -> np.ndarray:
+            try:
+                with safe_open(str(path), framework="numpy") as f:
+                    return f.get_tensor(name)
+            except SafetensorError as e:
+                raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from None
+        return load
 
-def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
-    """name -> (shape, loader) for each tensor; loaders return memory-mapped views."""
-    header, data_start = read_safetensors_header(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if header else None
-
-    def loader(info):
-        begin, end = info["data_offsets"]
-        dtype = _ST_DTYPES[info["dtype"]]
-        return lambda: mm[data_start + begin:data_start + end].view(dtype).reshape(info["shape"])
-
-    return {name: (info["shape"], loader(info)) for name, info in header.items()}
+    return {name: (shape, loader(name)) for name, (shape, _) in info.items()}
 
 
 def _shard_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:

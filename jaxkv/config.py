@@ -190,6 +190,12 @@ class EngineConfig:
             if choices and v is not None and v not in choices:
                 raise ValueError(f"{f.name}: must be one of {choices}"
                                  f"{' or None' if f.default is None else ''}, got {v!r}")
+        for name in ("num_pages", "kv_cache_memory", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{name}: must be a positive integer or None, got {v!r}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {self.num_pages}")
         if self.streaming_window <= 0 or self.num_sink_tokens < 0:
             raise ValueError("streaming_window must be positive and num_sink_tokens >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -139,20 +139,29 @@ class LLMEngine:
         {"prompt": str} / {"prompt_token_ids": [...]}. Returns its id. A bad
         request is not raised: it finishes at once with finish_reason
         "error" and a message naming the field, reported by the next step()."""
-        rid = str(request_id) if request_id is not None else str(next(self._ids))
+        if request_id is None:
+            rid = str(next(self._ids))
+            while rid in self._seqs:  # a caller chose this id
+                rid = str(next(self._ids))
+        else:
+            rid = str(request_id)
         if rid in self._seqs:
             raise ValueError(f"request_id: {rid!r} is already in use")
         params = params if params is not None else SamplingParams()
         text, ids, err = None, [], None
         try:
             text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+            c = self.config
             check_request(ids, params, vocab_size=self.model_config.vocab_size,
                           max_model_len=self.max_model_len,
-                          has_tokenizer=self.tokenizer is not None)
-        except ValueError as e:
-            err = str(e)
+                          has_tokenizer=self.tokenizer is not None,
+                          max_prefill=None if c.enable_chunked_prefill else c.max_num_batched_tokens)
+        except (ValueError, TypeError) as e:
+            # A TypeError is a check that named no field: still the request's error.
+            err = str(e) if isinstance(e, ValueError) else f"request: {e}"
             params = params if isinstance(params, SamplingParams) else SamplingParams()
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+            ids = ids if isinstance(ids, list) else []
+        seed = params.seed if isinstance(params.seed, int) else int(self._seed_rng.integers(2**31))
         seq = Sequence(rid, text, ids, params, seed)
         self._seqs[rid] = seq
         if err is not None:
@@ -216,6 +225,11 @@ class LLMEngine:
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
             self._computed(s, sc.start + sc.num_tokens)
             for k in range(len(res.tokens)):
+                if not res.finite[k, i]:
+                    s.finish("error", error=f"logits: not finite (NaN or inf) at output token "
+                                            f"{len(s.output_token_ids)}: the model's weights or "
+                                            "activations overflow")
+                    break
                 self.outputs.accept(s, int(res.tokens[k, i]), float(res.logprobs[k, i]),
                                     res.top_ids[k, i], res.top_logprobs[k, i])
                 self.stats["generated_tokens"] += 1

@@ -14,7 +14,9 @@ def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[i
     {"prompt_token_ids": [...]} -> (text or None, token ids)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            prompt = list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt_token_ids"]
+            if not isinstance(prompt, (list, tuple, np.ndarray)):
+                raise ValueError(f"prompt_token_ids: must be a list of integers, got {prompt!r}")
         elif "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
@@ -24,7 +26,14 @@ def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[i
             raise ValueError("prompt: empty prompt")
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt: not valid Unicode text (a lone surrogate at position "
+                             f"{e.start})") from None
         return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+        raise ValueError(f"prompt_token_ids: must be one list of integers, got shape {prompt.shape}")
     if isinstance(prompt, (list, tuple, np.ndarray)):
         ids = [int(t) for t in prompt] if all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) \
@@ -42,9 +51,10 @@ def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[i
 
 
 def check_request(ids: list[int], params, *, vocab_size: int, max_model_len: int,
-                  has_tokenizer: bool) -> None:
+                  has_tokenizer: bool, max_prefill: int | None = None) -> None:
     """Raise ValueError naming the first thing wrong with running `params`
-    on a prompt of `ids`."""
+    on a prompt of `ids`. `max_prefill`: the most tokens one step computes
+    when prompts are not chunked."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)
@@ -54,3 +64,9 @@ def check_request(ids: list[int], params, *, vocab_size: int, max_model_len: int
         raise ValueError(
             f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
             f"the maximum model length {max_model_len}")
+    if max_prefill is not None and len(ids) + params.max_tokens - 1 > max_prefill:
+        # Without chunked prefill a prompt runs in one step; after a
+        # preemption, so does the prompt with every token generated so far.
+        raise ValueError(
+            f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} do not fit one "
+            f"step of max_num_batched_tokens {max_prefill} (enable_chunked_prefill is off)")

@@ -50,8 +50,10 @@ class SamplingParams:
         def num(name, lo=None, hi=None, lo_open=False, integer=False):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-                    integer and not isinstance(v, int)) or (isinstance(v, float) and math.isnan(v)):
-                raise ValueError(f"{name}: must be {'an integer' if integer else 'a number'}, got {v!r}")
+                    integer and not isinstance(v, int)) or (
+                    isinstance(v, float) and not math.isfinite(v)):
+                raise ValueError(f"{name}: must be a finite {'integer' if integer else 'number'}, "
+                                 f"got {v!r}")
             if lo is not None and (v <= lo if lo_open else v < lo):
                 raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {v!r}")
             if hi is not None and v > hi:
@@ -72,11 +74,22 @@ class SamplingParams:
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.logprobs is not None:
             num("logprobs", 0, self.MAX_LOGPROBS, integer=True)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):
+            raise ValueError(f"stop: must be a string or a list of strings, got {self.stop!r}")
         for s in self.stop_list:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: stop strings must be non-empty strings, got {s!r}")
+            if not _is_unicode(s):
+                raise ValueError(f"stop: {s!r} is not valid Unicode text (a lone surrogate)")
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
+            raise ValueError(f"stop_token_ids: must be a list of token ids, "
+                             f"got {self.stop_token_ids!r}")
         for t in self.stop_token_ids or ():
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (
+                    vocab_size is not None and t >= vocab_size):
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id of this model")
 
     @property
@@ -89,3 +102,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a str holding a lone surrogate (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

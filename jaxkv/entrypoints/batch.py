@@ -34,6 +34,32 @@ def _done_count(out_path: Path) -> int:
     return keep.count(b"\n")
 
 
+def read_lines(path: Path) -> list[str | bytes]:
+    """The input's non-blank lines, split on "\\n" only (a JSON string may
+    hold U+2028 and other line separators). A line that is not UTF-8 stays
+    bytes, so it gets its own error record and the others still run."""
+    out: list[str | bytes] = []
+    for raw in path.read_bytes().split(b"\n"):
+        try:
+            line: str | bytes = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line = raw
+        if line.strip():
+            out.append(line)
+    return out
+
+
+def _record_line(rec: dict) -> str:
+    """One output line. Text that cannot be written as UTF-8 (a lone
+    surrogate, say in an id) is written with JSON escapes instead."""
+    line = json.dumps(rec, ensure_ascii=False) + "\n"
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(rec, ensure_ascii=True) + "\n"
+    return line
+
+
 def _parse_line(line: str, defaults: dict[str, Any], tokenizer) -> tuple[Any, SamplingParams]:
     """-> (prompt for the engine, SamplingParams); ValueError names the field."""
     try:
@@ -72,8 +98,7 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
               progress: bool = True) -> dict[str, int]:
     """Generate for every line of `in_path` into `out_path`; returns counts."""
     in_path, out_path = Path(in_path), Path(out_path)
-    lines = in_path.read_text().splitlines()
-    lines = [ln for ln in lines if ln.strip()]
+    lines = read_lines(in_path)
     done = _done_count(out_path)
     if done > len(lines):
         raise ValueError(f"{out_path}: has {done} records but {in_path} has only {len(lines)} lines")
@@ -86,12 +111,16 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
             raw = json.loads(lines[i])
             if isinstance(raw, dict) and "id" in raw:
                 rec["id"] = raw["id"]
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             pass
         try:
+            if isinstance(lines[i], bytes):
+                lines[i].decode("utf-8")  # raises: the line is not UTF-8
             prompt, params = _parse_line(lines[i], defaults, engine.tokenizer)
             rid = engine.add_request(prompt, params, request_id=f"batch-{i}")
             rid_of[rid] = i
+        except UnicodeDecodeError as e:
+            rec.update(error=f"line is not valid UTF-8 (byte {e.start})", finish_reason="error")
         except (ValueError, TypeError) as e:
             rec.update(error=str(e), finish_reason="error")
         pending[i] = rec
@@ -103,14 +132,14 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
     gen_tokens = 0
     counts = {"written": 0, "errors": 0, "skipped": done}
     nxt = done
-    with out_path.open("a") as f:
+    with out_path.open("a", encoding="utf-8") as f:
         def flush():
             nonlocal nxt
             while nxt in pending and ("finish_reason" in pending[nxt]):
                 rec = pending.pop(nxt)
                 counts["written"] += 1
                 counts["errors"] += rec.get("finish_reason") == "error"
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                f.write(_record_line(rec))
                 nxt += 1
                 if bar is not None:
                     bar.update(1)

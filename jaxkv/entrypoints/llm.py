@@ -9,10 +9,15 @@
 cache folder) or a path: a Hugging Face folder, a GGUF file or a jaxkv
 checkpoint. Engine options (EngineConfig fields) pass as keywords; the
 persistent compilation cache is on (`jaxkv.paths.enable_compilation_cache`).
+
+One LLM may be shared by threads: `generate` and `chat` calls are
+serialized (a lock around the engine), so each caller gets its own correct
+outputs, one call after another.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 from jaxkv.core.engine import LLMEngine
@@ -26,6 +31,7 @@ class LLM:
         enable_compilation_cache()
         self.engine = LLMEngine.from_pretrained(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
+        self._lock = threading.Lock()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool | None = None) -> list[RequestOutput]:
@@ -44,7 +50,11 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        with self._lock:
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+        ids: list[str] = []
         bar = None
         if use_tqdm or (use_tqdm is None and len(prompts) >= 16):
             from tqdm.auto import tqdm
@@ -60,10 +70,19 @@ class LLM:
                 bar.refresh()
 
         try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
             final = self.engine.run_to_completion(ids, progress)
         finally:
             if bar is not None:
                 bar.close()
+            # Whatever stopped this call (an exception, Ctrl-C), none of its
+            # requests stays queued for the next one.
+            for rid in ids:
+                self.engine.abort(rid)
+            eng = self.engine
+            while eng.has_unfinished_requests() and not eng.scheduler.has_unfinished():
+                eng.step()
         return [final[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *,

@@ -38,13 +38,14 @@ COPY_WIDTH = 64
 @dataclasses.dataclass
 class StepResult:
     """A step's outputs on the host, cut to the live sequences: tokens /
-    logprobs [n, S_live], top_ids / top_logprobs [n, S_live, N], n the
-    model calls run."""
+    logprobs [n, S_live], top_ids / top_logprobs [n, S_live, N], finite
+    [n, S_live] (all that row's logits finite), n the model calls run."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    finite: np.ndarray
 
 
 class Runner:
@@ -146,13 +147,14 @@ class Runner:
         t0 = time.perf_counter()
         out, self.cache = self._program(key)(self.state, self.cache, batch, self.rng)
         out: StepOutput
-        fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+        fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
         if penalties is not None:
             N = penalties.history.shape[1]
             redo = self._program(("penalties", key.seqs, N))(
                 out.logits, batch.sampling, penalties, self.rng, batch.num_output)
             fields = tuple(np.asarray(x)[None] for x in
-                           (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs))
+                           (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
+                           ) + (out.finite,)
         n = int(out.steps)
         res = StepResult(*(np.asarray(x)[:n, :num_seqs] for x in fields))
         self.stats["calls"] += 1

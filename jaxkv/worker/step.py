@@ -33,14 +33,16 @@ from jaxkv.worker.step_batch import StepBatch
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """tokens / logprobs [K, S]; top_ids / top_logprobs [K, S, N]; steps[]
-    the model calls run (rows past it are zeros); logits [S, V] f32 of the
-    last call."""
+    """tokens / logprobs [K, S]; top_ids / top_logprobs [K, S, N]; finite
+    [K, S] bool (every logit of that row was finite: NaN or inf weights or
+    activations show here instead of as a silent token 0); steps[] the model
+    calls run (rows past it are zeros); logits [S, V] f32 of the last call."""
 
     tokens: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    finite: jax.Array
     steps: jax.Array
     logits: jax.Array
 
@@ -57,7 +59,8 @@ def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, kind: str,
         out = sample(logits, batch.sampling, rng, batch.num_output,
                      num_top_logprobs=num_top_logprobs)
         t, lp, ti, tl = (x[None] for x in _stack(out))
-        return StepOutput(t, lp, ti, tl, jnp.int32(1), logits), cache
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)[None]
+        return StepOutput(t, lp, ti, tl, finite, jnp.int32(1), logits), cache
     return _decode_loop(model, cache, batch, rng, max_steps=max_steps,
                         num_top_logprobs=num_top_logprobs, attention=attention)
 
@@ -71,7 +74,8 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
     live = jnp.arange(S) < batch.num_seqs
     st = batch.stops
     bufs = (jnp.zeros((max_steps, S), jnp.int32), jnp.zeros((max_steps, S), jnp.float32),
-            jnp.zeros((max_steps, S, N), jnp.int32), jnp.zeros((max_steps, S, N), jnp.float32))
+            jnp.zeros((max_steps, S, N), jnp.int32), jnp.zeros((max_steps, S, N), jnp.float32),
+            jnp.ones((max_steps, S), bool))
     num_steps = jnp.minimum(batch.num_steps, max_steps)
 
     def cond(carry):
@@ -82,7 +86,8 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
         i, cache, b, done, bufs, _ = carry
         logits, cache = model(cache, b, attention, all_decode=True)
         out = sample(logits, b.sampling, rng, b.num_output, num_top_logprobs=N)
-        bufs = tuple(buf.at[i].set(x) for buf, x in zip(bufs, _stack(out)))
+        row = _stack(out) + (jnp.all(jnp.isfinite(logits), axis=-1),)
+        bufs = tuple(buf.at[i].set(x) for buf, x in zip(bufs, row))
         t = out.token_ids
         stopped, length = stop_rules.check(jnp, t, b.num_output + 1, st.stop_ids, st.min_tokens,
                                            st.max_tokens)

@@ -184,3 +184,25 @@ def test_bad_index(tiny_hf, tmp_path, bad):
     index_path.write_text(text)
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.*corrupt"):
         load_hf_dir(path)
+
+
+def _write_raw_safetensors(path, header: dict, data: bytes):
+    import json as _json
+    raw = _json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("offsets,what", [
+    ([[0, 16], [0, 16]], "two tensors share the same bytes"),
+    ([[0, 16], [8, 24]], "overlapping tensors"),
+    ([[0, 16], [16, 40]], "a tensor past the end of the file"),
+])
+def test_bad_offsets_are_refused_naming_the_file(tmp_path, offsets, what):
+    from checkpoints.safetensors_io import open_safetensors
+
+    path = tmp_path / "model.safetensors"
+    header = {n: {"dtype": "F32", "shape": [4], "data_offsets": o}
+              for n, o in zip(("a.weight", "b.weight"), offsets)}
+    _write_raw_safetensors(path, header, bytes(32))
+    with pytest.raises(ValueError, match=r"model\.safetensors: corrupt or truncated"):
+        open_safetensors(path)
