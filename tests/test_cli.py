@@ -8,7 +8,7 @@ import pytest
 from jaxkv.config import EngineConfig
 from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.entrypoints import cli
-from tests.model_utils import make_hf_model
+from tests.model_utils import make_hf_model, save_tiny_tokenizer
 
 
 def _sub(parser, name):
@@ -80,3 +80,13 @@ def test_estimate_of_a_model_folder(tmp_path, capsys):
 def test_estimate_needs_the_whole_geometry(capsys):
     assert cli.main(["estimate", "--layers", "4"]) == 2
     assert "--kv-heads" in capsys.readouterr().err
+
+
+def test_generate_and_stream_refuse_a_bad_request_with_exit_2(tmp_path, capsys):
+    _, path = make_hf_model("llama", tmp_path)
+    save_tiny_tokenizer(path)
+    for extra in ([], ["--stream"]):
+        rc = cli.main(["generate", "hello", "--raw", "--model", str(path), "--top-p", "1.5",
+                       "--num-pages", "32", "--page-size", "8", *extra])
+        assert rc == 2, extra
+        assert "top_p" in capsys.readouterr().err

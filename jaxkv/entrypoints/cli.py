@@ -66,7 +66,7 @@ def _stream(engine, prompt, params, raw: bool) -> str:
             if o.request_id != rid:
                 continue
             if o.error:
-                raise SystemExit(f"error: {o.error}")
+                raise ValueError(o.error)  # main prints it and exits 2, like every bad option
             d = o.outputs[0].delta_text
             text += d
             if raw:

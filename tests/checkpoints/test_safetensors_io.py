@@ -206,3 +206,46 @@ def test_bad_offsets_are_refused_naming_the_file(tmp_path, offsets, what):
     _write_raw_safetensors(path, header, bytes(32))
     with pytest.raises(ValueError, match=r"model\.safetensors: corrupt or truncated"):
         open_safetensors(path)
+
+
+@pytest.mark.parametrize("header,data,match", [
+    ({"a.weight": {"dtype": "I32", "shape": [4], "data_offsets": [0, 16]}}, bytes(16),
+     "unsupported dtype I32"),
+    ({"a.weight": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}}, bytes(16),
+     "corrupt or truncated"),
+    (["not", "an", "object"], b"", "corrupt or truncated"),
+    ({"a.weight": {"dtype": "F32", "shape": "four", "data_offsets": [0, 16]}}, bytes(16),
+     "corrupt or truncated"),
+])
+def test_bad_headers_are_refused_naming_the_file(tmp_path, header, data, match):
+    from checkpoints.safetensors_io import open_safetensors
+
+    path = tmp_path / "model.safetensors"
+    _write_raw_safetensors(path, header, data)
+    with pytest.raises(ValueError, match=rf"model\.safetensors: .*{match}"):
+        open_safetensors(path)
+
+
+def test_header_longer_than_the_file(tmp_path):
+    from checkpoints.safetensors_io import open_safetensors
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes((10**6).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match=r"model\.safetensors: corrupt or truncated"):
+        open_safetensors(path)
+
+
+def test_config_without_a_required_field(tiny_hf, tmp_path):
+    import json as _json
+    import shutil
+
+    from checkpoints import load_checkpoint
+
+    src = tiny_hf["llama"][0]
+    dst = tmp_path / "m"
+    shutil.copytree(src, dst)
+    cfg = _json.loads((dst / "config.json").read_text())
+    del cfg["intermediate_size"]
+    (dst / "config.json").write_text(_json.dumps(cfg))
+    with pytest.raises(ValueError, match="intermediate_size: missing"):
+        load_checkpoint(dst)
