@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxkv.config import EngineConfig
 from jaxkv.core.engine import LLMEngine
 from jaxkv.entrypoints.batch import run_batch
 from tests.model_utils import WORDS, make_hf_model, save_tiny_tokenizer
