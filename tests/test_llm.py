@@ -63,3 +63,23 @@ def test_chat_renders_the_template_like_transformers(tiny):
         assert o.outputs[0].token_ids == hf_greedy(hf, ids, 8)
     one = llm.chat(convs[0], GREEDY)
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_a_generate_call_that_fails_leaves_nothing_queued(tiny, monkeypatch):
+    _, _, llm = tiny
+    real = llm.engine.add_request
+    calls = []
+
+    def flaky(prompt, params=None, request_id=None):
+        calls.append(prompt)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # e.g. Ctrl-C while the list is being queued
+        return real(prompt, params, request_id)
+
+    monkeypatch.setattr(llm.engine, "add_request", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["the sky", "the sea", "a tree", "one two"], GREEDY)
+    monkeypatch.setattr(llm.engine, "add_request", real)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["red blue"], GREEDY)
+    assert len(out) == 1 and out[0].outputs[0].finish_reason == "length"

@@ -78,9 +78,11 @@ def _parse_line(line: str, defaults: dict[str, Any], tokenizer) -> tuple[Any, Sa
     params = SamplingParams(**fields)
     if "messages" in rec:
         msgs = rec["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m
-                                                 and "content" in m for m in msgs):
-            raise ValueError("messages: must be a list of {'role', 'content'} objects")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in msgs):
+            raise ValueError("messages: must be a non-empty list of {'role': str, "
+                             "'content': str} objects")
         if tokenizer is None:
             raise ValueError("messages: this model has no chat template")
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)

@@ -88,10 +88,17 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, *,
              use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of
-        {"role", "content"} dicts) or a list of them, then generate."""
+        {"role", "content"} dicts) or a list of them, then generate. A
+        malformed conversation raises ValueError before anything runs."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer or chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for i, c in enumerate(convs):
+            if not isinstance(c, (list, tuple)) or not c or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in c):
+                raise ValueError(f"messages: conversation {i} must be a non-empty list of "
+                                 "{'role': str, 'content': str} dicts")
         prompts = [{"prompt_token_ids": self.tokenizer.encode(
             self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
             add_special_tokens=False)} for c in convs]
