@@ -87,7 +87,7 @@ class Runner:
         """The jitted function of `key` lowered with placeholder inputs."""
         if isinstance(key, ProgramKey):
             fn = jax.jit(functools.partial(
-                step, kind=key.kind, max_steps=self.max_decode_steps if key.kind == "decode" else 1,
+                step, kind=key.kind, max_steps=self.max_decode_steps if key.loops else 1,
                 num_top_logprobs=self.num_top_logprobs, attention=self.attention),
                 static_argnums=(0,), donate_argnums=(2,))
             batch = empty(key, self.buckets.pages_per_seq)

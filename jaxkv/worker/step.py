@@ -2,9 +2,9 @@
 
     step(graphdef, state, cache, batch, rng) -> (StepOutput, cache)   cache donated
 
-One function serves both kinds of step (`jaxkv.worker.step_batch`): a
+One function serves every kind of step (`jaxkv.worker.step_batch`): a
 mixed step runs the model once and samples one token per sequence; a
-decode step runs up to `max_steps` (static) model calls in a
+decode (or "both") step runs up to `max_steps` (static) model calls in a
 `lax.while_loop`, `batch.num_steps` of them (dynamic), each call's sampled
 token the next one's input, and ends early once every live sequence hit
 its stop rule (`jaxkv.worker.stop.check`). Either way the outputs are
@@ -54,19 +54,22 @@ def _stack(outs: SampleOutput):
 def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, kind: str,
          max_steps: int, num_top_logprobs: int, attention: AttentionSpec):
     model = nnx.merge(graphdef, state)
-    if kind == "mixed":
+    if kind == "mixed":  # one step, some rows are prefill chunks
         logits, cache = model(cache, batch, attention, all_decode=False)
         out = sample(logits, batch.sampling, rng, batch.num_output,
                      num_top_logprobs=num_top_logprobs)
         t, lp, ti, tl = (x[None] for x in _stack(out))
         finite = jnp.all(jnp.isfinite(logits), axis=-1)[None]
         return StepOutput(t, lp, ti, tl, finite, jnp.int32(1), logits), cache
+    # "decode": every row a decode; "both": decided at run time (a mixed
+    # batch runs with num_steps 1, its rows need not be its sequences).
     return _decode_loop(model, cache, batch, rng, max_steps=max_steps,
-                        num_top_logprobs=num_top_logprobs, attention=attention)
+                        num_top_logprobs=num_top_logprobs, attention=attention,
+                        all_decode=True if kind == "decode" else None)
 
 
 def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int,
-                 num_top_logprobs: int, attention: AttentionSpec):
+                 num_top_logprobs: int, attention: AttentionSpec, all_decode: bool | None):
     S = batch.kv_lens.shape[0]
     V = model.config.vocab_size
     N = num_top_logprobs
@@ -84,7 +87,7 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
 
     def body(carry):
         i, cache, b, done, bufs, _ = carry
-        logits, cache = model(cache, b, attention, all_decode=True)
+        logits, cache = model(cache, b, attention, all_decode=all_decode)
         out = sample(logits, b.sampling, rng, b.num_output, num_top_logprobs=N)
         row = _stack(out) + (jnp.all(jnp.isfinite(logits), axis=-1),)
         bufs = tuple(buf.at[i].set(x) for buf, x in zip(bufs, row))

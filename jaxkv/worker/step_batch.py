@@ -4,7 +4,7 @@ the one function that builds it from the scheduler's output.
 Every array is int32 unless said otherwise. T tokens and S sequences are
 padded up to a bucket (`Buckets`); W, the block-table width, is fixed per
 engine (the pages of its longest allowed sequence), so a step compiles once
-per (kind, T, S) and never again:
+per program key (`ProgramKey`: kind, T, S) and never again:
 
     token_ids[T]        input token of each row (0 for padding)
     positions[T]        absolute position of each row (RoPE)
@@ -24,7 +24,8 @@ per (kind, T, S) and never again:
 A decode is a sequence with one row, a prefill chunk one with several; both
 ride in the same step. A "decode" program serves steps where every sequence
 brings one row and may run several decode steps in one call (each step's
-token is the next one's input); a "mixed" program serves every other step.
+token is the next one's input); a "mixed" program serves every other step;
+a "both" program, a shape that is both, serves either.
 """
 
 from __future__ import annotations
@@ -87,12 +88,20 @@ class StepBatch:
 
 
 class ProgramKey(NamedTuple):
-    """Which compiled step program runs a batch: kind "decode" (T == S) or
-    "mixed", and the padded token and sequence counts."""
+    """Which compiled step program runs a batch, and its padded token and
+    sequence counts. kind "decode" (T == S): decode steps only, up to K per
+    call; "mixed" (T > S): one step with prefill chunks; "both" (T == S):
+    either, the attention path picked at run time (a T == S shape that is
+    also a mixed bucket, compiled once for both uses)."""
 
     kind: str
     tokens: int
     seqs: int
+
+    @property
+    def loops(self) -> bool:
+        """Whether the program may run several decode steps per call."""
+        return self.kind != "mixed"
 
 
 def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
@@ -111,9 +120,12 @@ class Buckets:
     decode_seqs: S of decode programs (powers of two up to the most
     sequences a step can hold). mixed: (T, S) of mixed programs: T powers
     of two from 16 up to the token budget; S = T's most sequences, and from
-    T = 64 on also a few (8), since padded sequences cost rows of the head
-    and the sampler. pages_per_seq: W. history: N of the penalty sampler
-    (powers of four from 2048 up to the longest sequence)."""
+    T = 64 on also 1 and 8, since padded sequences cost rows of the head and
+    the sampler and smaller query blocks in the reference attention
+    (measured: a 256-token prompt alone takes 779 ms padded to 8 sequences,
+    629 ms at 1). pages_per_seq: W. history: N of the penalty sampler
+    (powers of four from 8192 up to the longest sequence). A T == S shape
+    in both lists is one program ("both")."""
 
     decode_seqs: tuple[int, ...]
     mixed: tuple[tuple[int, int], ...]
@@ -126,21 +138,27 @@ class Buckets:
         max_s = min(max_num_seqs, max_num_batched_tokens)
         mixed = []
         for t in _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens):
-            few = min(8, max_s) if t >= 64 else min(max_s, t)
-            for s in sorted({few, min(max_s, t)}):
-                mixed.append((t, s))
+            # From T = 64 on also one sequence (a lone prompt: the reference
+            # attention sizes its query blocks by T / S) and a few (8).
+            counts = {1, min(8, max_s), min(max_s, t)} if t >= 64 else {min(max_s, t)}
+            mixed += [(t, s) for s in sorted(counts)]
         return cls(decode_seqs=_pow2_buckets(1, max_s), mixed=tuple(mixed),
                    pages_per_seq=pages_per_seq,
-                   history=_pow2_buckets(min(2048, max_model_len), max_model_len, factor=4))
+                   history=_pow2_buckets(min(8192, max_model_len), max_model_len, factor=4))
+
+    def _key(self, t: int, s: int) -> ProgramKey:
+        if t == s and s in self.decode_seqs:
+            return ProgramKey("both" if (t, s) in self.mixed else "decode", t, s)
+        return ProgramKey("mixed", t, s)
 
     def decode_key(self, num_seqs: int) -> ProgramKey:
         s = _pick(self.decode_seqs, num_seqs, "sequences per step")
-        return ProgramKey("decode", s, s)
+        return self._key(s, s)
 
     def mixed_key(self, num_tokens: int, num_seqs: int) -> ProgramKey:
         for t, s in self.mixed:
             if num_tokens <= t and num_seqs <= s:
-                return ProgramKey("mixed", t, s)
+                return self._key(t, s)
         raise ValueError(f"tokens per step: {num_tokens} tokens of {num_seqs} sequences exceed "
                          f"the largest bucket {self.mixed[-1]}")
 
@@ -149,8 +167,9 @@ class Buckets:
 
     def programs(self) -> list[ProgramKey]:
         """Every step program an engine with these buckets can run."""
-        return ([ProgramKey("decode", s, s) for s in self.decode_seqs]
-                + [ProgramKey("mixed", t, s) for t, s in self.mixed])
+        keys = [self._key(s, s) for s in self.decode_seqs]
+        keys += [self._key(t, s) for t, s in self.mixed]
+        return list(dict.fromkeys(keys))
 
 
 def _pick(buckets: Sequence[int], n: int, what: str) -> int:
