@@ -56,14 +56,15 @@ class _SeqPages:
     exactly ceil(num_tokens / page_size) pages; ``hashes[i]`` is the chain hash
     of full computed page i (only kept when prefix caching is on)."""
 
-    __slots__ = ("pages", "num_tokens", "num_computed", "hashes")
+    __slots__ = ("pages", "num_tokens", "num_computed", "hashes", "root")
 
     def __init__(self, pages: list[int], num_tokens: int, num_computed: int,
-                 hashes: list[bytes]):
+                 hashes: list[bytes], root: bytes = ROOT_HASH):
         self.pages = pages
         self.num_tokens = num_tokens
         self.num_computed = num_computed
         self.hashes = hashes
+        self.root = root  # parent hash of page 0 (see page_pool.salted_root)
 
 
 class BlockManager(PagePool):
@@ -120,10 +121,11 @@ class BlockManager(PagePool):
         revived = sum(1 for p in hit_pages if self._refcount[p] == 0)
         return need, need <= self.num_free_pages - revived
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None,
+                     root: bytes = ROOT_HASH) -> bool:
         """Whether a new sequence reserving ``num_tokens`` slots fits now.
         With ``token_ids`` (its prompt), cached prefix pages count as free."""
-        hit_pages = self._lookup_prefix(token_ids)[0] if token_ids is not None else []
+        hit_pages = self._lookup_prefix(token_ids, root)[0] if token_ids is not None else []
         return self._allocate_plan(num_tokens, hit_pages)[1]
 
     def _append_plan(self, s: _SeqPages, num_new_tokens: int) -> tuple[int, bool]:
@@ -142,7 +144,7 @@ class BlockManager(PagePool):
     # ---------------------------------------------------------------- mutations
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
-                 num_tokens: int | None = None) -> int:
+                 num_tokens: int | None = None, root: bytes = ROOT_HASH) -> int:
         """Admit a new sequence with prompt ``token_ids``; return how many
         prompt tokens are already cached (their K/V is shared, skip them in
         prefill). The result is a multiple of ``page_size`` and always less
@@ -162,7 +164,7 @@ class BlockManager(PagePool):
             num_tokens = len(token_ids)
         if num_tokens < 0:
             raise ValueError(f"num_tokens: must be non-negative, got {num_tokens}")
-        hit_pages, hit_hashes = self._lookup_prefix(token_ids)
+        hit_pages, hit_hashes = self._lookup_prefix(token_ids, root)
         cached = len(hit_pages) * self.page_size
         num_tokens = max(num_tokens, cached)
         need, ok = self._allocate_plan(num_tokens, hit_pages)
@@ -174,7 +176,7 @@ class BlockManager(PagePool):
         for p in hit_pages:
             self._hold(p)
         pages = hit_pages + [self._take_page() for _ in range(need)]
-        self._seqs[seq_id] = _SeqPages(pages, num_tokens, cached, hit_hashes)
+        self._seqs[seq_id] = _SeqPages(pages, num_tokens, cached, hit_hashes, root)
         self.prefix_query_tokens += len(token_ids)
         self.prefix_hit_pages += len(hit_pages)
         self.prefix_hit_tokens += cached
@@ -233,7 +235,7 @@ class BlockManager(PagePool):
         if self.enable_prefix_caching:
             ps = self.page_size
             for i in range(len(s.hashes), num_computed_tokens // ps):
-                parent = s.hashes[-1] if s.hashes else ROOT_HASH
+                parent = s.hashes[-1] if s.hashes else s.root
                 h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
                 # Pages past s.hashes are this sequence's own (prefix hits and
                 # fork-shared pages arrive with their hashes), so unregistered.
@@ -260,7 +262,8 @@ class BlockManager(PagePool):
         for p in s.pages:
             if p != TRASH_PAGE:
                 self._hold(p)
-        self._seqs[child_id] = _SeqPages(list(s.pages), s.num_tokens, s.num_computed, list(s.hashes))
+        self._seqs[child_id] = _SeqPages(list(s.pages), s.num_tokens, s.num_computed,
+                                         list(s.hashes), s.root)
 
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's pages. Cached pages no one else holds become

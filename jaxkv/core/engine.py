@@ -30,7 +30,7 @@ from jaxkv.core.block_manager import BlockManager
 from jaxkv.core.output_processor import OutputProcessor
 from jaxkv.core.outputs import RequestOutput
 from jaxkv.core.requests import check_request, parse_prompt
-from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.core.sampling_params import SamplingParams, is_unicode
 from jaxkv.core.scheduler import Scheduler, SchedulerOutput
 from jaxkv.core.sequence import Sequence
 from jaxkv.model.attention import AttentionSpec
@@ -134,11 +134,13 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
         """Queue a request: a string, a list of token ids, or
         {"prompt": str} / {"prompt_token_ids": [...]}. Returns its id. A bad
         request is not raised: it finishes at once with finish_reason
-        "error" and a message naming the field, reported by the next step()."""
+        "error" and a message naming the field, reported by the next step().
+        `cache_salt`: requests share prefix-cache pages only with requests
+        of the same salt (one per tenant)."""
         if request_id is None:
             rid = str(next(self._ids))
             while rid in self._seqs:  # a caller chose this id
@@ -150,19 +152,15 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         text, ids, err = None, [], None
         try:
-            text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
-            c = self.config
-            check_request(ids, params, vocab_size=self.model_config.vocab_size,
-                          max_model_len=self.max_model_len,
-                          has_tokenizer=self.tokenizer is not None,
-                          max_prefill=None if c.enable_chunked_prefill else c.max_num_batched_tokens)
+            text, ids = self.check_request(prompt, params, cache_salt)
         except (ValueError, TypeError) as e:
             # A TypeError is a check that named no field: still the request's error.
             err = str(e) if isinstance(e, ValueError) else f"request: {e}"
             params = params if isinstance(params, SamplingParams) else SamplingParams()
             ids = ids if isinstance(ids, list) else []
+            cache_salt = None
         seed = params.seed if isinstance(params.seed, int) else int(self._seed_rng.integers(2**31))
-        seq = Sequence(rid, text, ids, params, seed)
+        seq = Sequence(rid, text, ids, params, seed, cache_salt=cache_salt)
         self._seqs[rid] = seq
         if err is not None:
             seq.finish("error", error=err)
@@ -172,6 +170,21 @@ class LLMEngine:
                                             self.max_model_len)
             self.scheduler.add(seq)
         return rid
+
+    def check_request(self, prompt, params: SamplingParams,
+                      cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a request this engine would
+        accept, else ValueError naming the field. Reads only the engine's
+        fixed settings, so a server's handler threads may call it."""
+        text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+        c = self.config
+        check_request(ids, params, vocab_size=self.model_config.vocab_size,
+                      max_model_len=self.max_model_len, has_tokenizer=self.tokenizer is not None,
+                      max_prefill=None if c.enable_chunked_prefill else c.max_num_batched_tokens)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                       or not is_unicode(cache_salt)):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
+        return text, ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its next output has finish_reason "abort"."""

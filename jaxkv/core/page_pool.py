@@ -37,6 +37,17 @@ def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def salted_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a sequence's first page. A request's `cache_salt`
+    (a tenant's secret) changes it, so the whole hash chain differs: pages
+    are shared only between requests with the same salt, and a tenant cannot
+    learn from timings whether another tenant's prompt is cached."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.blake2b(b"jaxkv-cache-salt:" + cache_salt.encode("utf-8"),
+                           digest_size=16).digest()
+
+
 class PagePool:
     """``num_pages`` pages (page 0 reserved) of ``page_size`` token slots."""
 
@@ -95,15 +106,17 @@ class PagePool:
 
     # ------------------------------------------------------------- prefix cache
 
-    def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full pages that prefixes ``token_ids``, never
-        covering the last token (its logits must be computed)."""
+    def _lookup_prefix(self, token_ids: Sequence[int],
+                       root: bytes = ROOT_HASH) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full pages that prefixes ``token_ids`` (a
+        chain starting from ``root``), never covering the last token (its
+        logits must be computed)."""
         if not self.enable_prefix_caching:
             return [], []
         ps = self.page_size
         pages: list[int] = []
         hashes: list[bytes] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range((len(token_ids) - 1) // ps):
             h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
             page = self._hash_to_page.get(h)

@@ -82,7 +82,7 @@ class SamplingParams:
         for s in self.stop_list:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: stop strings must be non-empty strings, got {s!r}")
-            if not _is_unicode(s):
+            if not is_unicode(s):
                 raise ValueError(f"stop: {s!r} is not valid Unicode text (a lone surrogate)")
         if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
             raise ValueError(f"stop_token_ids: must be a list of token ids, "
@@ -104,7 +104,7 @@ class SamplingParams:
                 or self.repetition_penalty != 1)
 
 
-def _is_unicode(text: str) -> bool:
+def is_unicode(text: str) -> bool:
     """False for a str holding a lone surrogate (not encodable as UTF-8)."""
     try:
         text.encode("utf-8")

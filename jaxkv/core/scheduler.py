@@ -22,6 +22,7 @@ import collections
 import dataclasses
 
 from jaxkv.core.block_manager import BlockManager, OutOfPages
+from jaxkv.core.page_pool import salted_root
 from jaxkv.core.sequence import Sequence, Status
 
 
@@ -165,7 +166,8 @@ class Scheduler:
             if not self.chunked and len(tokens) > budget:
                 break
             try:
-                cached = self.bm.allocate(seq.request_id, tokens, num_tokens=0)
+                cached = self.bm.allocate(seq.request_id, tokens, num_tokens=0,
+                                          root=salted_root(seq.cache_salt))
             except OutOfPages:
                 break
             n = min(len(tokens) - cached, budget)

@@ -27,7 +27,7 @@ class Sequence:
     and what has been streamed out so far."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, seed: int, stop=None):
+                 params: SamplingParams, seed: int, stop=None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -35,6 +35,7 @@ class Sequence:
         self.params = params
         self.seed = seed
         self.stop = stop  # jaxkv.worker.stop.StopRule (None for a refused request)
+        self.cache_salt = cache_salt  # prefix-cache tenant (page_pool.salted_root)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -3,6 +3,7 @@
     jaxkv generate "What is a KV cache?" [--model M] [--max-tokens N] [--stream]
     jaxkv chat [--model M]
     jaxkv batch IN.jsonl OUT.jsonl [--model M]
+    jaxkv serve [--model M] [--host 127.0.0.1] [--port 8000]
     jaxkv convert SRC DST [--dtype bfloat16]
     jaxkv estimate [--model M] [--context N] [--memory 24GB]
 
@@ -139,6 +140,17 @@ def cmd_batch(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from jaxkv.entrypoints.openai.server import serve
+
+    engine = _make_engine(a)
+    names = a.served_model_name or [a.model]
+    return serve(engine, names, host=a.host, port=a.port,
+                 max_queued_requests=a.max_queued_requests or None,
+                 shutdown_timeout=a.shutdown_timeout,
+                 log_level="info" if a.verbose else "warning")
+
+
 def cmd_convert(a) -> int:
     from checkpoints.convert import convert
     convert(a.src, a.dst, a.dtype)
@@ -211,6 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(b, "sampling, for lines that do not set it")
     b.set_defaults(func=cmd_batch)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="POST /v1/completions, /v1/chat/completions (stream: SSE), "
+                                   "/tokenize, /detokenize; GET /v1/models, /health, /metrics.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                                                       "%(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--served-model-name", action="append", default=None,
+                   help="name clients pass as `model` (repeatable; default: --model)")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting for admission before new ones get 429 "
+                        "(0: no bound; default: %(default)s)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight before aborting them "
+                        "(default: %(default)s)")
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
     v = sub.add_parser("convert", help="convert a checkpoint to jaxkv's format",
                        description="SRC: Hugging Face folder, GGUF file or jaxkv checkpoint.")
     v.add_argument("src")
@@ -249,7 +278,7 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
                         format="%(message)s")
-    if a.command in ("generate", "chat", "batch"):
+    if a.command in ("generate", "chat", "batch", "serve"):
         from jaxkv.paths import enable_compilation_cache
         enable_compilation_cache()
     try:

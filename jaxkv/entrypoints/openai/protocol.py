@@ -1,0 +1,172 @@
+"""Request bodies of the OpenAI API -> (prompts, SamplingParams), checked
+field by field; every refusal is an `APIError` whose `param` names the
+field, answered as {"error": {"message", "type", "param", "code"}}.
+
+OpenAI's names map onto SamplingParams (max_tokens / max_completion_tokens,
+temperature, top_p, seed, stop, presence / frequency penalties, logprobs /
+top_logprobs); every other SamplingParams field (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+skip_special_tokens) is accepted as an extra body field, as vLLM does.
+Fields this server does not implement are refused by name rather than
+ignored, unless ignoring them changes nothing (user, a text
+response_format, tool_choice "none")."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from jaxkv.core.sampling_params import SamplingParams
+
+log = logging.getLogger("jaxkv.serve")
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+COMMON = {"model", "stream", "stream_options", "n", "user", "cache_salt", "max_tokens"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+                        "tools", "tool_choice", "parallel_tool_calls",
+                        "add_generation_prompt", "chat_template_kwargs"}
+MAX_PROMPTS = 64  # prompts in one completions request
+
+
+class APIError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+
+def from_value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:
+    """An engine check's ValueError ("field: what is wrong") as a 400."""
+    msg = str(e)
+    head = msg.split(":", 1)[0].strip()
+    param = head if head.replace("_", "").isalnum() else None
+    param = (rename or {}).get(param, param)
+    return APIError(msg, param)
+
+
+def _check_type(body: dict, name: str, types, what: str) -> None:
+    v = body.get(name)
+    types = types if isinstance(types, tuple) else (types,)
+    if v is not None and (not isinstance(v, types) or isinstance(v, bool) and bool not in types):
+        raise APIError(f"{name}: must be {what}, got {v!r}", name)
+
+
+def sampling_params(body: dict, *, chat: bool, default_max_tokens: int | None) -> SamplingParams:
+    """SamplingParams from a completions or chat body (not validated yet:
+    the engine's check names the field)."""
+    kw: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS - {"max_tokens", "logprobs"}:
+        if body.get(name) is not None:
+            kw[name] = body[name]
+    max_tokens = body.get("max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = body["max_completion_tokens"]
+    kw["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
+    if chat:
+        _check_type(body, "logprobs", bool, "true or false")
+        _check_type(body, "top_logprobs", int, "an integer")
+        if body.get("logprobs"):
+            kw["logprobs"] = body.get("top_logprobs") or 0
+        elif body.get("top_logprobs"):
+            raise APIError("top_logprobs: needs logprobs set to true", "top_logprobs")
+    elif body.get("logprobs") is not None:
+        kw["logprobs"] = body["logprobs"]
+    try:
+        return SamplingParams(**kw)
+    except TypeError as e:  # not reachable with known names; kept for a clear answer
+        raise APIError(f"request: {e}") from None
+
+
+def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
+    """The fields every generation request shares (types, model, n)."""
+    if not isinstance(body, dict):
+        raise APIError("request body: must be a JSON object", None)
+    known = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | SAMPLING_FIELDS
+    ignored = sorted(set(body) - known)
+    if ignored:
+        log.warning("jaxkv serve: ignoring unknown request fields %s", ignored)
+    model = body.get("model")
+    if model is not None and model not in served:
+        raise APIError(f"model: {model!r} is not served here (served: {', '.join(served)})",
+                       "model", status=404, type="NotFoundError")
+    _check_type(body, "stream", bool, "true or false")
+    _check_type(body, "stream_options", dict, "an object")
+    if body.get("stream_options") is not None:
+        if not body.get("stream"):
+            raise APIError("stream_options: only allowed when stream is true", "stream_options")
+        _check_type(body["stream_options"], "include_usage", bool, "true or false")
+    for name in ("n", "best_of"):
+        if body.get(name) not in (None, 1):
+            raise APIError(f"{name}: only 1 is supported, got {body[name]!r}", name)
+    _check_type(body, "cache_salt", str, "a string")
+    for name in ("max_tokens", "max_completion_tokens"):
+        _check_type(body, name, int, "an integer")
+    if chat:
+        if body.get("tools"):
+            raise APIError("tools: tool calling is not supported by this server", "tools")
+        if body.get("tool_choice") not in (None, "none"):
+            raise APIError("tool_choice: tool calling is not supported by this server",
+                           "tool_choice")
+        rf = body.get("response_format")
+        if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+            raise APIError("response_format: only {'type': 'text'} is supported (structured "
+                           "outputs are not implemented yet)", "response_format")
+        _check_type(body, "add_generation_prompt", bool, "true or false")
+    else:
+        if body.get("suffix") is not None:
+            raise APIError("suffix: not supported by this model", "suffix")
+        _check_type(body, "echo", bool, "true or false")
+
+
+def completion_prompts(body: dict) -> list[Any]:
+    """`prompt`: a string, a list of strings, token ids or a list of token id
+    lists -> one engine prompt per entry."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                         for t in p):
+        return [{"prompt_token_ids": p}]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > MAX_PROMPTS:
+            raise APIError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}",
+                           "prompt")
+        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+    raise APIError("prompt: must be a non-empty string, list of strings, list of token ids or "
+                   "list of token id lists", "prompt")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """`messages` checked and with text parts joined: [{"role", "content"}]."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError("messages: must be a non-empty list of messages", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise APIError(f"messages[{i}]: must be an object with a string 'role'",
+                           f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                        part.get("text"), str):
+                    raise APIError(f"messages[{i}].content[{j}]: only text parts "
+                                   "({'type': 'text', 'text': str}) are supported",
+                                   f"messages[{i}].content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and m["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise APIError(f"messages[{i}].content: must be a string or a list of text parts",
+                           f"messages[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    return out
