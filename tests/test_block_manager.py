@@ -123,6 +123,23 @@ def test_prefix_hit_reuses_pages_and_reports_cached_tokens():
     assert bm.prefix_hit_rate == pytest.approx(3 * PS / (len(a) + len(b)))
 
 
+def test_cache_salt_roots_separate_the_hash_chains():
+    from jaxkv.core.page_pool import ROOT_HASH, salted_root
+
+    bm = BlockManager(num_pages=32, page_size=PS)
+    prompt = list(range(100, 100 + 3 * PS)) + [1]
+    a, b = salted_root("tenant-a"), salted_root("tenant-b")
+    assert len({ROOT_HASH, a, b}) == 3 and salted_root("tenant-a") == a
+    cached = bm.allocate("a1", prompt, root=a)
+    bm.mark_computed("a1", prompt, len(prompt))
+    assert cached == 0
+    assert bm.allocate("b1", prompt, root=b) == 0  # another tenant: no hit
+    assert bm.allocate("plain", prompt) == 0  # no salt: no hit on salted pages either
+    assert bm.allocate("a2", prompt, root=a) == 3 * PS  # same tenant: hit
+    # The chain starts from the salt: page 0's hash is hash_page(root, tokens).
+    assert bm.page_hash(bm.block_table("a1")[0]) == hash_page(a, prompt[:PS])
+
+
 def test_prefix_hit_never_covers_the_last_token():
     bm = BlockManager(num_pages=16, page_size=PS)
     prompt = list(range(2 * PS))

@@ -19,12 +19,12 @@ import logging
 import signal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from jaxkv.entrypoints.openai import generate
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
 from jaxkv.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from jaxkv.entrypoints.openai.protocol import APIError, chat_messages, from_value_error
+from jaxkv.entrypoints.openai.protocol import APIError, chat_messages
 from jaxkv.entrypoints.openai.responses import Formatter
 
 log = logging.getLogger("jaxkv.serve")
