@@ -144,7 +144,8 @@ class BlockManager(PagePool):
     # ---------------------------------------------------------------- mutations
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
-                 num_tokens: int | None = None, root: bytes = ROOT_HASH) -> int:
+                 num_tokens: int | None = None, root: bytes = ROOT_HASH,
+                 cache_hits: bool = True) -> int:
         """Admit a new sequence with prompt ``token_ids``; return how many
         prompt tokens are already cached (their K/V is shared, skip them in
         prefill). The result is a multiple of ``page_size`` and always less
@@ -164,7 +165,7 @@ class BlockManager(PagePool):
             num_tokens = len(token_ids)
         if num_tokens < 0:
             raise ValueError(f"num_tokens: must be non-negative, got {num_tokens}")
-        hit_pages, hit_hashes = self._lookup_prefix(token_ids, root)
+        hit_pages, hit_hashes = self._lookup_prefix(token_ids, root) if cache_hits else ([], [])
         cached = len(hit_pages) * self.page_size
         num_tokens = max(num_tokens, cached)
         need, ok = self._allocate_plan(num_tokens, hit_pages)

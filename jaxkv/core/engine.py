@@ -22,35 +22,26 @@ import itertools
 import logging
 from typing import Any, Iterable
 
-import jax
 import numpy as np
 
 from jaxkv.config import CacheConfig, EngineConfig, ModelConfig
 from jaxkv.core.block_manager import BlockManager
 from jaxkv.core.output_processor import OutputProcessor
 from jaxkv.core.outputs import RequestOutput
-from jaxkv.core.requests import check_request, parse_prompt
+from jaxkv.core.requests import check_request, child_seed, parse_prompt
 from jaxkv.core.sampling_params import SamplingParams, is_unicode
 from jaxkv.core.scheduler import Scheduler, SchedulerOutput
 from jaxkv.core.sequence import Sequence
+from jaxkv.core.structured import Grammars, TokenRules
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
-from jaxkv.model.memory import pages_for_budget
+from jaxkv.model.memory import plan_num_pages
 from jaxkv.worker.runner import Runner
-from jaxkv.worker.step_batch import Buckets, build_penalty_batch, build_step_batch
+from jaxkv.worker.execute import execute, execute_scored
+from jaxkv.worker.step_batch import Buckets
 from jaxkv.worker.stop import StopRule
 
 log = logging.getLogger("jaxkv")
-
-
-def _free_device_memory() -> int | None:
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - CPU backends may not report
-        return None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
 class LLMEngine:
@@ -59,7 +50,7 @@ class LLMEngine:
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         kv_dtype = config.kv_dtype or config.dtype
-        num_pages = self._plan_pages(kv_dtype)
+        num_pages = plan_num_pages(config, self.model_config, kv_dtype)
         self.cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size,
                                         kv_dtype=kv_dtype)
         pool_tokens = (num_pages - 1) * config.page_size
@@ -87,6 +78,8 @@ class LLMEngine:
                              self.attention, max_decode_steps=config.num_decode_steps,
                              num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed)
         self.outputs = OutputProcessor(tokenizer)
+        self.grammars = Grammars(tokenizer, self.model_config.vocab_size,
+                                 self.model_config.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._errors: list[Sequence] = []
         self._ids = itertools.count()
@@ -106,21 +99,6 @@ class LLMEngine:
             self.warmup_report = self.runner.warm_up()
             log.info("jaxkv: warm-up compiled %d programs in %.1f s",
                      self.warmup_report["programs"], self.warmup_report["seconds"])
-
-    def _plan_pages(self, kv_dtype: str) -> int:
-        c = self.config
-        if c.num_pages is not None:
-            return c.num_pages
-        budget = c.kv_cache_memory
-        if budget is None:
-            free = _free_device_memory()
-            budget = int(free * c.gpu_memory_utilization) if free else 1 << 30
-        m = self.model_config
-        pages = pages_for_budget(budget, m.num_layers, m.num_kv_heads, m.head_dim, c.page_size,
-                                 kv_dtype)
-        if pages < 2:
-            raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
-        return int(pages)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m-instruct", **config: Any) -> "LLMEngine":
@@ -168,8 +146,34 @@ class LLMEngine:
         else:
             seq.stop = StopRule.for_request(params, self.model_config.eos_token_ids, len(ids),
                                             self.max_model_len)
+            seq.rules = self._rules(params)
             self.scheduler.add(seq)
+            if params.n > 1:  # share the prompt's full pages if it has any
+                if len(ids) - 1 >= self.config.page_size:
+                    seq.fork_pending = True
+                else:
+                    for i in range(1, params.n):
+                        self.scheduler.add(self._child(seq, i))
         return rid
+
+    def _rules(self, params: SamplingParams) -> TokenRules | None:
+        if not params.uses_rules:
+            return None
+        return TokenRules(params, self.grammars, self.tokenizer, self.model_config.vocab_size)
+
+    def _child(self, parent: Sequence, i: int) -> Sequence:
+        return parent.add_child(i, child_seed(parent.seed, i), self._rules(parent.params))
+
+    def _fork(self, parent: Sequence) -> None:
+        """The parent computed all but its last prompt token: its n - 1
+        siblings share those pages (copy-on-write of the partial last one)
+        and each runs the last token with its own seed."""
+        parent.fork_pending = False
+        for i in range(1, parent.params.n):
+            c = self._child(parent, i)
+            self.bm.fork(parent.request_id, c.request_id)
+            c.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add_running(c)
 
     def check_request(self, prompt, params: SamplingParams,
                       cache_salt: str | None = None) -> tuple[str | None, list[int]]:
@@ -184,15 +188,23 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
                                        or not is_unicode(cache_salt)):
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
+        if params.n > c.max_num_seqs:
+            raise ValueError(f"n: {params.n} sequences exceed max_num_seqs {c.max_num_seqs}")
+        if params.structured_outputs is not None:
+            self.grammars.matcher(params.structured_outputs)  # compiles (cached) or names the error
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer")
         return text, ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its next output has finish_reason "abort"."""
         seq = self._seqs.get(str(request_id))
-        if seq is None or seq.finished:
+        if seq is None or all(c.finished for c in seq.children):
             return
-        self.scheduler.remove(seq)
-        seq.finish("abort")
+        for c in seq.children:
+            if not c.finished:
+                self.scheduler.remove(c)
+                c.finish("abort")
         self._errors.append(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -219,25 +231,40 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         self.runner.copy_pages(sched.copies)
-        scheduled = sched.scheduled
-        batch, key = build_step_batch(scheduled, sched.num_steps, self.runner.page_size,
-                                      self.runner.buckets)
-        penalties = build_penalty_batch(scheduled, key.seqs, self.runner.buckets)
-        res = self.runner.step(batch, key, len(scheduled), penalties)
+        V = self.model_config.vocab_size
+        plain = [sc for sc in sched.scheduled if not sc.seq.scores_prompt(sc.start)]
+        touched: dict[int, Sequence] = {}
+        if plain:
+            res, stuck = execute(self.runner, plain, sched.num_steps, V)
+            self._accept(plain, res, stuck, touched)
+        for sc in sched.scheduled:  # prompt chunks with prompt log-probabilities
+            if sc.seq.scores_prompt(sc.start):
+                tgt, top_ids, top_lps, res, stuck = execute_scored(self.runner, sc, V)
+                self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_tokens, tgt, top_ids,
+                                             top_lps)
+                self._accept([sc], res, stuck, touched)
         self.stats["steps"] += 1
+        return [self._output(p) for p in touched.values()]
+
+    def _accept(self, scheduled, res, stuck: list[int], touched: dict) -> None:
+        """Hand each sequence's sampled tokens to the output processor."""
         self.stats["decode_steps"] += len(res.tokens)
-        outputs = []
         for i, sc in enumerate(scheduled):
             s = sc.seq
             if not sc.completes:  # a prefill chunk short of the prompt's end
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
                 self.stats["partial_prefills"] += 1
                 self._computed(s, sc.start + sc.num_tokens)
+                if s.fork_pending and sc.start + sc.num_tokens == s.prefill_target:
+                    self._fork(s)
                 continue
             if not s.output_token_ids:
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
             self._computed(s, sc.start + sc.num_tokens)
-            for k in range(len(res.tokens)):
+            if i in stuck:
+                s.finish("error", error="structured_outputs: no token can continue the "
+                                        "output (the rules allow none)")
+            for k in range(0 if i in stuck else len(res.tokens)):
                 if not res.finite[k, i]:
                     s.finish("error", error=f"logits: not finite (NaN or inf) at output token "
                                             f"{len(s.output_token_ids)}: the model's weights or "
@@ -252,8 +279,7 @@ class LLMEngine:
                 self.scheduler.remove(s)
             elif len(res.tokens) > 1:  # every token but the newest has its K/V written
                 self._computed(s, s.num_tokens - 1)
-            outputs.append(self._output(s))
-        return outputs
+            touched[id(s.parent)] = s.parent
 
     def _computed(self, s: Sequence, num_computed: int) -> None:
         """Record K/V written up to num_computed; free pages behind the window."""
@@ -264,7 +290,8 @@ class LLMEngine:
                                   num_computed - window + 1)
 
     def _output(self, s: Sequence) -> RequestOutput:
-        if s.finished:  # its final output: the engine forgets it
+        """The request's output (all its sequences); `s` is its parent."""
+        if all(c.finished for c in s.children):  # its final output: the engine forgets it
             self._seqs.pop(s.request_id, None)
         return self.outputs.output(s)
 
@@ -279,7 +306,7 @@ class LLMEngine:
             outs = self.step()
             new = 0
             for o in outs:
-                new += len(o.outputs[0].delta_token_ids)
+                new += sum(len(c.delta_token_ids) for c in o.outputs)
                 if o.finished and (wanted is None or o.request_id in wanted):
                     final[o.request_id] = o
             if progress is not None:

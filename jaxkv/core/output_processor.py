@@ -32,6 +32,12 @@ class OutputProcessor:
         reason = s.stop.on_token(tok, len(s.output_token_ids))
         if reason == "stop":
             return s.finish("stop", stop_reason=tok)
+        if s.rules is not None:
+            verdict = s.rules.accept(tok)
+            if verdict == "stop":  # the grammar is complete
+                return s.finish("stop")
+            if verdict is not None:
+                return s.finish("error", error=verdict)
         if len(s.output_token_ids) >= s.stop.min_tokens:
             for stop in s.stop.stop_strings:
                 # Only the tail can hold a new match.
@@ -42,8 +48,42 @@ class OutputProcessor:
         if reason == "length":
             s.finish("length")
 
+    def prompt_logprobs(self, s: Sequence, start: int, num_rows: int, target_lps, top_ids,
+                        top_lps) -> None:
+        """Record the prompt log-probabilities of rows [start, start +
+        num_rows): row r scores prompt token r + 1 (entries already recorded,
+        e.g. before a preemption, are kept)."""
+        n = s.params.prompt_logprobs
+        prompt = s.prompt_token_ids
+        for r in range(num_rows):
+            pos = start + r + 1
+            if pos >= len(prompt):
+                break
+            if pos == len(s.prompt_logprobs):
+                s.prompt_logprobs.append(Logprob(prompt[pos], float(target_lps[r]), {
+                    int(t): float(v) for t, v in zip(top_ids[r, :n], top_lps[r, :n])}))
+
     def output(self, s: Sequence) -> RequestOutput:
-        """The request's output now, with the deltas since the last one."""
+        """The request's output now (one CompletionOutput per sequence of an
+        n > 1 request), with the deltas since the last one. `s` is the
+        request's parent sequence."""
+        comps = [self._completion(c) for c in s.children]
+        finished = all(c.finished for c in s.children)
+        errors = list(dict.fromkeys(c.error for c in s.children if c.error))
+        ends = [c.t_finish for c in s.children if c.t_finish is not None]
+        firsts = [c.t_first_token for c in s.children if c.t_first_token is not None]
+        metrics = dict(arrival=s.t_arrival, first_token=min(firsts) if firsts else None,
+                       finish=max(ends) if finished and ends else None,
+                       num_preemptions=sum(c.num_preemptions for c in s.children))
+        return RequestOutput(request_id=s.request_id, prompt=s.prompt,
+                             prompt_token_ids=list(s.prompt_token_ids), outputs=comps,
+                             finished=finished, error="; ".join(errors) or None,
+                             num_cached_tokens=s.num_cached_tokens, metrics=metrics,
+                             prompt_logprobs=list(s.prompt_logprobs)
+                             if s.prompt_logprobs is not None
+                             and len(s.prompt_logprobs) == len(s.prompt_token_ids) else None)
+
+    def _completion(self, s: Sequence) -> CompletionOutput:
         text = s.text
         visible = len(text)
         if not s.finished:
@@ -58,14 +98,8 @@ class OutputProcessor:
         delta_text = text[s.sent_text:visible]
         delta_ids = s.output_token_ids[s.sent_tokens:]
         s.sent_text, s.sent_tokens = visible, len(s.output_token_ids)
-        comp = CompletionOutput(index=0, text=text[:visible] if not s.finished else text,
+        return CompletionOutput(index=s.index, text=text[:visible] if not s.finished else text,
                                 token_ids=list(s.output_token_ids),
                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                                 delta_text=delta_text, delta_token_ids=delta_ids)
-        metrics = dict(arrival=s.t_arrival, first_token=s.t_first_token, finish=s.t_finish,
-                       num_preemptions=s.num_preemptions)
-        return RequestOutput(request_id=s.request_id, prompt=s.prompt,
-                             prompt_token_ids=list(s.prompt_token_ids), outputs=[comp],
-                             finished=s.finished, error=s.error,
-                             num_cached_tokens=s.num_cached_tokens, metrics=metrics)

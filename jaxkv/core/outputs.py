@@ -38,3 +38,6 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for
+    # the first), set once the prompt is computed.
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -70,3 +70,9 @@ def check_request(ids: list[int], params, *, vocab_size: int, max_model_len: int
         raise ValueError(
             f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} do not fit one "
             f"step of max_num_batched_tokens {max_prefill} (enable_chunked_prefill is off)")
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` of an n > 1 request whose seed is `seed`
+    (sequence 0 keeps it, so n = 1 draws what it always drew)."""
+    return seed if index == 0 else (seed + index * 0x9E3779B9) & 0x7FFFFFFF

@@ -42,8 +42,21 @@ class SamplingParams:
     ignore_eos: bool = _opt(False, "keep going past the model's end token")
     min_tokens: int = _opt(0, "no stop before this many new tokens")
     skip_special_tokens: bool = _opt(True, "leave special tokens out of the text")
+    n: int = _opt(1, "answers per prompt (the prompt's pages are computed once and shared)")
+    structured_outputs: dict | None = _opt(
+        None, "constrain the answer: a JSON object with one of json (a JSON schema), regex, "
+              "choice (a list of strings), grammar (Lark), json_object (true)", parse="json")
+    allowed_token_ids: Sequence[int] | None = _opt(None, "only these token ids may be generated "
+                                                         "(repeatable)")
+    bad_words: Sequence[str] | None = _opt(None, "a word never generated (repeatable)")
+    logit_bias: dict | None = _opt(None, "added to the logits: a JSON object token id -> bias in "
+                                         "[-100, 100]", parse="json")
+    prompt_logprobs: int | None = _opt(None, "return each prompt token's log-probability and "
+                                             "the N most likely tokens at its position")
 
     MAX_LOGPROBS = 20
+    MAX_N = 64
+    MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
@@ -84,6 +97,7 @@ class SamplingParams:
                 raise ValueError(f"stop: stop strings must be non-empty strings, got {s!r}")
             if not is_unicode(s):
                 raise ValueError(f"stop: {s!r} is not valid Unicode text (a lone surrogate)")
+        self._validate_rules(vocab_size)
         if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
             raise ValueError(f"stop_token_ids: must be a list of token ids, "
                              f"got {self.stop_token_ids!r}")
@@ -91,6 +105,61 @@ class SamplingParams:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (
                     vocab_size is not None and t >= vocab_size):
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id of this model")
+
+    def _validate_rules(self, vocab_size: int | None) -> None:
+        """n, structured outputs, allowed / bad tokens, logit bias, prompt
+        logprobs (types and ranges; a grammar is checked when compiled)."""
+        def token_id(t) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (
+                vocab_size is None or t < vocab_size)
+
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
+            raise ValueError(f"n: must be an integer in [1, {self.MAX_N}], got {self.n!r}")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs: must be an integer in [0, {self.MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
+        so = self.structured_outputs
+        if so is not None:
+            from jaxkv.core.structured import check_spec
+            check_spec(so)
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or not all(map(token_id, ids)):
+                raise ValueError(f"allowed_token_ids: must be a non-empty list of token ids of "
+                                 f"this model, got {_short(ids)}")
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, str) and w and is_unicode(w) for w in words):
+                raise ValueError(f"bad_words: must be a list of non-empty strings, "
+                                 f"got {_short(words)}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > self.MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: must be an object of at most "
+                                 f"{self.MAX_LOGIT_BIAS} token id -> bias entries")
+            for k, v in bias.items():
+                t = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+                if not token_id(t):
+                    raise ValueError(f"logit_bias: {k!r} is not a token id of this model")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                        -100 <= v <= 100):
+                    raise ValueError(f"logit_bias: the bias of {k!r} must be a number in "
+                                     f"[-100, 100], got {v!r}")
+
+    @property
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        """logit_bias as sorted (token id, bias) pairs (JSON keys are strings)."""
+        return sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def uses_rules(self) -> bool:
+        """Whether the logits go through a host-built mask or bias (structured
+        outputs, allowed tokens, bad words, logit bias)."""
+        return bool(self.structured_outputs is not None or self.allowed_token_ids
+                    or self.bad_words or self.logit_bias)
 
     @property
     def stop_list(self) -> list[str]:
@@ -102,6 +171,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def is_unicode(text: str) -> bool:

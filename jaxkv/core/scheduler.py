@@ -26,6 +26,17 @@ from jaxkv.core.page_pool import salted_root
 from jaxkv.core.sequence import Sequence, Status
 
 
+# Prompt rows per step of a request that wants prompt log-probabilities
+# (their logits [rows, V] are computed at every row).
+PROMPT_LOGPROB_CHUNK = 256
+
+
+def _chunk_cap(seq: Sequence, start: int) -> int:
+    if seq.params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
+        return PROMPT_LOGPROB_CHUNK
+    return 1 << 62
+
+
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -71,6 +82,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (its pages already held)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its pages."""
         if seq in self.running:
@@ -93,7 +109,7 @@ class Scheduler:
     def _decode_steps(self) -> int:
         """Decode steps the next call may run: more than one only when every
         running sequence decodes, nothing waiting could be admitted, and no
-        sequence needs per-step host work (penalties)."""
+        sequence needs per-step host work (penalties, token rules)."""
         if self.max_num_steps <= 1 or not self.running:
             return 1
         if self.waiting and len(self.running) < self.max_num_seqs:
@@ -101,7 +117,7 @@ class Scheduler:
         if len(self.running) > self.max_num_batched_tokens:
             return 1
         if any(s.num_tokens - self.computed(s) != 1 or s.params.uses_penalties
-               for s in self.running):
+               or s.rules is not None for s in self.running):
             return 1
         return self.max_num_steps  # fixed: one program; the loop ends early
 
@@ -154,7 +170,7 @@ class Scheduler:
             if seq not in self.running:  # preempted while making room for another
                 continue
             start = self.computed(seq)
-            n = min(seq.num_tokens - start, budget)
+            n = min(seq.prefill_target - start, budget, _chunk_cap(seq, start))
             if not self._grow(seq, start + n, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, start, n))
@@ -162,15 +178,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
                 and not out.preempted:
             seq = self.waiting[0]
-            tokens = seq.all_token_ids
+            if seq.fork_pending and len(self.running) + seq.params.n > self.max_num_seqs:
+                break  # its n sequences run together once it forks
+            tokens = seq.all_token_ids[:seq.prefill_target]
             if not self.chunked and len(tokens) > budget:
                 break
-            try:
+            try:  # a forking prompt's hits stop short of its target, so n >= 1
                 cached = self.bm.allocate(seq.request_id, tokens, num_tokens=0,
-                                          root=salted_root(seq.cache_salt))
+                                          root=salted_root(seq.cache_salt),
+                                          cache_hits=seq.params.prompt_logprobs is None)
             except OutOfPages:
                 break
-            n = min(len(tokens) - cached, budget)
+            n = min(len(tokens) - cached, budget, _chunk_cap(seq, cached))
             try:
                 out.copies.extend(self.bm.append_slots(
                     seq.request_id, cached + n - self.bm.num_tokens(seq.request_id)))

@@ -36,11 +36,22 @@ class Sequence:
         self.seed = seed
         self.stop = stop  # jaxkv.worker.stop.StopRule (None for a refused request)
         self.cache_salt = cache_salt  # prefix-cache tenant (page_pool.salted_root)
+        self.rules = None  # jaxkv.core.structured.TokenRules when the request has token rules
+        # Parallel sampling (n > 1): the request's sequences, this one (index
+        # 0, the parent) first. With fork_pending the parent prefills all
+        # but the last prompt token, then the others fork its pages.
+        self.index = 0
+        self.parent = self
+        self.children: list[Sequence] = [self]
+        self.fork_pending = False
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        # prompt_logprobs: entry i for prompt token i (None for the first).
+        self.prompt_logprobs: list[Logprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.text = ""
         self.sent_tokens = 0
         self.sent_text = 0
@@ -50,6 +61,17 @@ class Sequence:
         self.t_first_token: float | None = None
         self.t_finish: float | None = None
 
+    def add_child(self, index: int, seed: int, rules) -> "Sequence":
+        """Sequence `index` of this n > 1 request: the same prompt and
+        settings, its own seed stream and rules; keyed (request id, index),
+        so no caller's request id can collide with it."""
+        c = Sequence((self.request_id, index), self.prompt, self.prompt_token_ids, self.params,
+                     seed, stop=self.stop, cache_salt=self.cache_salt)
+        c.index, c.parent, c.rules = index, self, rules
+        c.prompt_logprobs = None  # the parent's serve the request
+        self.children.append(c)
+        return c
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -57,6 +79,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def scores_prompt(self, start: int) -> bool:
+        """Whether a chunk from `start` still has prompt log-probabilities to
+        compute."""
+        return (self.prompt_logprobs is not None and start < len(self.prompt_token_ids)
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before this sequence samples (or forks)."""
+        return self.num_tokens - 1 if self.fork_pending else self.num_tokens
 
     @property
     def tokens_left(self) -> int:

@@ -4,7 +4,7 @@ Each input line is {"prompt": "..."} or {"messages": [...]} (chat template
 applied) plus optional sampling fields (max_tokens, temperature, top_p, ...,
 any SamplingParams field) and an optional "id". Each output line has the
 input's index and id, text, token ids, finish reason, token counts and
-timing; a line that cannot be run (bad JSON, unknown field, bad value) gets
+timing (with n > 1, also "outputs": every answer by index); a line that cannot be run (bad JSON, unknown field, bad value) gets
 an error record and the rest are still generated. Re-running with the same
 output file skips the lines already written and appends the rest.
 """
@@ -150,7 +150,7 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
         flush()
         while engine.has_unfinished_requests():
             for o in engine.step():
-                gen_tokens += len(o.outputs[0].delta_token_ids)
+                gen_tokens += sum(len(c.delta_token_ids) for c in o.outputs)
                 if not o.finished or o.request_id not in rid_of:
                     continue
                 i = rid_of.pop(o.request_id)
@@ -167,6 +167,12 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
                                ttft_s=round(m["first_token"] - m["arrival"], 4)
                                if m.get("first_token") else None,
                                latency_s=round(m["finish"] - m["arrival"], 4))
+                    if len(o.outputs) > 1:  # n > 1: every answer, by index
+                        rec.update(completion_tokens=sum(len(x.token_ids) for x in o.outputs),
+                                   outputs=[dict(index=x.index, text=x.text,
+                                                 token_ids=x.token_ids,
+                                                 finish_reason=x.finish_reason)
+                                            for x in o.outputs])
             if bar is not None:
                 el = time.perf_counter() - t0
                 bar.set_postfix_str(f"{gen_tokens / el:.1f} tok/s")

@@ -60,6 +60,8 @@ def _params(a):
 
 def _stream(engine, prompt, params, raw: bool) -> str:
     """Generate one answer, printing text as it arrives; returns the text."""
+    if params.n != 1:
+        raise ValueError("n: streaming (--stream, chat) shows one answer; leave n at 1")
     rid = engine.add_request(prompt, params)
     text = ""
     while engine.has_unfinished_requests():
@@ -100,7 +102,10 @@ def cmd_generate(a) -> int:
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 2
-    print(out.outputs[0].text)
+    if len(out.outputs) == 1:
+        print(out.outputs[0].text)
+    for c in out.outputs[1:] and out.outputs:
+        print(f"--- answer {c.index + 1} of {len(out.outputs)} ---\n{c.text}")
     return 0
 
 

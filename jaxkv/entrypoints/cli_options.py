@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from typing import Any, Mapping
 
@@ -24,6 +25,13 @@ def parse_size(text: str) -> int:
         return int(float(t))
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 24GB, 512MiB)")
+
+
+def parse_json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})")
 
 
 def _base_type(hint) -> tuple[type, bool]:
@@ -57,7 +65,7 @@ def add_options(group, cls, *, prefix: str, defaults: Mapping[str, Any] | None =
             kw.update(action="append", type=kind, default=None)
             kw["help"] = f.metadata["help"]
         else:
-            kw["type"] = parse_size if f.metadata.get("parse") == "bytes" else kind
+            kw["type"] = {"bytes": parse_size, "json": parse_json}.get(f.metadata.get("parse"), kind)
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
         group.add_argument(flag, **kw)

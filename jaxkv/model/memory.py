@@ -209,3 +209,33 @@ def param_count(cfg: Any) -> int:
 def weight_bytes(cfg: Any, dtype: str = "bfloat16") -> int:
     """Bytes of the weights stored in `dtype` ("float32", "bfloat16", ...)."""
     return param_count(cfg) * dtype_bytes(dtype)
+
+
+def _free_device_memory() -> int | None:
+    import jax
+
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - CPU backends may not report
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def plan_num_pages(config, model_config, kv_dtype: str) -> int:
+    """The pool size of an engine: EngineConfig.num_pages if set, else what
+    kv_cache_memory holds, else gpu_memory_utilization of the device's free
+    memory (1 GiB where the device does not say, as on CPU)."""
+    c, m = config, model_config
+    if c.num_pages is not None:
+        return c.num_pages
+    budget = c.kv_cache_memory
+    if budget is None:
+        free = _free_device_memory()
+        budget = int(free * c.gpu_memory_utilization) if free else 1 << 30
+    pages = pages_for_budget(budget, m.num_layers, m.num_kv_heads, m.head_dim, c.page_size,
+                             kv_dtype)
+    if pages < 2:
+        raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
+    return int(pages)

@@ -1,13 +1,14 @@
 """The Runner owns what lives on the device: the split model, the KV cache
 and the compiled step programs.
 
-    runner.step(batch, key[, penalties]) -> StepResult (numpy)   one call per engine step
+    runner.step(batch, key[, penalties, rules]) -> StepResult (numpy)   one call per step
     runner.warm_up()                                            compile every program
     runner.copy_pages(pairs)                                    copy-on-write
 
 Programs are compiled ahead of time from their shapes (`jax.jit(...).lower
 (...).compile()`) and kept by key: one per step program (`Buckets.programs`),
-one penalty sampler per (S, history) bucket, one page copy. `warm_up`
+one re-sampler per S for steps with token rules or penalties (one without
+penalties, one per penalty history width), one page copy. `warm_up`
 compiles them all up front, two at a time (XLA's CPU compiler is mostly
 single-threaded); without it each compiles on first use. Either way a
 program is compiled once per Runner and `compiled` lists them.
@@ -27,9 +28,10 @@ from flax import nnx
 
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache, copy_pages
-from jaxkv.worker.sampler import sample_with_penalties
-from jaxkv.worker.step import StepOutput, step
-from jaxkv.worker.step_batch import Buckets, PenaltyBatch, ProgramKey, StepBatch, empty
+from jaxkv.worker.sampler import sample_with_rules
+from jaxkv.worker.step import ScoreOutput, StepOutput, score_step, step
+from jaxkv.worker.step_batch import (Buckets, PenaltyBatch, ProgramKey, RulesBatch, StepBatch,
+                                     empty, empty_rules)
 
 # Copy-on-write pairs per page-copy call (padded with trash-to-trash pairs).
 COPY_WIDTH = 64
@@ -66,6 +68,7 @@ class Runner:
         self.num_top_logprobs = num_top_logprobs
         self.rng = jax.random.key(seed)
         self._programs: dict[Any, Any] = {}
+        self._empty_rules: dict[int, RulesBatch] = {}
         self.stats = dict(calls=0, seconds=0.0)  # step() calls and their wall time
 
     # ------------------------------------------------------------ programs
@@ -75,7 +78,7 @@ class Runner:
         samplers (per sequence bucket and history width), the page copy."""
         seqs = sorted({k.seqs for k in self.buckets.programs()})
         return (self.buckets.programs()
-                + [("penalties", s, n) for s in seqs for n in self.buckets.history]
+                + [("rules", s, n) for s in seqs for n in (0, *self.buckets.history)]
                 + [("copy", COPY_WIDTH)])
 
     @property
@@ -85,6 +88,16 @@ class Runner:
 
     def _lower(self, key):
         """The jitted function of `key` lowered with placeholder inputs."""
+        if key[0] == "score":  # (score, T, S): a prompt chunk with logits at every row
+            _, T, S = key
+            fn = jax.jit(functools.partial(score_step, num_top_logprobs=self.num_top_logprobs,
+                                           attention=self.attention),
+                         static_argnums=(0,), donate_argnums=(2,))
+            batch = dataclasses.replace(empty(ProgramKey("mixed", T, S),
+                                              self.buckets.pages_per_seq),
+                                        logits_indices=np.zeros(T, np.int32))
+            return fn.lower(self.graphdef, self.state, self.cache, batch, self.rng,
+                            np.zeros(T, np.int32))
         if isinstance(key, ProgramKey):
             fn = jax.jit(functools.partial(
                 step, kind=key.kind, max_steps=self.max_decode_steps if key.loops else 1,
@@ -92,14 +105,15 @@ class Runner:
                 static_argnums=(0,), donate_argnums=(2,))
             batch = empty(key, self.buckets.pages_per_seq)
             return fn.lower(self.graphdef, self.state, self.cache, batch, self.rng)
-        if key[0] == "penalties":
+        if key[0] == "rules":
             _, S, N = key
-            fn = jax.jit(functools.partial(sample_with_penalties,
+            fn = jax.jit(functools.partial(sample_with_rules,
                                            num_top_logprobs=self.num_top_logprobs))
             b = empty(ProgramKey("mixed", S, S), self.buckets.pages_per_seq)
             logits = jax.ShapeDtypeStruct((S, self.vocab_size), np.float32)
-            pen = PenaltyBatch(np.zeros((S, N), np.int32), np.zeros((S, N), bool))
-            return fn.lower(logits, b.sampling, pen, self.rng, b.num_output)
+            pen = PenaltyBatch(np.zeros((S, N), np.int32), np.zeros((S, N), bool)) if N else None
+            return fn.lower(logits, b.sampling, pen, empty_rules(S, self.vocab_size), self.rng,
+                            b.num_output)
         idx = np.zeros(COPY_WIDTH, np.int32)
         return jax.jit(copy_pages, donate_argnums=(0,)).lower(self.cache, idx, idx)
 
@@ -138,20 +152,23 @@ class Runner:
     # ------------------------------------------------------------ running
 
     def step(self, batch: StepBatch, key: ProgramKey, num_seqs: int,
-             penalties: PenaltyBatch | None = None) -> StepResult:
+             penalties: PenaltyBatch | None = None, rules: RulesBatch | None = None
+             ) -> StepResult:
         """Run one step (a mixed step, or `batch.num_steps` decode steps);
         returns the first `num_seqs` sequences' outputs as numpy. With
-        `penalties`, every sequence's token is drawn again from the last
-        logits with the penalties applied (the engine runs such steps one
+        `penalties` or `rules`, every sequence's token is drawn again from
+        the last logits with them applied (the engine runs such steps one
         decode step at a time)."""
         t0 = time.perf_counter()
         out, self.cache = self._program(key)(self.state, self.cache, batch, self.rng)
         out: StepOutput
         fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
-        if penalties is not None:
-            N = penalties.history.shape[1]
-            redo = self._program(("penalties", key.seqs, N))(
-                out.logits, batch.sampling, penalties, self.rng, batch.num_output)
+        if rules is not None or penalties is not None:
+            N = penalties.history.shape[1] if penalties is not None else 0
+            if rules is None:
+                rules = self._no_rules(key.seqs)
+            redo = self._program(("rules", key.seqs, N))(
+                out.logits, batch.sampling, penalties, rules, self.rng, batch.num_output)
             fields = tuple(np.asarray(x)[None] for x in
                            (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
                            ) + (out.finite,)
@@ -160,6 +177,45 @@ class Runner:
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
         return res
+
+    def score(self, batch: StepBatch, key: ProgramKey, targets: np.ndarray,
+              penalties: PenaltyBatch | None = None, rules: RulesBatch | None = None):
+        """Run one sequence's prompt chunk (`batch` as build_step_batch made
+        it for that sequence alone) with logits at every row: returns
+        (target_logprobs [T], top_ids [T, N], top_logprobs [T, N], StepResult
+        of the last row's sample) as numpy. Compiled on first use (not part
+        of warm-up)."""
+        T = key.tokens
+        batch = dataclasses.replace(batch, logits_indices=np.arange(T, dtype=np.int32))
+        out, self.cache = self._program(("score", T, key.seqs))(self.state, self.cache, batch,
+                                                               self.rng, targets)
+        out: ScoreOutput
+        st = out.step
+        fields = (st.tokens, st.logprobs, st.top_ids, st.top_logprobs, st.finite)
+        if rules is not None or penalties is not None:
+            sb = jax.tree_util.tree_map(lambda x: x[:1], batch.sampling)
+            N = penalties.history.shape[1] if penalties is not None else 0
+            pen = jax.tree_util.tree_map(lambda x: x[:1], penalties) if penalties else None
+            rb = (jax.tree_util.tree_map(lambda x: x[:1], rules) if rules is not None
+                  else self._no_rules(1))
+            redo = self._program(("rules", 1, N))(st.logits, sb, pen, rb, self.rng,
+                                                  batch.num_output[:1])
+            fields = tuple(np.asarray(x)[None] for x in
+                           (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
+                           ) + (st.finite,)
+        res = StepResult(*(np.asarray(x) for x in fields))
+        self.stats["calls"] += 1
+        return (np.asarray(out.target_logprobs), np.asarray(out.top_ids),
+                np.asarray(out.top_logprobs), res)
+
+    def _no_rules(self, num_seqs: int) -> RulesBatch:
+        """All tokens allowed, no bias (steps with penalties only), kept on
+        the device per sequence bucket."""
+        rb = self._empty_rules.get(num_seqs)
+        if rb is None:
+            rb = self._empty_rules[num_seqs] = jax.device_put(
+                empty_rules(num_seqs, self.vocab_size))
+        return rb
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device-side copy-on-write: copy page src -> dst for each pair."""

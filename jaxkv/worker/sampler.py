@@ -1,15 +1,18 @@
 """The in-jit sampler: greedy, temperature, top-k, top-p, min-p, with
 reproducible per-request seeds and log-probabilities, and a second entry
-that first applies presence / frequency / repetition penalties.
+that first applies token rules (mask, bias) and presence / frequency /
+repetition penalties.
 
     sample(logits [S, V], SamplingBatch, rng, num_output [S]) -> SampleOutput
-    sample_with_penalties(logits, SamplingBatch, PenaltyBatch, rng, num_output)
+    sample_with_rules(logits, SamplingBatch, PenaltyBatch | None, RulesBatch, rng, num_output)
 
 The draw for a request's n-th token uses key fold_in(fold_in(rng, seed), n)
 where rng is the engine's base key and n = num_output, so a seeded request
 gives the same tokens however it is batched or preempted. Whether any row
 samples (not greedy) and whether any row wants top log-probabilities are
-decided at run time (`lax.cond`), so one program serves every mix.
+decided at run time (`lax.cond`), so one program serves every mix. Steps
+with token rules or penalties draw again from the step's last logits with
+`sample_with_rules` (rules first, then penalties).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv.worker.step_batch import PenaltyBatch, SamplingBatch
+from jaxkv.worker.step_batch import PenaltyBatch, RulesBatch, SamplingBatch
 
 
 @jax.tree_util.register_dataclass
@@ -80,12 +83,29 @@ def sample(logits, sb: SamplingBatch, rng, num_output, *, num_top_logprobs: int,
     return SampleOutput(token_ids=ids, logprob=chosen, top_ids=top_ids, top_logprobs=top_lp)
 
 
-def sample_with_penalties(logits, sb: SamplingBatch, pen: PenaltyBatch, rng, num_output, *,
-                          num_top_logprobs: int) -> SampleOutput:
-    """`sample` after `apply_penalties`; log-probabilities stay those of the
-    model's own distribution."""
-    return sample(apply_penalties(logits.astype(jnp.float32), sb, pen), sb, rng, num_output,
-                  num_top_logprobs=num_top_logprobs, raw_logits=logits)
+def apply_rules(logits, rules: RulesBatch):
+    """Tokens whose bit is clear get -inf, then the bias pairs are added.
+    logits [S, V] f32."""
+    S, V = logits.shape
+    v = jnp.arange(V)
+    words = jax.lax.bitcast_convert_type(rules.bitmask, jnp.uint32)[:, v // 32]
+    allowed = ((words >> (v % 32).astype(jnp.uint32)) & 1).astype(bool)
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    valid = rules.bias_ids >= 0
+    rows = jnp.arange(S)[:, None]
+    return logits.at[rows, jnp.where(valid, rules.bias_ids, 0)].add(
+        jnp.where(valid, rules.bias_values, 0.0))
+
+
+def sample_with_rules(logits, sb: SamplingBatch, pen: PenaltyBatch | None, rules: RulesBatch,
+                      rng, num_output, *, num_top_logprobs: int) -> SampleOutput:
+    """`sample` after the token rules (mask and bias, first) and the
+    penalties when given; log-probabilities stay the model's own."""
+    ruled = apply_rules(logits.astype(jnp.float32), rules)
+    if pen is not None:
+        ruled = apply_penalties(ruled, sb, pen)
+    return sample(ruled, sb, rng, num_output, num_top_logprobs=num_top_logprobs,
+                  raw_logits=logits)
 
 
 def _draw(logits, sb: SamplingBatch, rng, num_output):

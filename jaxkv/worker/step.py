@@ -1,6 +1,7 @@
 """The jitted step programs.
 
     step(graphdef, state, cache, batch, rng) -> (StepOutput, cache)   cache donated
+    score_step(graphdef, state, cache, batch, rng, targets) -> (ScoreOutput, cache)
 
 One function serves every kind of step (`jaxkv.worker.step_batch`): a
 mixed step runs the model once and samples one token per sequence; a
@@ -45,6 +46,39 @@ class StepOutput:
     finite: jax.Array
     steps: jax.Array
     logits: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScoreOutput:
+    """A prompt chunk's log-probabilities: target_logprobs [T] of each row's
+    next prompt token (`targets`), top_ids / top_logprobs [T, N]; and the
+    sample of the chunk's last row as a mixed step's would be (tokens,
+    logprobs [1, 1], top_ids / top_logprobs [1, 1, N], finite [1, 1],
+    logits [1, V])."""
+
+    target_logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    step: StepOutput
+
+
+def score_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, targets, *,
+               num_top_logprobs: int, attention: AttentionSpec):
+    """One sequence's prompt chunk with logits at every row (batch.logits_
+    indices lists the T rows; sequence 0 is the only live one)."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(cache, batch, attention, all_decode=False)  # [T, V]
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, num_top_logprobs)
+    last = jax.lax.dynamic_slice_in_dim(logits, batch.cu_q_lens[1] - 1, 1)  # [1, V]
+    sb = jax.tree_util.tree_map(lambda x: x[:1], batch.sampling)
+    out = sample(last, sb, rng, batch.num_output[:1], num_top_logprobs=num_top_logprobs)
+    t, lp1, ti, tl = (x[None] for x in _stack(out))
+    finite = jnp.all(jnp.isfinite(last), axis=-1)[None]
+    return ScoreOutput(target, top_ids.astype(jnp.int32), top_lp,
+                       StepOutput(t, lp1, ti, tl, finite, jnp.int32(1), last)), cache
 
 
 def _stack(outs: SampleOutput):

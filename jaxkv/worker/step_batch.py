@@ -72,6 +72,20 @@ class PenaltyBatch:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class RulesBatch:
+    """Token rules (`jaxkv.core.structured`): bitmask[S, ceil(V / 32)] i32,
+    bit v % 32 of word v // 32 set when token v may be sampled (all ones for
+    a sequence without rules); bias_ids[S, B] i32 (-1 padded) and
+    bias_values[S, B] f32, added to the logits. Only built for steps where
+    some sequence has rules."""
+
+    bitmask: Any
+    bias_ids: Any
+    bias_values: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepBatch:
     token_ids: Any
     positions: Any
@@ -267,3 +281,32 @@ def build_penalty_batch(scheduled: Sequence[Any], num_seqs: int,
         hist[i, :len(toks)] = toks
         is_out[i, len(seq.prompt_token_ids):len(toks)] = True
     return PenaltyBatch(history=hist, history_is_output=is_out)
+
+
+BIAS_WIDTH = 300  # SamplingParams.MAX_LOGIT_BIAS
+
+
+def empty_rules(num_seqs: int, vocab_size: int) -> RulesBatch:
+    return RulesBatch(bitmask=np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32),
+                      bias_ids=np.full((num_seqs, BIAS_WIDTH), -1, np.int32),
+                      bias_values=np.zeros((num_seqs, BIAS_WIDTH), np.float32))
+
+
+def build_rules_batch(scheduled: Sequence[Any], num_seqs: int,
+                      vocab_size: int) -> tuple[RulesBatch | None, list[int]]:
+    """The token rules of a step, or None when no sequence has any; and the
+    rows whose rules allow no token at all (those sequences cannot go on)."""
+    users = [i for i, sc in enumerate(scheduled) if sc.seq.rules is not None]
+    if not users:
+        return None, []
+    rb = empty_rules(num_seqs, vocab_size)
+    stuck = []
+    for i in users:
+        seq = scheduled[i].seq
+        if not seq.rules.fill(rb.bitmask, i, seq.output_token_ids):
+            stuck.append(i)
+        pairs = seq.rules.bias
+        if pairs:
+            rb.bias_ids[i, :len(pairs)] = [t for t, _ in pairs]
+            rb.bias_values[i, :len(pairs)] = [v for _, v in pairs]
+    return rb, stuck

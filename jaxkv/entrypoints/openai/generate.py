@@ -125,22 +125,29 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
         return Response(status_code=499)
     fmt, choices = ctx.fmt, []
     for i, (it, out) in enumerate(zip(items, finals)):
-        c = out.outputs[0]
-        if c.finish_reason == "error":
+        if any(c.finish_reason == "error" for c in out.outputs):
             raise APIError(out.error or "engine: the request failed", None, 500,
                            "InternalServerError")
-        lps = None
-        if c.logprobs is not None:
-            lps = fmt.chat_logprobs(c.logprobs) if chat else fmt.completion_logprobs(
-                c.logprobs, len(it.text or "") if echo else 0)
-        if chat:
-            choices.append(fmt.chat_choice(i, out, logprobs=lps))
-        else:
-            text = ((it.text or "") if echo else "") + c.text
-            choices.append(fmt.completion_choice(i, out, text=text, logprobs=lps, final=True))
-    u = usage(sum(len(it.ids) for it in items), sum(len(o.outputs[0].token_ids) for o in finals),
+        for c in out.outputs:
+            lps = None
+            if c.logprobs is not None:
+                lps = fmt.chat_logprobs(c.logprobs) if chat else fmt.completion_logprobs(
+                    c.logprobs, len(it.text or "") if echo else 0)
+            idx = i * it.params.n + c.index
+            if chat:
+                choices.append(fmt.chat_choice(idx, c, logprobs=lps))
+            else:
+                text = ((it.text or "") if echo else "") + c.text
+                choices.append(fmt.completion_choice(idx, c, text=text, logprobs=lps,
+                                                     final=True))
+    u = usage(sum(len(it.ids) for it in items),
+              sum(len(c.token_ids) for o in finals for c in o.outputs),
               sum(o.num_cached_tokens for o in finals))
-    return fmt.envelope(rid, "chat.completion" if chat else "text_completion", now(), choices, u)
+    resp = fmt.envelope(rid, "chat.completion" if chat else "text_completion", now(), choices, u)
+    if any(it.params.prompt_logprobs is not None for it in items):
+        resp["prompt_logprobs"] = [fmt.prompt_logprobs(o.prompt_logprobs) for o in finals] \
+            if len(finals) > 1 else fmt.prompt_logprobs(finals[0].prompt_logprobs)
+    return resp
 
 
 async def _collect(ctx: Context, request: Request, q: asyncio.Queue, streams):
@@ -175,8 +182,10 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     pending = {s.index: s for s in streams}
-    n_lp = [0] * len(items)
-    offset = [0] * len(items)
+    n_lp: dict = {}
+    closed: set = set()  # (item, answer) whose final chunk is out
+    offset = {(i, k): len(it.text or "") if echo else 0
+              for i, it in enumerate(items) for k in range(it.params.n)}
     generated = [0] * len(items)
     cached = [0] * len(items)
 
@@ -185,40 +194,49 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
 
     try:
         for i, it in enumerate(items):
-            if chat:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            elif echo:
-                yield chunk([{"index": i, "text": it.text or "", "logprobs": None,
-                              "finish_reason": None}])
-                offset[i] = len(it.text or "")
+            for k in range(it.params.n):
+                idx = i * it.params.n + k
+                if chat:
+                    yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                elif echo:
+                    yield chunk([{"index": idx, "text": it.text or "", "logprobs": None,
+                                  "finish_reason": None}])
         while pending:
             i, out = await q.get()
-            c = out.outputs[0]
             if out.finished:
                 pending.pop(i, None)
-                generated[i] = len(c.token_ids)
+                generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 cached[i] = out.num_cached_tokens
-            if c.finish_reason == "error":
+            if any(c.finish_reason == "error" for c in out.outputs):
                 yield sse(_error_event(out))
                 continue
-            lps = None
-            if c.logprobs is not None and len(c.logprobs) > n_lp[i]:
-                new = c.logprobs[n_lp[i]:]
-                n_lp[i] = len(c.logprobs)
-                lps = fmt.chat_logprobs(new) if chat else fmt.completion_logprobs(new, offset[i])
-            if not (c.delta_text or lps or out.finished):
-                continue
-            if chat:
-                choice = {"index": i, "delta": {"content": c.delta_text} if c.delta_text else {},
-                          "logprobs": lps,
-                          "finish_reason": c.finish_reason if out.finished else None,
-                          "stop_reason": c.stop_reason if out.finished else None}
-            else:
-                choice = fmt.completion_choice(i, out, text=c.delta_text, logprobs=lps,
-                                               final=out.finished)
-            offset[i] += len(c.delta_text)
-            yield chunk([choice])
+            for c in out.outputs:
+                key = (i, c.index)
+                if key in closed:
+                    continue
+                lps = None
+                if c.logprobs is not None and len(c.logprobs) > n_lp.get(key, 0):
+                    new = c.logprobs[n_lp.get(key, 0):]
+                    n_lp[key] = len(c.logprobs)
+                    lps = fmt.chat_logprobs(new) if chat else fmt.completion_logprobs(
+                        new, offset[key])
+                done = c.finish_reason is not None
+                if not (c.delta_text or lps or done):
+                    continue
+                idx = i * items[i].params.n + c.index
+                if chat:
+                    choice = {"index": idx,
+                              "delta": {"content": c.delta_text} if c.delta_text else {},
+                              "logprobs": lps, "finish_reason": c.finish_reason if done else None,
+                              "stop_reason": c.stop_reason if done else None}
+                else:
+                    choice = fmt.completion_choice(idx, c, text=c.delta_text, logprobs=lps,
+                                                   final=done)
+                offset[key] += len(c.delta_text)
+                if done:
+                    closed.add(key)
+                yield chunk([choice])
         if include_usage:
             yield sse(fmt.envelope(rid, obj, created, [],
                                    usage(sum(len(it.ids) for it in items), sum(generated),

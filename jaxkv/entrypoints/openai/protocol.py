@@ -22,9 +22,12 @@ from jaxkv.core.sampling_params import SamplingParams
 log = logging.getLogger("jaxkv.serve")
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-COMMON = {"model", "stream", "stream_options", "n", "user", "cache_salt", "max_tokens"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # vLLM's older names
+COMMON = {"model", "stream", "stream_options", "n", "user", "cache_salt", "max_tokens",
+          "response_format", *GUIDED}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                         "tools", "tool_choice", "parallel_tool_calls",
                         "add_generation_prompt", "chat_template_kwargs"}
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -77,6 +80,9 @@ def sampling_params(body: dict, *, chat: bool, default_max_tokens: int | None) -
             raise APIError("top_logprobs: needs logprobs set to true", "top_logprobs")
     elif body.get("logprobs") is not None:
         kw["logprobs"] = body["logprobs"]
+    so = structured_spec(body)
+    if so is not None:
+        kw["structured_outputs"] = so
     try:
         return SamplingParams(**kw)
     except TypeError as e:  # not reachable with known names; kept for a clear answer
@@ -101,9 +107,9 @@ def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
         if not body.get("stream"):
             raise APIError("stream_options: only allowed when stream is true", "stream_options")
         _check_type(body["stream_options"], "include_usage", bool, "true or false")
-    for name in ("n", "best_of"):
-        if body.get(name) not in (None, 1):
-            raise APIError(f"{name}: only 1 is supported, got {body[name]!r}", name)
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise APIError(f"best_of: only equal to n is supported, got {body['best_of']!r}",
+                       "best_of")
     _check_type(body, "cache_salt", str, "a string")
     for name in ("max_tokens", "max_completion_tokens"):
         _check_type(body, name, int, "an integer")
@@ -113,15 +119,40 @@ def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
         if body.get("tool_choice") not in (None, "none"):
             raise APIError("tool_choice: tool calling is not supported by this server",
                            "tool_choice")
-        rf = body.get("response_format")
-        if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-            raise APIError("response_format: only {'type': 'text'} is supported (structured "
-                           "outputs are not implemented yet)", "response_format")
         _check_type(body, "add_generation_prompt", bool, "true or false")
     else:
         if body.get("suffix") is not None:
             raise APIError("suffix: not supported by this model", "suffix")
         _check_type(body, "echo", bool, "true or false")
+
+
+def structured_spec(body: dict) -> dict | None:
+    """SamplingParams.structured_outputs from `structured_outputs`,
+    `response_format` (json_object / json_schema) or a guided_* field."""
+    given = [k for k in ("structured_outputs", "response_format", *GUIDED)
+             if body.get(k) is not None
+             and not (k == "response_format" and isinstance(body[k], dict)
+                      and body[k].get("type") == "text")]
+    if len(given) > 1:
+        raise APIError(f"{given[1]}: give one of {', '.join(given)}", given[1])
+    if not given:
+        return None
+    k = given[0]
+    if k == "structured_outputs":
+        return body[k]
+    if k in GUIDED:
+        return {GUIDED[k]: body[k]}
+    rf = body[k]
+    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+        raise APIError("response_format: type must be text, json_object or json_schema",
+                       "response_format")
+    if rf["type"] == "json_object":
+        return {"json_object": True}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+        raise APIError("response_format: json_schema needs {'name': ..., 'schema': {...}}",
+                       "response_format")
+    return {"json": js["schema"]}
 
 
 def completion_prompts(body: dict) -> list[Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from jaxkv.core.outputs import Logprob, RequestOutput
+from jaxkv.core.outputs import CompletionOutput, Logprob
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI's floor for impossible tokens
 
@@ -55,15 +55,30 @@ class Formatter:
             d["usage"] = usage
         return d
 
-    def completion_choice(self, index: int, out: RequestOutput, *, text: str, logprobs,
+    def prompt_logprobs(self, entries) -> list | None:
+        """vLLM's shape: None for the first prompt token, then {token id:
+        {"logprob", "decoded_token"}} with the prompt token and the top N."""
+        if entries is None:
+            return None
+        out = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": _lp(v), "decoded_token": self.token_str(t)}
+                 for t, v in e.top.items()}
+            d[str(e.token_id)] = {"logprob": _lp(e.logprob),
+                                  "decoded_token": self.token_str(e.token_id)}
+            out.append(d)
+        return out
+
+    def completion_choice(self, index: int, c: CompletionOutput, *, text: str, logprobs,
                           final: bool) -> dict:
-        c = out.outputs[0]
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason if final else None,
                 "stop_reason": c.stop_reason if final else None}
 
-    def chat_choice(self, index: int, out: RequestOutput, *, logprobs) -> dict:
-        c = out.outputs[0]
+    def chat_choice(self, index: int, c: CompletionOutput, *, logprobs) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}

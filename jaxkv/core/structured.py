@@ -1,0 +1,190 @@
+"""Token rules of a request, on the host: structured outputs (a JSON schema,
+a regex, a choice list, a Lark grammar), allowed token ids, bad words,
+logit bias.
+
+Grammars are compiled by llguidance (the grammar engine vLLM and SGLang
+also offer; chosen because it needs nothing else: xgrammar pulls in torch
+and triton, outlines-core covers regex and JSON only). `Grammars` compiles a
+spec once per engine and caches the compiled matcher; each sequence gets
+its own copy (`TokenRules`), advanced as its tokens are accepted.
+
+Every step, each rule-bound sequence fills one row of a packed bitmask
+[S, ceil(V / 32)] int32 (bit v of row s: token v allowed); the sampler
+applies it, and the bias pairs, before any other rule
+(`jaxkv.worker.sampler.sample_with_rules`). Sequences with rules run one
+decode step per call, since the next mask depends on the token sampled.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def check_spec(spec: Any) -> None:
+    """ValueError naming `structured_outputs` unless `spec` has the right
+    form (whether a grammar compiles is checked by `Grammars`)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"structured_outputs: must be an object with one of {', '.join(KINDS)}, "
+                         f"got {type(spec).__name__}")
+    kinds = [k for k in KINDS if spec.get(k) is not None]
+    extra = sorted(set(spec) - set(KINDS))
+    if len(kinds) != 1 or extra:
+        raise ValueError(f"structured_outputs: needs exactly one of {', '.join(KINDS)}"
+                         + (f" (unknown: {', '.join(map(str, extra))})" if extra else ""))
+    kind, v = kinds[0], spec[kinds[0]]
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs: json is not a valid JSON schema ({e})") \
+                    from None
+        if not isinstance(v, (dict, bool)):
+            raise ValueError("structured_outputs: json must be a JSON schema object")
+    elif kind in ("regex", "grammar"):
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"structured_outputs: {kind} must be a non-empty string")
+    elif kind == "choice":
+        if not isinstance(v, (list, tuple)) or not v or not all(
+                isinstance(c, str) and c for c in v):
+            raise ValueError("structured_outputs: choice must be a non-empty list of "
+                             "non-empty strings")
+    elif v is not True:
+        raise ValueError("structured_outputs: json_object must be true")
+
+
+def grammar_source(spec: dict) -> str:
+    """The llguidance grammar of a checked spec."""
+    from llguidance import LLMatcher
+
+    kind = next(k for k in KINDS if spec.get(k) is not None)
+    v = spec[kind]
+    if kind == "json":
+        return LLMatcher.grammar_from_json_schema(json.loads(v) if isinstance(v, str) else v)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(v)
+    if kind == "choice":  # Lark string literals are JSON strings
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in v))
+    return LLMatcher.grammar_from_lark(v)
+
+
+class Grammars:
+    """Compiles structured-output specs for one tokenizer and caches them
+    (safe to call from several threads: a server compiles in its handlers,
+    before the engine thread needs the grammar)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], size: int = 128):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._lltok = None
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def _ll_tokenizer(self):
+        if self._lltok is None:
+            try:
+                import llguidance
+            except ImportError:
+                raise ValueError("structured_outputs: needs the llguidance package "
+                                 "(pip install llguidance)") from None
+            if self._tokenizer is None:
+                raise ValueError("structured_outputs: this model has no tokenizer")
+            try:
+                self._lltok = llguidance.LLTokenizer(
+                    self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size,
+                    eos_token=self._eos[0] if self._eos else None)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise ValueError(f"structured_outputs: llguidance cannot use this model's "
+                                 f"tokenizer ({e})") from None
+        return self._lltok
+
+    def matcher(self, spec: dict):
+        """A fresh matcher of `spec` (its own state); ValueError if the
+        grammar does not compile."""
+        from llguidance import LLMatcher
+
+        with self._lock:
+            lltok = self._ll_tokenizer()
+            try:
+                src = grammar_source(spec)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+            m = self._cache.get(src)
+            if m is None:
+                m = LLMatcher(lltok, src, log_level=0)
+                if m.is_error():
+                    raise ValueError(f"structured_outputs: {m.get_error()}")
+                self._cache[src] = m
+                if len(self._cache) > self._size:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(src)
+            return m.deep_copy()
+
+
+def mask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def _bits(ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Packed row with bit t (bit t % 32 of word t // 32) set for each id."""
+    row = np.zeros(mask_width(vocab_size) * 32, bool)
+    row[list(ids)] = True
+    return np.packbits(row, bitorder="little").view("<i4")
+
+
+class TokenRules:
+    """One sequence's rules: a grammar matcher, an allowed-token mask,
+    bad-word token sequences and logit bias pairs."""
+
+    def __init__(self, params, grammars: Grammars | None, tokenizer, vocab_size: int):
+        so = params.structured_outputs
+        self.matcher = grammars.matcher(so) if so is not None else None
+        self.allowed = (_bits(params.allowed_token_ids, vocab_size)
+                        if params.allowed_token_ids else None)
+        bad = set()
+        for w in params.bad_words or ():
+            if tokenizer is None:
+                raise ValueError("bad_words: this model has no tokenizer")
+            for text in (w, " " + w):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if ids:
+                    bad.add(tuple(ids))
+        self.bad_words = sorted(bad)
+        self.bias = params.logit_bias_pairs
+
+    def fill(self, bitmask: np.ndarray, row: int, output_ids: Sequence[int]) -> bool:
+        """Write this sequence's allowed tokens into `bitmask[row]` (all ones
+        on entry); False if no token is allowed."""
+        if self.matcher is not None:
+            from llguidance.numpy import fill_next_token_bitmask
+            fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.allowed is not None:
+            bitmask[row] &= self.allowed
+        words = bitmask[row].view(np.uint32)
+        for seq in self.bad_words:  # ban a word's last token once its start is out
+            k = len(seq) - 1
+            if len(output_ids) >= k and tuple(output_ids[len(output_ids) - k:]) == seq[:-1]:
+                t = seq[-1]
+                words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+        return bool(bitmask[row].any())
+
+    def accept(self, token: int) -> str | None:
+        """Advance past a sampled token: None, "stop" (the grammar is
+        complete) or an error message."""
+        if self.matcher is None:
+            return None
+        if not self.matcher.consume_token(int(token)):
+            return (f"structured_outputs: token {token} was sampled outside the grammar "
+                    f"({self.matcher.get_error() or 'rejected'})")
+        return "stop" if self.matcher.is_stopped() else None

@@ -1,0 +1,40 @@
+"""From the scheduler's output to device results: pack the batches (step,
+penalties, token rules), pick the program, run it.
+
+    execute(runner, scheduled, num_steps, vocab_size) -> (StepResult, stuck rows)
+    execute_scored(runner, sc, vocab_size) -> (target_lps, top_ids, top_lps, StepResult, stuck)
+
+`execute_scored` runs one sequence's prompt chunk with logits at every row
+(prompt log-probabilities); it also samples the chunk's last row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxkv.worker.runner import Runner, StepResult
+from jaxkv.worker.step_batch import build_penalty_batch, build_rules_batch, build_step_batch
+
+
+def execute(runner: Runner, scheduled: Sequence[Any], num_steps: int,
+            vocab_size: int) -> tuple[StepResult, list[int]]:
+    batch, key = build_step_batch(scheduled, num_steps, runner.page_size, runner.buckets)
+    penalties = build_penalty_batch(scheduled, key.seqs, runner.buckets)
+    rules, stuck = build_rules_batch(scheduled, key.seqs, vocab_size)
+    return runner.step(batch, key, len(scheduled), penalties, rules), stuck
+
+
+def execute_scored(runner: Runner, sc: Any, vocab_size: int):
+    """Rows [sc.start, sc.start + sc.num_tokens) of one sequence; row r's
+    target is the token after it (0 past the known tokens)."""
+    batch, key = build_step_batch([sc], 1, runner.page_size, runner.buckets)
+    penalties = build_penalty_batch([sc], key.seqs, runner.buckets)
+    rules, stuck = build_rules_batch([sc], key.seqs, vocab_size)
+    toks = sc.seq.all_token_ids
+    nxt = toks[sc.start + 1:sc.start + sc.num_tokens + 1]
+    targets = np.zeros(key.tokens, np.int32)
+    targets[:len(nxt)] = nxt
+    tgt, top_ids, top_lps, res = runner.score(batch, key, targets, penalties, rules)
+    return tgt, top_ids, top_lps, res, stuck
