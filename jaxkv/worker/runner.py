@@ -160,7 +160,13 @@ class Runner:
         the last logits with them applied (the engine runs such steps one
         decode step at a time)."""
         t0 = time.perf_counter()
-        out, self.cache = self._program(key)(self.state, self.cache, batch, self.rng)
+        first = batch
+        if rules is not None or penalties is not None:  # its draw is redone: make it cheap
+            S = batch.sampling.temperature.shape[0]
+            first = dataclasses.replace(batch, sampling=dataclasses.replace(
+                batch.sampling, temperature=np.zeros(S, np.float32),
+                num_logprobs=np.zeros(S, np.int32)))
+        out, self.cache = self._program(key)(self.state, self.cache, first, self.rng)
         out: StepOutput
         fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
         if rules is not None or penalties is not None:

@@ -109,27 +109,39 @@ def sample_with_rules(logits, sb: SamplingBatch, pen: PenaltyBatch | None, rules
 
 
 def _draw(logits, sb: SamplingBatch, rng, num_output):
-    """Filtered random draw: temperature, then top-k, top-p, min-p over the
-    sorted distribution, then Gumbel-max with the per-request key."""
+    """Random draw: temperature, then top-k, top-p, min-p over the sorted
+    distribution, then Gumbel-max with the per-request key. The noise is
+    drawn per token id, so a row without top-k / top-p / min-p gets the
+    same token whether or not its batch needs the sort (steps where no row
+    filters skip it)."""
     S, V = logits.shape
     t = jnp.where(sb.temperature > 0, sb.temperature, 1.0)[:, None]
     scaled = logits / t
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending [S, V]
-    rank = jnp.arange(V)[None, :]
-    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, V), V)[:, None]
-    keep = rank < k
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # top-p: keep the smallest prefix whose mass reaches top_p (the first
-    # token always stays).
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= (before < sb.top_p[:, None]) | (rank == 0)
-    keep &= probs >= sb.min_p[:, None] * probs[:, :1]
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
 
     def gumbel(seed, n):
         key = jax.random.fold_in(jax.random.fold_in(rng, seed), n)
         return jax.random.gumbel(key, (V,), jnp.float32)
 
-    g = jax.vmap(gumbel)(sb.seeds, num_output)
-    choice = jnp.argmax(masked + g, axis=-1)
-    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    g = jax.vmap(gumbel)(sb.seeds, num_output)  # [S, V], by token id
+
+    def filtered():
+        sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending [S, V]
+        rank = jnp.arange(V)[None, :]
+        k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, V), V)[:, None]
+        keep = rank < k
+        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+        # top-p: keep the smallest prefix whose mass reaches top_p (the first
+        # token always stays; top_p 1 keeps all, whatever the rounding).
+        before = jnp.cumsum(probs, axis=-1) - probs
+        top_p = sb.top_p[:, None]
+        keep &= (before < top_p) | (rank == 0) | (top_p >= 1)
+        keep &= probs >= sb.min_p[:, None] * probs[:, :1]
+        noise = jnp.take_along_axis(g, sorted_ids, axis=-1)
+        choice = jnp.argmax(jnp.where(keep, sorted_logits, -jnp.inf) + noise, axis=-1)
+        return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+
+    def plain():
+        return jnp.argmax(scaled + g, axis=-1)
+
+    needs_sort = jnp.any(((sb.top_k > 0) & (sb.top_k < V)) | (sb.top_p < 1) | (sb.min_p > 0))
+    return jax.lax.cond(needs_sort, filtered, plain).astype(jnp.int32)
