@@ -2,6 +2,7 @@
 while the others are served, never a crash; and the Python API shared by
 threads."""
 
+import dataclasses
 import threading
 
 import jax
@@ -47,6 +48,14 @@ def lone(model, prompt, params=GREEDY):
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(top_p=float("nan")), "top_p"), (dict(max_tokens="7"), "max_tokens"),
     (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop="\ud800"), "stop"),
+    (dict(n=0), "n"), (dict(n=9), "n"),  # the engine holds 8 sequences
+    (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={3: "big"}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
+    (dict(bad_words=[""]), "bad_words"), (dict(bad_words="no"), "bad_words"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(structured_outputs={"regex": 5}), "structured_outputs"),
+    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
 ])
 def test_bad_sampling_values_are_named_errors_beside_good_requests(model, params, field):
     eng = engine(model)
@@ -158,12 +167,13 @@ def test_two_threads_share_one_llm(tmp_path):
     assert jax.default_backend()  # the engine still works after both
 
 
-ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.integers(0, 5),
                 st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
-                st.lists(st.one_of(st.integers(-3, 200), st.text(max_size=3)), max_size=3))
-FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty",
-          "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed",
-          "logprobs", "ignore_eos", "min_tokens", "skip_special_tokens")
+                st.lists(st.one_of(st.integers(-3, 200), st.text(max_size=3)), max_size=3),
+                st.dictionaries(st.one_of(st.integers(-3, 200), st.text(max_size=3)),
+                                st.one_of(st.floats(-200, 200), st.text(max_size=2)),
+                                max_size=3))
+FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @pytest.fixture(scope="module")

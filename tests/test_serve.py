@@ -286,3 +286,33 @@ def test_queue_bound_answers_429_and_serves_the_rest(tiny):
         assert code == 200  # once the queue drained, requests are admitted again
     finally:
         srv.stop()
+
+
+def test_n_logit_bias_and_prompt_logprobs_over_http(server, client, oracle):
+    from jaxkv.core.requests import child_seed
+
+    kw = dict(max_tokens=8, temperature=1.0)
+    want = [_ref(oracle, PROMPTS[1], seed=child_seed(4, i), ignore_eos=True, **kw)
+            .outputs[0].text for i in range(3)]  # lone runs with each answer's seed
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], n=3, seed=4,
+                                  extra_body={"ignore_eos": True}, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == want
+    assert r.usage.completion_tokens == 24
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], n=3, seed=4,
+                                            stream=True, extra_body={"ignore_eos": True}, **kw))
+    for i in range(3):
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) == \
+            want[i]
+    tok = oracle.tokenizer.encode("sky", add_special_tokens=False)[0]
+    b = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  logit_bias={str(tok): 100}, extra_body={"ignore_eos": True})
+    assert b.choices[0].text.split() == ["sky"] * 4
+    code, body = post(server.port, "/v1/completions",
+                      {"prompt": PROMPTS[0], "max_tokens": 1, "prompt_logprobs": 2})
+    assert code == 200
+    plp = body["prompt_logprobs"]
+    ref = _ref(oracle, PROMPTS[0], max_tokens=1, prompt_logprobs=2)
+    assert plp[0] is None and len(plp) == len(ref.prompt_token_ids)
+    for e, w in zip(plp[1:], ref.prompt_logprobs[1:]):
+        assert e[str(w.token_id)]["logprob"] == pytest.approx(w.logprob, abs=1e-5)

@@ -4,7 +4,10 @@ same conversations."""
 
 from __future__ import annotations
 
+import json
 import threading
+
+import jsonschema
 
 import openai
 import pytest
@@ -15,6 +18,7 @@ from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.entrypoints.openai.server import build_app
 from tests.conftest import SMOLLM2_KV_BYTES
 from tests.serve_utils import ThreadServer
+from tests.test_structured_smollm2 import SCHEMA
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is a KV cache?"}],
@@ -56,5 +60,17 @@ def test_served_chat_equals_lone_offline_runs(smollm2):
             t.join(600)
         for i in range(2):
             assert got[i, False] == want[i] and got[i, True] == want[i], (i, got, want)
+        # Structured outputs through OpenAI's response_format and vLLM's guided_choice.
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct", temperature=1.0, seed=1, max_tokens=160,
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": SCHEMA}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct", temperature=1.0, seed=2, max_tokens=8, n=4,
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            extra_body={"guided_choice": ["yes", "no"]})
+        assert len(r.choices) == 4 and {c.message.content for c in r.choices} <= {"yes", "no"}
     finally:
         srv.stop()
