@@ -11,7 +11,7 @@ from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import copy_pages, create_cache
 from jaxkv.model.llama import Llama
 from jaxkv.worker.runner import COPY_WIDTH, Runner
-from jaxkv.worker.step_batch import Buckets
+from jaxkv.worker.buckets import Buckets
 
 CFG = ModelConfig(architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

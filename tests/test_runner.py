@@ -10,7 +10,8 @@ from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
 from jaxkv.model.llama import Llama
 from jaxkv.worker.runner import Runner
-from jaxkv.worker.step_batch import Buckets, ProgramKey, build_step_batch
+from jaxkv.worker.buckets import Buckets, ProgramKey
+from jaxkv.worker.step_batch import build_step_batch
 from jaxkv.worker.stop import StopRule
 from tests.compile_count import count_compiles
 

@@ -12,8 +12,8 @@ token or stop string), "length" (max_tokens or the model's context),
 A refused request never disturbs the others.
 
 One step path: the scheduler says what runs (and how many decode steps),
-`build_step_batch` packs it, the runner runs it, the output processor
-turns tokens into outputs.
+`jaxkv.worker.execute` packs and runs it, the output processor turns
+tokens into outputs.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from jaxkv.core.sequence import Sequence
 from jaxkv.core.structured import Grammars, TokenRules
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
-from jaxkv.model.memory import plan_num_pages
+from jaxkv.model.memory import max_model_len, plan_num_pages
 from jaxkv.worker.runner import Runner
 from jaxkv.worker.execute import execute, execute_scored
-from jaxkv.worker.step_batch import Buckets
+from jaxkv.worker.buckets import Buckets
 from jaxkv.worker.stop import StopRule
 
 log = logging.getLogger("jaxkv")
@@ -54,18 +54,9 @@ class LLMEngine:
         self.cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size,
                                         kv_dtype=kv_dtype)
         pool_tokens = (num_pages - 1) * config.page_size
-        # Pages that fall out of the attention window go back to the pool
-        # while the sequence runs, so a windowed sequence is not capped by
-        # the pool.
         self.attention = AttentionSpec.for_engine(self.model_config, config)
-        window, sinks = self.attention.sliding_window, self.attention.num_sink_tokens
-        max_pos = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or max_pos, max_pos)
-        if window is None:
-            self.max_model_len = min(self.max_model_len, pool_tokens)
-        elif window + sinks + 2 * config.page_size > pool_tokens:
-            raise ValueError(f"num_pages: the pool ({pool_tokens} tokens) cannot hold one "
-                             f"attention window of {window} tokens")
+        self.max_model_len = max_model_len(config, self.model_config, self.attention,
+                                           pool_tokens)
         self.bm = BlockManager(num_pages, config.page_size,
                                enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, max_num_seqs=config.max_num_seqs,
@@ -166,14 +157,9 @@ class LLMEngine:
 
     def _fork(self, parent: Sequence) -> None:
         """The parent computed all but its last prompt token: its n - 1
-        siblings share those pages (copy-on-write of the partial last one)
-        and each runs the last token with its own seed."""
+        siblings share those pages and each runs the last token itself."""
         parent.fork_pending = False
-        for i in range(1, parent.params.n):
-            c = self._child(parent, i)
-            self.bm.fork(parent.request_id, c.request_id)
-            c.num_cached_tokens = parent.num_cached_tokens
-            self.scheduler.add_running(c)
+        self.scheduler.fork(parent, [self._child(parent, i) for i in range(1, parent.params.n)])
 
     def check_request(self, prompt, params: SamplingParams,
                       cache_salt: str | None = None) -> tuple[str | None, list[int]]:

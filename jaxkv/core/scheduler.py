@@ -82,10 +82,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one (its pages already held)."""
-        seq.status = Status.RUNNING
-        self.running.append(seq)
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Run `children` beside their running parent, sharing its pages
+        (copy-on-write of the partial last page when they grow)."""
+        for c in children:
+            self.bm.fork(parent.request_id, c.request_id)
+            c.num_cached_tokens = parent.num_cached_tokens
+            c.status = Status.RUNNING
+            self.running.append(c)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its pages."""

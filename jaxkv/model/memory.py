@@ -239,3 +239,19 @@ def plan_num_pages(config, model_config, kv_dtype: str) -> int:
     if pages < 2:
         raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
     return int(pages)
+
+
+def max_model_len(config, model_config, attention, pool_tokens: int) -> int:
+    """The longest sequence an engine takes: EngineConfig.max_model_len
+    capped by the model's positions, and by the pool unless a sliding
+    window releases pages as the sequence runs (then the pool must hold one
+    window)."""
+    max_pos = model_config.max_position_embeddings
+    n = min(config.max_model_len or max_pos, max_pos)
+    window, sinks = attention.sliding_window, attention.num_sink_tokens
+    if window is None:
+        return min(n, pool_tokens)
+    if window + sinks + 2 * config.page_size > pool_tokens:
+        raise ValueError(f"num_pages: the pool ({pool_tokens} tokens) cannot hold one "
+                         f"attention window of {window} tokens")
+    return n

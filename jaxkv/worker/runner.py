@@ -30,8 +30,8 @@ from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache, copy_pages
 from jaxkv.worker.sampler import sample_with_rules
 from jaxkv.worker.step import ScoreOutput, StepOutput, score_step, step
-from jaxkv.worker.step_batch import (Buckets, PenaltyBatch, ProgramKey, RulesBatch, StepBatch,
-                                     empty, empty_rules)
+from jaxkv.worker.buckets import Buckets, ProgramKey
+from jaxkv.worker.step_batch import PenaltyBatch, RulesBatch, StepBatch, empty, empty_rules
 
 # Copy-on-write pairs per page-copy call (padded with trash-to-trash pairs).
 COPY_WIDTH = 64

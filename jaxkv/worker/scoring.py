@@ -19,7 +19,8 @@ import numpy as np
 
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache, create_cache
-from jaxkv.worker.step_batch import ProgramKey, StepBatch, empty
+from jaxkv.worker.buckets import ProgramKey
+from jaxkv.worker.step_batch import StepBatch, empty
 
 
 def scoring_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], page_size: int,
