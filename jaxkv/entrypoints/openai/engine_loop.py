@@ -96,6 +96,13 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    async def call(self, fn):
+        """fn(engine), run by the engine thread between two steps."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put(("call", fn, loop, fut))
+        return await fut
+
     def begin_shutdown(self, timeout: float) -> None:
         """Refuse new requests; abort whatever still runs after `timeout` s."""
         self.accepting = False
@@ -164,6 +171,14 @@ class EngineLoop:
             self.engine.abort(cmd[1])
         elif cmd[0] == "deadline":
             self._deadline = cmd[1]
+        elif cmd[0] == "call":
+            _, fn, loop, fut = cmd
+            try:
+                res, err = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - the caller's error
+                res, err = None, e
+            loop.call_soon_threadsafe(
+                lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res)))
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         now = time.perf_counter()

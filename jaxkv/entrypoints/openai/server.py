@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions (stream: server-sent events)
     GET  /v1/models, /health, /metrics (Prometheus text)
+    GET  / (the KV cache, live: a chat box and the page pool), /v1/kv_map
     POST /tokenize, /detokenize
 
 One engine thread owns the LLMEngine (`engine_loop.EngineLoop`); handlers
@@ -19,9 +20,9 @@ import logging
 import signal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from jaxkv.entrypoints.openai import generate
+from jaxkv.entrypoints.openai import generate, kv_map
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
 from jaxkv.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jaxkv.entrypoints.openai.protocol import APIError, chat_messages
@@ -79,6 +80,14 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
             {"id": name, "object": "model", "created": ctx.created, "owned_by": "jaxkv",
              "root": name, "max_model_len": engine.max_model_len}
             for name in served_model_names]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def kv_page():
+        return kv_map.PAGE
+
+    @app.get("/v1/kv_map")
+    async def kv_map_json():
+        return await loop.call(kv_map.snapshot)
 
     @app.get("/health")
     async def health():

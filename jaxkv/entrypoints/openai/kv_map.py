@@ -1,0 +1,123 @@
+"""The live page of the KV cache: `GET /` (a chat box beside the page pool
+drawn as a grid) and `GET /v1/kv_map` (the pool's state as JSON, read by the
+engine thread between two steps).
+
+Each page is one code in `pages`: -1 the trash page (page 0), -2 free, -3
+cached but held by nobody (a prefix-cache page, evicted least recently used
+first), -4 held by several requests (a shared prefix, or the pages of n
+answers), k >= 0 held by request k of `requests` alone. `released` counts
+block-table entries given back by a sliding window.
+"""
+
+from __future__ import annotations
+
+from jaxkv.core.page_pool import TRASH_PAGE
+
+TRASH, FREE, CACHED, SHARED = -1, -2, -3, -4
+
+
+def snapshot(engine, names: dict | None = None) -> dict:
+    """The pool's state now (engine thread only). `names` maps request ids
+    to what the page shows for them."""
+    bm, sched = engine.bm, engine.scheduler
+    pages = [FREE] * bm.num_pages
+    pages[TRASH_PAGE] = TRASH
+    for p in bm.evictable_pages():
+        pages[p] = CACHED
+    requests, released = [], 0
+    for seq in list(sched.running):
+        rid = seq.request_id
+        if rid not in bm:
+            continue
+        k = len(requests)
+        table = bm.block_table(rid)
+        for p in table:
+            if p == TRASH_PAGE:
+                released += 1
+                continue
+            pages[p] = SHARED if bm.refcount(p) > 1 else k
+        parent = seq.parent.request_id
+        label = (names or {}).get(parent, str(parent)[-8:])
+        if seq.index:
+            label += f" #{seq.index}"
+        requests.append({"id": label, "pages": sum(1 for p in table if p != TRASH_PAGE),
+                         "tokens": seq.num_tokens, "computed": bm.num_computed_tokens(rid)})
+    return {"num_pages": bm.num_pages, "page_size": bm.page_size, "pages": pages,
+            "requests": requests, "waiting": len(sched.waiting), "released": released,
+            "free": pages.count(FREE), "cached": pages.count(CACHED),
+            "shared": pages.count(SHARED)}
+
+
+PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>jaxkv: the KV cache, live</title>
+<style>
+ body { font: 14px system-ui, sans-serif; margin: 16px; display: flex; gap: 24px; }
+ #chat { width: 360px; flex: none; }
+ #chat textarea { width: 100%; height: 70px; }
+ #answer { white-space: pre-wrap; border: 1px solid #ccc; min-height: 160px; padding: 6px; }
+ #grid { display: grid; grid-template-columns: repeat(auto-fill, 9px); gap: 1px;
+         max-width: 900px; }
+ #grid div { width: 9px; height: 9px; }
+ .free { background: #e8e8e8; } .cached { background: #9cc9f0; } .trash { background: #222; }
+ .shared { background: repeating-linear-gradient(45deg, #c2185b 0 2px, #f8bbd0 2px 4px); }
+ .legend span { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 10px; }
+ #requests li { list-style: none; }
+</style></head>
+<body>
+<div id="chat">
+ <h3>Chat</h3>
+ <textarea id="prompt">What is a KV cache?</textarea>
+ <button id="send">Send</button>
+ <div id="answer"></div>
+</div>
+<div>
+ <h3>Page pool <small id="summary"></small></h3>
+ <div class="legend"><span class="free"></span>free<span class="cached"></span>cached, unheld
+  <span class="shared"></span>shared<span class="trash"></span>trash page</div>
+ <ul id="requests"></ul>
+ <div id="grid"></div>
+</div>
+<script>
+const color = k => `hsl(${(k * 137) % 360}, 65%, 50%)`;
+const cls = {"-1": "trash", "-2": "free", "-3": "cached", "-4": "shared"};
+async function refresh() {
+  try {
+    const m = await (await fetch("/v1/kv_map")).json();
+    const grid = document.getElementById("grid");
+    while (grid.children.length < m.pages.length) grid.appendChild(document.createElement("div"));
+    m.pages.forEach((code, p) => {
+      const d = grid.children[p];
+      if (code >= 0) { d.className = "req"; d.dataset.req = code; d.style.background = color(code); }
+      else { d.className = cls[code]; d.removeAttribute("data-req"); d.style.background = ""; }
+    });
+    document.getElementById("summary").textContent =
+      `${m.num_pages} pages x ${m.page_size} tokens: ${m.free} free, ${m.cached} cached, ` +
+      `${m.shared} shared, ${m.requests.length} running, ${m.waiting} waiting`;
+    document.getElementById("requests").innerHTML = m.requests.map((r, k) =>
+      `<li class="request" data-id="${r.id}"><span style="display:inline-block;width:10px;` +
+      `height:10px;background:${color(k)}"></span> ${r.id}: ${r.pages} pages, ` +
+      `${r.tokens} tokens</li>`).join("");
+  } catch (e) { /* the server may be restarting */ }
+}
+setInterval(refresh, 500); refresh();
+document.getElementById("send").onclick = async () => {
+  const out = document.getElementById("answer"); out.textContent = "";
+  const resp = await fetch("/v1/chat/completions", {method: "POST",
+    headers: {"Content-Type": "application/json"},
+    body: JSON.stringify({messages: [{role: "user",
+      content: document.getElementById("prompt").value}], stream: true, max_tokens: 256})});
+  const reader = resp.body.getReader(); const dec = new TextDecoder(); let buf = "";
+  for (;;) {
+    const {value, done} = await reader.read(); if (done) break;
+    buf += dec.decode(value, {stream: true});
+    const events = buf.split("\\n\\n"); buf = events.pop();
+    for (const ev of events) {
+      const data = ev.replace(/^data: /, "");
+      if (data === "[DONE]") return;
+      const c = JSON.parse(data).choices;
+      if (c && c.length && c[0].delta.content) out.textContent += c[0].delta.content;
+    }
+  }
+};
+</script></body></html>
+"""
