@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
 import time
 
 import pytest
@@ -79,4 +78,3 @@ def test_kv_page_draws_the_running_requests(tmp_path):
             s.close()
         srv.stop()
         del eng.runner.step
-        threading.Event().wait(0)

@@ -218,17 +218,16 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         self.runner.copy_pages(sched.copies)
         V = self.model_config.vocab_size
-        plain = [sc for sc in sched.scheduled if not sc.seq.scores_prompt(sc.start)]
+        scored = [sc for sc in sched.scheduled if sc.seq.scores_prompt(sc.start)]
+        plain = [sc for sc in sched.scheduled if id(sc) not in {id(x) for x in scored}]
         touched: dict[int, Sequence] = {}
         if plain:
             res, stuck = execute(self.runner, plain, sched.num_steps, V)
             self._accept(plain, res, stuck, touched)
-        for sc in sched.scheduled:  # prompt chunks with prompt log-probabilities
-            if sc.seq.scores_prompt(sc.start):
-                tgt, top_ids, top_lps, res, stuck = execute_scored(self.runner, sc, V)
-                self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_tokens, tgt, top_ids,
-                                             top_lps)
-                self._accept([sc], res, stuck, touched)
+        for sc in scored:  # prompt chunks with prompt log-probabilities
+            tgt, top_ids, top_lps, res, stuck = execute_scored(self.runner, sc, V)
+            self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_tokens, tgt, top_ids, top_lps)
+            self._accept([sc], res, stuck, touched)
         self.stats["steps"] += 1
         return [self._output(p) for p in touched.values()]
 

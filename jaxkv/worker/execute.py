@@ -30,8 +30,8 @@ def execute_scored(runner: Runner, sc: Any, vocab_size: int):
     """Rows [sc.start, sc.start + sc.num_tokens) of one sequence; row r's
     target is the token after it (0 past the known tokens)."""
     batch, key = build_step_batch([sc], 1, runner.page_size, runner.buckets)
-    penalties = build_penalty_batch([sc], key.seqs, runner.buckets)
-    rules, stuck = build_rules_batch([sc], key.seqs, vocab_size)
+    penalties = build_penalty_batch([sc], 1, runner.buckets)  # only its last row samples
+    rules, stuck = build_rules_batch([sc], 1, vocab_size)
     toks = sc.seq.all_token_ids
     nxt = toks[sc.start + 1:sc.start + sc.num_tokens + 1]
     targets = np.zeros(key.tokens, np.int32)

@@ -170,14 +170,7 @@ class Runner:
         out: StepOutput
         fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
         if rules is not None or penalties is not None:
-            N = penalties.history.shape[1] if penalties is not None else 0
-            if rules is None:
-                rules = self._no_rules(key.seqs)
-            redo = self._program(("rules", key.seqs, N))(
-                out.logits, batch.sampling, penalties, rules, self.rng, batch.num_output)
-            fields = tuple(np.asarray(x)[None] for x in
-                           (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
-                           ) + (out.finite,)
+            fields = self._resample(out, batch.sampling, batch.num_output, penalties, rules)
         n = int(out.steps)
         res = StepResult(*(np.asarray(x)[:n, :num_seqs] for x in fields))
         self.stats["calls"] += 1
@@ -187,7 +180,8 @@ class Runner:
     def score(self, batch: StepBatch, key: ProgramKey, targets: np.ndarray,
               penalties: PenaltyBatch | None = None, rules: RulesBatch | None = None):
         """Run one sequence's prompt chunk (`batch` as build_step_batch made
-        it for that sequence alone) with logits at every row: returns
+        it for that sequence alone; `penalties` / `rules` of one row) with
+        logits at every row: returns
         (target_logprobs [T], top_ids [T, N], top_logprobs [T, N], StepResult
         of the last row's sample) as numpy. Compiled on first use (not part
         of warm-up)."""
@@ -198,21 +192,26 @@ class Runner:
         out: ScoreOutput
         st = out.step
         fields = (st.tokens, st.logprobs, st.top_ids, st.top_logprobs, st.finite)
-        if rules is not None or penalties is not None:
+        if rules is not None or penalties is not None:  # one row: the sequence's
             sb = jax.tree_util.tree_map(lambda x: x[:1], batch.sampling)
-            N = penalties.history.shape[1] if penalties is not None else 0
-            pen = jax.tree_util.tree_map(lambda x: x[:1], penalties) if penalties else None
-            rb = (jax.tree_util.tree_map(lambda x: x[:1], rules) if rules is not None
-                  else self._no_rules(1))
-            redo = self._program(("rules", 1, N))(st.logits, sb, pen, rb, self.rng,
-                                                  batch.num_output[:1])
-            fields = tuple(np.asarray(x)[None] for x in
-                           (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
-                           ) + (st.finite,)
+            fields = self._resample(st, sb, batch.num_output[:1], penalties, rules)
         res = StepResult(*(np.asarray(x) for x in fields))
         self.stats["calls"] += 1
         return (np.asarray(out.target_logprobs), np.asarray(out.top_ids),
                 np.asarray(out.top_logprobs), res)
+
+    def _resample(self, out: StepOutput, sampling, num_output, penalties, rules) -> tuple:
+        """Draw each sequence's token again from `out`'s last logits with the
+        token rules (all allowed when None) and penalties applied; the
+        fields of a one-step StepResult."""
+        S = out.logits.shape[0]
+        N = penalties.history.shape[1] if penalties is not None else 0
+        redo = self._program(("rules", S, N))(
+            out.logits, sampling, penalties, rules if rules is not None else self._no_rules(S),
+            self.rng, num_output)
+        return tuple(np.asarray(x)[None] for x in
+                     (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
+                     ) + (out.finite,)
 
     def _no_rules(self, num_seqs: int) -> RulesBatch:
         """All tokens allowed, no bias (steps with penalties only), kept on

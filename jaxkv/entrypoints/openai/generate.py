@@ -26,7 +26,6 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class Context:
     engine: object
     loop: object  # EngineLoop
-    metrics: object
     fmt: object  # Formatter
     served: list[str]
     created: int = dataclasses.field(default_factory=now)

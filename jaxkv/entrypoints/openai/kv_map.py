@@ -16,9 +16,8 @@ from jaxkv.core.page_pool import TRASH_PAGE
 TRASH, FREE, CACHED, SHARED = -1, -2, -3, -4
 
 
-def snapshot(engine, names: dict | None = None) -> dict:
-    """The pool's state now (engine thread only). `names` maps request ids
-    to what the page shows for them."""
+def snapshot(engine) -> dict:
+    """The pool's state now (engine thread only)."""
     bm, sched = engine.bm, engine.scheduler
     pages = [FREE] * bm.num_pages
     pages[TRASH_PAGE] = TRASH
@@ -37,7 +36,7 @@ def snapshot(engine, names: dict | None = None) -> dict:
                 continue
             pages[p] = SHARED if bm.refcount(p) > 1 else k
         parent = seq.parent.request_id
-        label = (names or {}).get(parent, str(parent)[-8:])
+        label = str(parent)[-8:]
         if seq.index:
             label += f" #{seq.index}"
         requests.append({"id": label, "pages": sum(1 for p in table if p != TRASH_PAGE),

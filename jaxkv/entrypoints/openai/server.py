@@ -45,8 +45,7 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     and stops with the app's lifespan."""
     metrics = ServerMetrics(served_model_names[0])
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
-    ctx = generate.Context(engine, loop, metrics, Formatter(engine.tokenizer,
-                                                            served_model_names[0]),
+    ctx = generate.Context(engine, loop, Formatter(engine.tokenizer, served_model_names[0]),
                            list(served_model_names))
 
     @contextlib.asynccontextmanager
