@@ -178,9 +178,20 @@ class EngineConfig:
     warmup: bool = _opt(True, "compile every step program at engine start (else each "
                               "compiles on first use)")
     seed: int = _opt(0, "base seed of the engine's sampler")
+    tensor_parallel_size: int = _opt(
+        1, "devices the model is split over (tensor parallel over the mesh's 'model' axis; "
+           "with several processes, every device of the job)")
+    num_processes: int | None = _opt(
+        None, "processes (hosts) of a multi-process job, joined through jax.distributed "
+              "(default: $JAXKV_NUM_PROCESSES, else one)")
+    process_id: int | None = _opt(None, "this process's index in the job, 0 takes the "
+                                        "requests (default: $JAXKV_PROCESS_ID)")
+    coordinator_address: str | None = _opt(
+        None, "host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS)")
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_decode_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_decode_steps",
+                     "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
@@ -190,7 +201,7 @@ class EngineConfig:
             if choices and v is not None and v not in choices:
                 raise ValueError(f"{f.name}: must be one of {choices}"
                                  f"{' or None' if f.default is None else ''}, got {v!r}")
-        for name in ("num_pages", "kv_cache_memory", "max_model_len"):
+        for name in ("num_pages", "kv_cache_memory", "max_model_len", "num_processes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name}: must be a positive integer or None, got {v!r}")
@@ -198,5 +209,10 @@ class EngineConfig:
             raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {self.num_pages}")
         if self.streaming_window <= 0 or self.num_sink_tokens < 0:
             raise ValueError("streaming_window must be positive and num_sink_tokens >= 0")
+        if self.process_id is not None and (not isinstance(self.process_id, int)
+                                            or isinstance(self.process_id, bool)
+                                            or self.process_id < 0):
+            raise ValueError(f"process_id: must be a non-negative integer or None, "
+                             f"got {self.process_id!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -32,7 +32,7 @@ def test_step_updates_cache_in_place():
     runner = Runner(Llama.random_init(CFG), create_cache(CFG, CacheConfig(num_pages=2048, page_size=16)),
                     Buckets.make(8, 64, 32, 512), AttentionSpec())
     batch, key = build_step_batch([scheduled([1, 2, 3], 0, [1])], 1, 16, runner.buckets)
-    compiled = runner._lower(key).compile()
+    compiled = runner.lower(key).compile()
     ma = compiled.memory_analysis()
     cache_bytes = runner.cache.nbytes()
     assert cache_bytes >= 24 * 2**20

@@ -36,6 +36,8 @@ from jaxkv.core.structured import Grammars, TokenRules
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
 from jaxkv.model.memory import max_model_len, plan_num_pages
+from jaxkv.sharding import per_device_bytes
+from jaxkv.worker.distributed import init_distributed, scale_out
 from jaxkv.worker.runner import Runner
 from jaxkv.worker.execute import execute, execute_scored
 from jaxkv.worker.buckets import Buckets
@@ -47,14 +49,17 @@ log = logging.getLogger("jaxkv")
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
+        model, self.sharding, channel = scale_out(model, config)
+        self.model_config: ModelConfig = model.config  # KV heads as stored (replicated)
         kv_dtype = config.kv_dtype or config.dtype
-        num_pages = plan_num_pages(config, self.model_config, kv_dtype)
+        num_pages = plan_num_pages(config, self.model_config, kv_dtype,
+                                   config.tensor_parallel_size)
         self.cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size,
                                         kv_dtype=kv_dtype)
         pool_tokens = (num_pages - 1) * config.page_size
-        self.attention = AttentionSpec.for_engine(self.model_config, config)
+        self.attention = AttentionSpec.for_engine(self.model_config, config,
+                                                  self.sharding and self.sharding.mesh)
         self.max_model_len = max_model_len(config, self.model_config, self.attention,
                                            pool_tokens)
         self.bm = BlockManager(num_pages, config.page_size,
@@ -65,31 +70,30 @@ class LLMEngine:
                                    max_num_steps=config.num_decode_steps)
         buckets = Buckets.make(config.max_num_seqs, config.max_num_batched_tokens,
                                -(-self.max_model_len // config.page_size), self.max_model_len)
-        self.runner = Runner(model, create_cache(self.model_config, self.cache_config), buckets,
-                             self.attention, max_decode_steps=config.num_decode_steps,
-                             num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed)
+        cache = create_cache(self.model_config, self.cache_config,
+                             self.sharding.cache_sharding() if self.sharding else None)
+        self.runner = Runner(model, cache, buckets, self.attention,
+                             max_decode_steps=config.num_decode_steps,
+                             num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed,
+                             plan=self.sharding, channel=channel)
         self.outputs = OutputProcessor(tokenizer)
-        self.grammars = Grammars(tokenizer, self.model_config.vocab_size,
-                                 self.model_config.eos_token_ids)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, model.config.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._errors: list[Sequence] = []
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        # steps: engine steps run; decode_steps: model calls (a multi-step
-        # decode call counts each); partial_prefills: prompt chunks that
-        # stopped short of the prompt's end (chunked prefill).
+        # decode_steps: model calls; partial_prefills: chunks short of the prompt's end.
         self.stats = dict(steps=0, decode_steps=0, prompt_tokens_computed=0, generated_tokens=0,
                           partial_prefills=0)
-        log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB); "
-                 "max_model_len %d; up to %d sequences at full length", num_pages,
-                 config.page_size, pool_tokens, kv_dtype,
-                 self.runner.cache.nbytes() / 2**20, self.max_model_len,
+        log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
+                 "on %d); max_model_len %d; up to %d sequences at full length", num_pages,
+                 config.page_size, pool_tokens, kv_dtype, per_device_bytes(self.runner.cache)
+                 / 2**20, config.tensor_parallel_size, self.max_model_len,
                  max(1, pool_tokens // self.max_model_len))
         self.warmup_report = None
         if config.warmup:
             self.warmup_report = self.runner.warm_up()
-            log.info("jaxkv: warm-up compiled %d programs in %.1f s",
-                     self.warmup_report["programs"], self.warmup_report["seconds"])
+            log.info("jaxkv: warm-up compiled %(programs)d programs in %(seconds).1fs", self.warmup_report)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m-instruct", **config: Any) -> "LLMEngine":
@@ -97,8 +101,22 @@ class LLMEngine:
         from checkpoints.loader import load_model
 
         cfg = EngineConfig(**config)
+        init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
         module, tokenizer = load_model(model, dtype=cfg.dtype, quantize=cfg.quantize)
         return cls(module, tokenizer, cfg)
+
+    def follow(self) -> bool:
+        """Processes 1..n-1 of a job: run the steps process 0 sends until it
+        stops (its `shutdown` or exit), then True; False at once on process 0."""
+        ch = self.runner.channel
+        if ch is None or ch.leader:
+            return False
+        self.runner.follow()
+        return True
+
+    def shutdown(self) -> None:
+        """Process 0 of several: release the followers (also done at exit)."""
+        self.runner.stop_followers()
 
     # ------------------------------------------------------------ requests
 
@@ -299,3 +317,4 @@ class LLMEngine:
             if wanted is not None and wanted <= final.keys():
                 break
         return final
+

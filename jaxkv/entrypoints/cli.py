@@ -8,7 +8,10 @@
     jaxkv estimate [--model M] [--context N] [--memory 24GB]
 
 Engine and sampling options are the fields of `EngineConfig` and
-`SamplingParams` (`jaxkv.entrypoints.cli_options`).
+`SamplingParams` (`jaxkv.entrypoints.cli_options`). Several processes: run
+the same command on each with --num-processes N --process-id I
+--coordinator-address HOST:PORT --tensor-parallel-size (all devices);
+process 0 answers, the others run its steps and exit with it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ def _make_engine(a):
     from jaxkv.config import EngineConfig
     from jaxkv.core.engine import LLMEngine
 
-    return LLMEngine.from_pretrained(a.model, **values(a, EngineConfig, prefix=ENGINE))
+    engine = LLMEngine.from_pretrained(a.model, **values(a, EngineConfig, prefix=ENGINE))
+    if engine.follow():  # process 1..n-1 of a multi-process job: it ran process 0's steps
+        raise SystemExit(0)
+    return engine
 
 
 def _params(a):

@@ -33,6 +33,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
 
+    def follow(self) -> bool:
+        """Processes 1..n-1 of a multi-process job (`num_processes`,
+        `process_id`, `coordinator_address`): run the steps process 0's
+        LLM sends until it shuts down or exits, then True. False at once
+        on process 0, which takes the requests."""
+        return self.engine.follow()
+
+    def shutdown(self) -> None:
+        """Process 0 of several: release the followers (done at exit too)."""
+        self.engine.shutdown()
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """One output per prompt, in order. Prompts: a string, a list of

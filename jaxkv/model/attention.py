@@ -1,14 +1,18 @@
 """How the model calls attention: the engine's attention choice, decided once
-(`AttentionSpec.for_engine`), and the call of `pallas_kernels`' ragged paged
-attention on one layer of the cache with a step's metadata."""
+(`AttentionSpec.for_engine`), and one layer's cache write and call of
+`pallas_kernels`' ragged paged attention with a step's metadata; under a
+mesh both run per shard (`shard_map` over "model") on that shard's heads,
+so the cache is never gathered."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 from jaxkv.config import EngineConfig, ModelConfig
-from jaxkv.model.kv_cache import KVCache
+from jaxkv.model.kv_cache import KVCache, layer_arrays, replace_layer, write_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,34 +20,65 @@ class AttentionSpec:
     """backend: "auto" | "reference" | "pallas" (see `pallas_kernels`).
     sliding_window: keys a query sees (None: all before it). num_sink_tokens:
     first tokens every query sees beside its window (streaming eviction).
-    The engine frees pages behind the window with the same two numbers."""
+    The engine frees pages behind the window with the same two numbers.
+    mesh: the tensor-parallel mesh (None on one device): attention runs
+    under shard_map over its "model" axis. platform: the platform the
+    kernel is built for (None: jax's default backend; "tpu" / "gpu"
+    to compile a Pallas kernel ahead of time without that device)."""
 
     backend: str = "auto"
     sliding_window: int | None = None
     num_sink_tokens: int = 0
+    mesh: Any = None
+    platform: str | None = None
 
     @classmethod
-    def for_engine(cls, model: ModelConfig, engine: EngineConfig) -> "AttentionSpec":
+    def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> "AttentionSpec":
         """The one place the window is decided: the model's own (Mistral's
         `sliding_window`), or streaming eviction's recent window beside a
         few sink tokens."""
         if engine.kv_eviction == "streaming":
-            return cls(engine.attention_backend, engine.streaming_window, engine.num_sink_tokens)
-        return cls(engine.attention_backend, model.sliding_window, 0)
+            return cls(engine.attention_backend, engine.streaming_window, engine.num_sink_tokens,
+                       mesh)
+        return cls(engine.attention_backend, model.sliding_window, 0, mesh)
 
 
-def paged_attention(q, cache: KVCache, layer: int, batch, spec: AttentionSpec, *,
-                    all_decode: bool | None = None, soft_cap: float | None = None):
-    """q [T, H, D] against layer `layer` of the paged cache -> [T, H, D].
-    `batch` carries kv_lens [S], block_tables [S, W], cu_q_lens [S + 1] and
-    num_seqs []; `all_decode` is the kernel's static hint (see there)."""
+def attend(q, k, v, cache: KVCache, layer: int, batch, spec: AttentionSpec, *,
+           all_decode: bool | None = None, soft_cap: float | None = None):
+    """Write this step's k, v [T, KVH, D] into layer `layer` of the cache at
+    batch.slot_mapping, then attend q [T, H, D] to it -> (o [T, H, D], cache).
+    `batch` carries slot_mapping [T], kv_lens [S], block_tables [S, W],
+    cu_q_lens [S + 1] and num_seqs []; `all_decode` is the kernel's static
+    hint (see there). Under `spec.mesh` each shard writes and reads its own
+    KV heads (q's heads and the cache's split alike over "model")."""
+    meta = (batch.slot_mapping, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
+            batch.num_seqs)
+    arrays = layer_arrays(cache, layer)
+    fn = functools.partial(_write_and_attend, spec=spec, all_decode=all_decode,
+                           soft_cap=soft_cap)
+    if spec.mesh is not None:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        heads, rep = P(None, "model"), P()
+        pages = tuple(None if a is None else P("model") for a in arrays)
+        fn = jax.shard_map(fn, mesh=spec.mesh, in_specs=(heads, heads, heads, pages, rep),
+                           out_specs=(heads, pages), check_vma=False)
+    o, arrays = fn(q, k, v, arrays, meta)
+    return o, replace_layer(cache, layer, *arrays)
+
+
+def _write_and_attend(q, k, v, arrays, meta, *, spec, all_decode, soft_cap):
     from pallas_kernels import ragged_paged_attention
 
+    slots, kv_lens, block_tables, cu_q_lens, num_seqs = meta
+    kp, vp, ks, vs = write_pages(*arrays, k, v, slots)
     kw = {"num_sink_tokens": spec.num_sink_tokens} if spec.num_sink_tokens else {}
-    if cache.quantized:
-        kw.update(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
-    return ragged_paged_attention(
-        q, cache.k[layer], cache.v[layer], batch.kv_lens, batch.block_tables,
-        batch.cu_q_lens, batch.num_seqs, sm_scale=1.0 / math.sqrt(q.shape[-1]),
-        sliding_window=spec.sliding_window, soft_cap=soft_cap, backend=spec.backend,
-        all_decode=all_decode, **kw)
+    if ks is not None:
+        kw.update(k_scale=ks, v_scale=vs)
+    o = ragged_paged_attention(
+        q, kp, vp, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=1.0 / math.sqrt(q.shape[-1]), sliding_window=spec.sliding_window,
+        soft_cap=soft_cap, backend=spec.backend, all_decode=all_decode,
+        platform=spec.platform, **kw)
+    return o, (kp, vp, ks, vs)

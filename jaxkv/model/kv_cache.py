@@ -70,13 +70,16 @@ def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
 
 
 def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCache:
-    """A zeroed cache; `sharding` (optional) is applied to every leaf."""
+    """A zeroed cache; `sharding` (optional) is every leaf's (made by one
+    jitted call, so each device, of any process, zeroes only its shards)."""
     shapes = cache_shapes(model, cache)
 
-    def zeros(s):
-        return jnp.zeros(s.shape, s.dtype, device=sharding)
+    def zeros():
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-    return jax.tree_util.tree_map(zeros, shapes)
+    if sharding is None:
+        return zeros()
+    return jax.jit(zeros, out_shardings=sharding)()
 
 
 def quantize_vectors(x):
@@ -89,28 +92,46 @@ def quantize_vectors(x):
     return q, scale
 
 
-def write_layer(cache: KVCache, layer: int, new_k, new_v, slot_mapping) -> KVCache:
-    """Scatter this step's keys/values new_k, new_v [T, KVH, D] into `layer`
-    at slot_mapping [T] (padding rows point into the trash page)."""
-    k, v = cache.k[layer], cache.v[layer]
-    KVH, P, ps, D = k.shape
+def write_pages(k, v, k_scale, v_scale, new_k, new_v, slot_mapping):
+    """One layer's scatter: this step's keys/values new_k, new_v [T, KVH, D]
+    into k, v [KVH, P, page_size, D] (and the int8 scales [KVH, P,
+    page_size], None unless quantized) at slot_mapping [T] (padding rows
+    point into the trash page). Returns the four updated arrays."""
+    ps = k.shape[2]
     page, off = slot_mapping // ps, slot_mapping % ps
     nk = jnp.swapaxes(new_k, 0, 1)  # [KVH, T, D]
     nv = jnp.swapaxes(new_v, 0, 1)
-    ks = vs = None
-    if cache.quantized:
+    if k_scale is not None:
         nk, sk = quantize_vectors(nk)
         nv, sv = quantize_vectors(nv)
-        ks = cache.k_scale[layer].at[:, page, off].set(sk)
-        vs = cache.v_scale[layer].at[:, page, off].set(sv)
+        k_scale = k_scale.at[:, page, off].set(sk)
+        v_scale = v_scale.at[:, page, off].set(sv)
     k = k.at[:, page, off].set(nk.astype(k.dtype))
     v = v.at[:, page, off].set(nv.astype(v.dtype))
+    return k, v, k_scale, v_scale
 
+
+def layer_arrays(cache: KVCache, layer: int) -> tuple:
+    """(k, v, k_scale, v_scale) of one layer; the scales None unless int8."""
+    q = cache.quantized
+    return (cache.k[layer], cache.v[layer], cache.k_scale[layer] if q else None,
+            cache.v_scale[layer] if q else None)
+
+
+def replace_layer(cache: KVCache, layer: int, k, v, k_scale=None, v_scale=None) -> KVCache:
+    """`cache` with one layer's arrays replaced."""
     def put(t, x):
         return None if t is None else t[:layer] + (x,) + t[layer + 1:]
 
     return KVCache(k=put(cache.k, k), v=put(cache.v, v),
-                   k_scale=put(cache.k_scale, ks), v_scale=put(cache.v_scale, vs))
+                   k_scale=put(cache.k_scale, k_scale), v_scale=put(cache.v_scale, v_scale))
+
+
+def write_layer(cache: KVCache, layer: int, new_k, new_v, slot_mapping) -> KVCache:
+    """Scatter this step's keys/values new_k, new_v [T, KVH, D] into `layer`
+    at slot_mapping [T] (padding rows point into the trash page)."""
+    return replace_layer(cache, layer, *write_pages(*layer_arrays(cache, layer), new_k, new_v,
+                                                    slot_mapping))
 
 
 def copy_pages(cache: KVCache, src, dst) -> KVCache:

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.config import ModelConfig
-from jaxkv.model.attention import AttentionSpec, paged_attention
-from jaxkv.model.kv_cache import KVCache, write_layer
+from jaxkv.model.attention import AttentionSpec, attend
+from jaxkv.model.kv_cache import KVCache
 from jaxkv.model.layers import apply_rope, rms_norm, rope_frequencies
 from jaxkv.model.params import check_params
 from jaxkv.model.quant import Dense, rotate_blocks
@@ -74,6 +74,9 @@ class Llama(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Dense(init("lm_head", (E, V)), quantize)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_frequencies(config)))
+        # Tensor-parallel shards the fused wqkv / w_gate_up columns are
+        # grouped by (`jaxkv.sharding.shard_model`); 1 unsharded.
+        self.num_shards = 1
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
@@ -110,7 +113,11 @@ class Llama(nnx.Module):
         or nothing (None: decided at run time)."""
         cfg = self.config
         H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-        x = self.embed[...][batch.token_ids]  # [T, E]
+        G = self.num_shards  # columns come in G groups, one per shard
+        Hl, Kl = H // G, K // G
+        mesh = attention.mesh
+        x = _constrain(self.embed[...][batch.token_ids], mesh)  # [T, E], whole rows everywhere
+        T = x.shape[0]
         inv_freq = self.inv_freq[...]
         # int8 cache: each head's q, k and v are rotated by normalized
         # Walsh-Hadamard blocks (the largest power of two dividing D: all of
@@ -121,26 +128,26 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], cfg.rms_norm_eps)
             a = layer.attn
-            qkv = a.wqkv(h)  # [T, (H + 2 KVH) D]
+            qkv = a.wqkv(h)  # [T, G (Hl + 2 Kl) D]
             if a.bias:
                 qkv = qkv + a.bqkv[...]
-            q = qkv[:, :H * D].reshape(-1, H, D)
-            k = qkv[:, H * D:(H + K) * D].reshape(-1, K, D)
-            v = qkv[:, (H + K) * D:].reshape(-1, K, D)
+            qkv = qkv.reshape(T, G, (Hl + 2 * Kl) * D)
+            q = qkv[:, :, :Hl * D].reshape(T, H, D)
+            k = qkv[:, :, Hl * D:(Hl + Kl) * D].reshape(T, K, D)
+            v = qkv[:, :, (Hl + Kl) * D:].reshape(T, K, D)
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
             if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
-            cache = write_layer(cache, i, k, v, batch.slot_mapping)
-            o = paged_attention(q, cache, i, batch, attention, all_decode=all_decode)
+            o, cache = attend(q, k, v, cache, i, batch, attention, all_decode=all_decode)
             if cache.quantized:  # values were rotated: rotate the output back
                 o = rotate_blocks(o, rot)
             o = o.astype(x.dtype)
             o = a.wo(o.reshape(-1, H * D))  # [T, E]
             x = x + (o + a.bo[...] if a.out_bias else o)
             h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)
-            gu = layer.w_gate_up(h)  # [T, 2F]
-            g, u = gu[:, :F], gu[:, F:]
+            gu = layer.w_gate_up(h).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
+            g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)
             x = x + layer.w_down(jax.nn.silu(g) * u)
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
@@ -148,4 +155,17 @@ class Llama(nnx.Module):
             logits = jnp.einsum("SE,VE->SV", h, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = self.lm_head(h).astype(jnp.float32)
-        return logits, cache
+            if mesh is not None and cfg.vocab_size % mesh.shape["model"] == 0:
+                # Each shard its slice of V from its slice of lm_head, so
+                # the logits [S, V] move rather than the weight [E, V].
+                logits = _constrain(logits, mesh, None, "model")
+        return _constrain(logits, mesh), cache  # every shard samples from all of V
+
+
+def _constrain(x, mesh, *spec):
+    """x laid out over `mesh` as PartitionSpec(*spec) (replicated when no
+    spec); x itself without a mesh."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))

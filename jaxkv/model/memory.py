@@ -211,22 +211,59 @@ def weight_bytes(cfg: Any, dtype: str = "bfloat16") -> int:
     return param_count(cfg) * dtype_bytes(dtype)
 
 
+def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+                     kv_dtype: str | None = None, num_pages: int = 0,
+                     page_size: int = 16) -> dict[str, int]:
+    """What one device holds when a `ModelConfig`'s model is split
+    `tensor_parallel_size` ways (`jaxkv.sharding`'s table): {"params",
+    "kv", "total"} bytes. Column- and row-parallel matrices divide by the
+    shard count; norms, the rotary frequencies (float32) and the output
+    bias stay whole; embed divides when E splits evenly, lm_head when V
+    does; KV heads replicated to one per shard when there are fewer than
+    shards (as stored) count in full. `num_pages` pages of `page_size`
+    tokens of `kv_dtype` (default: dtype) for the KV pool."""
+    from jaxkv.sharding import check_tensor_parallel
+
+    t = tensor_parallel_size
+    K = check_tensor_parallel(cfg, t)  # KV heads as stored
+    E, F, H, D, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim,
+                     cfg.vocab_size)
+    split = (E * (H + 2 * K) * D + H * D * E + 3 * E * F) // t  # per layer
+    if cfg.attention_bias:
+        split += (H + 2 * K) * D // t
+    whole = 2 * E + (E if cfg.attention_out_bias else 0)
+    b = dtype_bytes(dtype)
+    params = cfg.num_layers * (split + whole) * b + E * b + (D // 2) * 4
+    params += V * E * b // (t if E % t == 0 else 1)
+    if not cfg.tie_word_embeddings:
+        params += E * V * b // (t if V % t == 0 else 1)
+    kv = kv_cache_bytes(cfg.num_layers, K // t, D, page_size, num_pages, kv_dtype or dtype)
+    return dict(params=params, kv=kv, total=params + kv)
+
+
 def _free_device_memory() -> int | None:
+    """The least free memory of this process's devices (None if they do not say)."""
     import jax
 
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - CPU backends may not report
-        return None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    free = []
+    for dev in jax.local_devices():
+        try:
+            stats = dev.memory_stats()
+        except Exception:  # noqa: BLE001 - CPU backends may not report
+            return None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return min(free) if free else None
 
 
-def plan_num_pages(config, model_config, kv_dtype: str) -> int:
+def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
     """The pool size of an engine: EngineConfig.num_pages if set, else what
     kv_cache_memory holds, else gpu_memory_utilization of the device's free
-    memory (1 GiB where the device does not say, as on CPU)."""
+    memory (1 GiB where the device does not say, as on CPU). Budgets are
+    per device: with the KV heads split over `shards` devices (the
+    model's KV heads as stored, replicas included), each holds
+    num_kv_heads / shards of every page."""
     c, m = config, model_config
     if c.num_pages is not None:
         return c.num_pages
@@ -234,8 +271,8 @@ def plan_num_pages(config, model_config, kv_dtype: str) -> int:
     if budget is None:
         free = _free_device_memory()
         budget = int(free * c.gpu_memory_utilization) if free else 1 << 30
-    pages = pages_for_budget(budget, m.num_layers, m.num_kv_heads, m.head_dim, c.page_size,
-                             kv_dtype)
+    pages = pages_for_budget(budget, m.num_layers, m.num_kv_heads // shards, m.head_dim,
+                             c.page_size, kv_dtype)
     if pages < 2:
         raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
     return int(pages)

@@ -4,6 +4,7 @@ and the compiled step programs.
     runner.step(batch, key[, penalties, rules]) -> StepResult (numpy)   one call per step
     runner.warm_up()                                            compile every program
     runner.copy_pages(pairs)                                    copy-on-write
+    runner.follow()                                             processes 1..n-1
 
 Programs are compiled ahead of time from their shapes (`jax.jit(...).lower
 (...).compile()`) and kept by key: one per step program (`Buckets.programs`),
@@ -12,10 +13,19 @@ penalties, one per penalty history width), one page copy. `warm_up`
 compiles them all up front, two at a time (XLA's CPU compiler is mostly
 single-threaded); without it each compiles on first use. Either way a
 program is compiled once per Runner and `compiled` lists them.
+
+Under a `jaxkv.sharding.ShardingPlan` every program is jitted with its
+shardings: the parameters and the cache as placed, everything else (batch,
+sampler inputs, outputs) replicated, the cache donated and returned with
+the same sharding, so it stays in place on each device. With a
+`jaxkv.worker.distributed.Channel` (several processes), process 0's step,
+score and copy_pages calls are sent to the other processes first, whose
+`follow()` runs the same calls on their own Runner.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import functools
@@ -27,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.model.attention import AttentionSpec
+from jaxkv.sharding import to_host
 from jaxkv.model.kv_cache import KVCache, copy_pages
 from jaxkv.worker.sampler import sample_with_rules
 from jaxkv.worker.step import ScoreOutput, StepOutput, score_step, step
@@ -52,21 +63,36 @@ class StepResult:
 
 class Runner:
     def __init__(self, model, cache: KVCache, buckets: Buckets, attention: AttentionSpec, *,
-                 max_decode_steps: int = 1, num_top_logprobs: int = 0, seed: int = 0):
+                 max_decode_steps: int = 1, num_top_logprobs: int = 0, seed: int = 0,
+                 plan=None, channel=None):
         self.graphdef, state = nnx.split(model)
         self.vocab_size = model.config.vocab_size
-        # Commit every array to its device up front: outputs of the step are
-        # committed, and a committed/uncommitted mismatch would not match
-        # the compiled programs.
-        commit = functools.partial(jax.tree_util.tree_map, lambda x: jax.device_put(x, x.sharding))
-        self.state = commit(state)
-        self.cache = commit(cache)
+        self.plan, self.channel = plan, channel
+        self._following = self._stopped = False
+        if channel is not None and channel.leader:  # the followers wait for a stop
+            atexit.register(self.stop_followers)
+        self.rng = jax.random.key(seed)
+        if plan is None:
+            # Commit every array to its device up front: outputs of the step
+            # are committed, and a committed/uncommitted mismatch would not
+            # match the compiled programs.
+            commit = functools.partial(jax.tree_util.tree_map,
+                                       lambda x: jax.device_put(x, x.sharding))
+            self.state, self.cache = commit(state), commit(cache)
+            self._sh = None
+        else:  # placed by jaxkv.sharding already (or abstract, to compile ahead of time)
+            self.state, self.cache = state, cache
+            if isinstance(jax.tree_util.tree_leaves(state)[0], jax.ShapeDtypeStruct):
+                self.rng = jax.ShapeDtypeStruct((), self.rng.dtype, sharding=plan.replicated)
+            else:  # made in place: a single-device array cannot move to other processes' devices
+                self.rng = jax.jit(lambda: jax.random.key(seed), out_shardings=plan.replicated)()
+            shardings = functools.partial(jax.tree_util.tree_map, lambda x: x.sharding)
+            self._sh = dict(state=shardings(state), cache=shardings(cache), rep=plan.replicated)
         self.page_size = cache.page_size
         self.buckets = buckets
         self.attention = attention
         self.max_decode_steps = max_decode_steps
         self.num_top_logprobs = num_top_logprobs
-        self.rng = jax.random.key(seed)
         self._programs: dict[Any, Any] = {}
         self._empty_rules: dict[int, RulesBatch] = {}
         self.stats = dict(calls=0, seconds=0.0)  # step() calls and their wall time
@@ -86,41 +112,56 @@ class Runner:
         """Keys of the programs compiled so far."""
         return list(self._programs)
 
-    def _lower(self, key):
-        """The jitted function of `key` lowered with placeholder inputs."""
+    def _jit(self, fn, args: str, out: str, donate: tuple = ()):
+        """jax.jit of `fn` whose arguments / outputs are, by letter, the
+        parameters (s), the cache (c) or anything else (r: replicated)
+        under a sharding plan; plain jax.jit without one."""
+        if self._sh is None:
+            return jax.jit(fn, donate_argnums=donate)
+        pick = {"s": self._sh["state"], "c": self._sh["cache"], "r": self._sh["rep"]}
+        outs = tuple(pick[c] for c in out)
+        return jax.jit(fn, donate_argnums=donate, in_shardings=tuple(pick[c] for c in args),
+                       out_shardings=outs[0] if len(outs) == 1 else outs)
+
+    def lower(self, key, lowering_platforms=None):
+        """The jitted function of `key` lowered with placeholder inputs
+        (jax.stages.Lowered; `.compile()` it), for `lowering_platforms`
+        (e.g. ("cuda",)) when given instead of this machine's."""
+        g = self.graphdef
+        kw = {} if lowering_platforms is None else dict(lowering_platforms=lowering_platforms)
         if key[0] == "score":  # (score, T, S): a prompt chunk with logits at every row
             _, T, S = key
-            fn = jax.jit(functools.partial(score_step, num_top_logprobs=self.num_top_logprobs,
-                                           attention=self.attention),
-                         static_argnums=(0,), donate_argnums=(2,))
+            fn = self._jit(functools.partial(score_step, g, num_top_logprobs=self.num_top_logprobs,
+                                             attention=self.attention), "scrrr", "rc", (1,))
             batch = dataclasses.replace(empty(ProgramKey("mixed", T, S),
                                               self.buckets.pages_per_seq),
                                         logits_indices=np.zeros(T, np.int32))
-            return fn.lower(self.graphdef, self.state, self.cache, batch, self.rng,
-                            np.zeros(T, np.int32))
+            return fn.trace(self.state, self.cache, batch, self.rng,
+                            np.zeros(T, np.int32)).lower(**kw)
         if isinstance(key, ProgramKey):
-            fn = jax.jit(functools.partial(
-                step, kind=key.kind, max_steps=self.max_decode_steps if key.loops else 1,
+            fn = self._jit(functools.partial(
+                step, g, kind=key.kind, max_steps=self.max_decode_steps if key.loops else 1,
                 num_top_logprobs=self.num_top_logprobs, attention=self.attention),
-                static_argnums=(0,), donate_argnums=(2,))
+                "scrr", "rc", (1,))
             batch = empty(key, self.buckets.pages_per_seq)
-            return fn.lower(self.graphdef, self.state, self.cache, batch, self.rng)
+            return fn.trace(self.state, self.cache, batch, self.rng).lower(**kw)
         if key[0] == "rules":
             _, S, N = key
-            fn = jax.jit(functools.partial(sample_with_rules,
-                                           num_top_logprobs=self.num_top_logprobs))
+            fn = self._jit(functools.partial(sample_with_rules,
+                                             num_top_logprobs=self.num_top_logprobs),
+                           "rrrrrr", "r")
             b = empty(ProgramKey("mixed", S, S), self.buckets.pages_per_seq)
             logits = jax.ShapeDtypeStruct((S, self.vocab_size), np.float32)
             pen = PenaltyBatch(np.zeros((S, N), np.int32), np.zeros((S, N), bool)) if N else None
-            return fn.lower(logits, b.sampling, pen, empty_rules(S, self.vocab_size), self.rng,
-                            b.num_output)
+            return fn.trace(logits, b.sampling, pen, empty_rules(S, self.vocab_size), self.rng,
+                            b.num_output).lower(**kw)
         idx = np.zeros(COPY_WIDTH, np.int32)
-        return jax.jit(copy_pages, donate_argnums=(0,)).lower(self.cache, idx, idx)
+        return self._jit(copy_pages, "crr", "c", (0,)).trace(self.cache, idx, idx).lower(**kw)
 
     def _program(self, key):
         prog = self._programs.get(key)
         if prog is None:
-            prog = self._programs[key] = self._lower(key).compile()
+            prog = self._programs[key] = self.lower(key).compile()
         return prog
 
     def warm_up(self, progress: bool | Callable[[int, int], None] = True,
@@ -138,7 +179,7 @@ class Runner:
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             # Tracing holds the GIL, XLA's compile does not: lower here,
             # compile in the pool.
-            futures = {pool.submit(low.compile): k for k, low in ((k, self._lower(k)) for k in todo)}
+            futures = {pool.submit(low.compile): k for k, low in ((k, self.lower(k)) for k in todo)}
             for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
                 self._programs[futures[fut]] = fut.result()
                 if bar is not None:
@@ -159,6 +200,7 @@ class Runner:
         `penalties` or `rules`, every sequence's token is drawn again from
         the last logits with them applied (the engine runs such steps one
         decode step at a time)."""
+        self._mirror("step", batch, key, num_seqs, penalties, rules)
         t0 = time.perf_counter()
         first = batch
         if rules is not None or penalties is not None:  # its draw is redone: make it cheap
@@ -171,8 +213,8 @@ class Runner:
         fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
         if rules is not None or penalties is not None:
             fields = self._resample(out, batch.sampling, batch.num_output, penalties, rules)
-        n = int(out.steps)
-        res = StepResult(*(np.asarray(x)[:n, :num_seqs] for x in fields))
+        n = int(to_host(out.steps))
+        res = StepResult(*(to_host(x)[:n, :num_seqs] for x in fields))
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
         return res
@@ -195,10 +237,10 @@ class Runner:
         if rules is not None or penalties is not None:  # one row: the sequence's
             sb = jax.tree_util.tree_map(lambda x: x[:1], batch.sampling)
             fields = self._resample(st, sb, batch.num_output[:1], penalties, rules)
-        res = StepResult(*(np.asarray(x) for x in fields))
+        res = StepResult(*(to_host(x) for x in fields))
         self.stats["calls"] += 1
-        return (np.asarray(out.target_logprobs), np.asarray(out.top_ids),
-                np.asarray(out.top_logprobs), res)
+        return (to_host(out.target_logprobs), to_host(out.top_ids),
+                to_host(out.top_logprobs), res)
 
     def _resample(self, out: StepOutput, sampling, num_output, penalties, rules) -> tuple:
         """Draw each sequence's token again from `out`'s last logits with the
@@ -209,7 +251,7 @@ class Runner:
         redo = self._program(("rules", S, N))(
             out.logits, sampling, penalties, rules if rules is not None else self._no_rules(S),
             self.rng, num_output)
-        return tuple(np.asarray(x)[None] for x in
+        return tuple(to_host(x)[None] for x in
                      (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
                      ) + (out.finite,)
 
@@ -219,11 +261,13 @@ class Runner:
         rb = self._empty_rules.get(num_seqs)
         if rb is None:
             rb = self._empty_rules[num_seqs] = jax.device_put(
-                empty_rules(num_seqs, self.vocab_size))
+                empty_rules(num_seqs, self.vocab_size),
+                None if self._sh is None else self._sh["rep"])
         return rb
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device-side copy-on-write: copy page src -> dst for each pair."""
+        self._mirror("copy_pages", pairs)
         prog = self._program(("copy", COPY_WIDTH)) if pairs else None
         for i in range(0, len(pairs), COPY_WIDTH):
             chunk = list(pairs[i:i + COPY_WIDTH])
@@ -232,3 +276,39 @@ class Runner:
             src[:len(chunk)] = [p[0] for p in chunk]
             dst[:len(chunk)] = [p[1] for p in chunk]
             self.cache = prog(self.cache, src, dst)
+
+    # ------------------------------------------------------------ several processes
+
+    def _mirror(self, method: str, *args) -> None:
+        """On process 0 of several: send the call to the other processes."""
+        ch = self.channel
+        if ch is None or self._following:
+            return
+        if not ch.leader:
+            raise RuntimeError(f"process {ch.process_index} follows process 0: requests enter "
+                               "on process 0 only (run Runner.follow here)")
+        ch.send((method, args))
+
+    def follow(self) -> int:
+        """Processes 1..n-1: run process 0's calls on this Runner until it
+        says stop (`stop_followers`); returns the number of calls run."""
+        if self.channel is None or self.channel.leader:
+            raise RuntimeError("follow: only processes other than 0 of a multi-process job "
+                               "follow")
+        self._following = True
+        n = 0
+        try:
+            while (msg := self.channel.recv()) is not None:
+                method, args = msg
+                getattr(self, method)(*args)
+                n += 1
+        finally:
+            self._following = False
+        return n
+
+    def stop_followers(self) -> None:
+        """Process 0: tell the followers to return from `follow` (once)."""
+        ch = self.channel
+        if ch is not None and ch.leader and not self._stopped:
+            self._stopped = True
+            ch.send(None)

@@ -5,7 +5,7 @@
                            soft_cap=None, k_scale=None, v_scale=None,
                            num_sink_tokens=0, all_decode=None, backend="auto",
                            pallas_target=None, interpret=None,
-                           kernel_options=None) -> [T, H, D]
+                           kernel_options=None, platform=None) -> [T, H, D]
 
 The contract (shapes, masking, padding rows) is `reference.py`'s. Backends:
 
@@ -29,7 +29,9 @@ GPU, interpreted on CPU); True, or a `pltpu.InterpretParams` for the TPU
 kernel, forces interpret mode. kernel_options: tuning keywords passed to the
 chosen kernel (see `tpu.ragged_paged_attention` / `gpu.ragged_paged_attention`).
 
-The platform is `jax.default_backend()`, read at trace time.
+The platform is `jax.default_backend()`, read at trace time, unless
+`platform` ("cpu", "gpu", "tpu") names the one the program is lowered for
+(ahead-of-time compiles without that device).
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                            v_scale=None, num_sink_tokens=0, all_decode=None, backend="auto",
-                           pallas_target=None, interpret=None, kernel_options=None):
+                           pallas_target=None, interpret=None, kernel_options=None,
+                           platform=None):
     """Ragged paged attention on the chosen backend (see the module docstring).
     q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
     block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D]."""
-    impl, interpret = resolve(backend, pallas_target, interpret)
+    impl, interpret = resolve(backend, pallas_target, interpret, platform)
     if num_sink_tokens and impl != "reference":
         raise ValueError("num_sink_tokens (attention sinks for streaming eviction) is supported "
                          "by the reference backend only")

@@ -1,0 +1,195 @@
+"""Tensor parallel over a JAX Mesh: the same greedy tokens as one device
+(batched, chunked prefill, prefix caching, preemption), with the reference
+and the Pallas interpret backends, KV heads replicated where there are
+fewer than shards; two processes through jax.distributed; what one device
+holds against the planner; only the collectives Megatron's split needs.
+
+Several CPU devices need XLA_FLAGS before jax starts, so each run is a
+subprocess (`tests/sharding_worker.py`); the one-device oracle is a plain
+engine with no mesh in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxkv.config import ModelConfig
+from jaxkv.model import memory
+from jaxkv.sharding import check_tensor_parallel
+from tests.sharding_worker import TINY
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _worker(args, devices: int, timeout: int = 900, env=None, **popen):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "tests.sharding_worker", *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+
+
+def _result(proc, timeout: int = 900) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"worker timed out:\n{err[-3000:]}")
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{err[-4000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The oracle: the tiny model's tokens on one device, no mesh."""
+    from tests.sharding_worker import load, run
+
+    return run(load(None), 1, "reference", 8)
+
+
+def _check_run(got: dict, oracle: dict, tp: int, local_shards: int | None = None):
+    assert got["shards"] == (local_shards or tp)  # this process's cache shards
+    assert got["preemptions"] > 0 and got["prefix_hit_tokens"] > 0 and got["partial_prefills"] > 0
+    assert got["tokens"] == oracle["tokens"], f"tensor_parallel_size {tp} changed the tokens"
+
+
+def test_tensor_parallel_reference_matches_one_device(one_device):
+    runs = _result(_worker(["tp", "--tp", "2,4"], devices=4))
+    for tp in (2, 4):
+        _check_run(runs[str(tp)], one_device, tp)
+    # KV heads: 2 split over 2 shards, replicated to 4 over 4 (1 per device).
+    one_kv = one_device["kv_bytes"]
+    assert runs["2"]["kv_bytes"] == one_kv // 2
+    assert runs["4"]["kv_bytes"] == one_kv // 2  # 4 stored heads / 4 devices = 2 / 2
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pallas_interpret_matches_one_device(one_device):
+    runs = _result(_worker(["tp", "--tp", "4", "--backend", "pallas"], devices=4), timeout=1500)
+    _check_run(runs["4"], one_device, 4)
+
+
+def test_per_device_bytes_match_the_planner(one_device):
+    runs = _result(_worker(["tp", "--tp", "2,4", "--max-tokens", "1", "--prompts", "1"],
+                           devices=4))
+    for tp, r in [(1, one_device)] + [(int(k), v) for k, v in runs.items()]:
+        assert r["params_bytes"] == r["planned"]["params"], f"tp {tp}"
+        assert r["kv_bytes"] == r["planned"]["kv"], f"tp {tp}"
+    # Weights shrink by the shard count but for the norms (at 2 shards; at
+    # 4 the 2 KV heads' projections are stored twice).
+    full = one_device["params_bytes"]
+    assert full / 2 < runs["2"]["params_bytes"] < full / 2 * 1.01
+    assert runs["4"]["params_bytes"] < runs["2"]["params_bytes"]
+    assert runs["4"]["kv_bytes"] == one_device["kv_bytes"] // 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_device(one_device):
+    port = _free_port()
+    args = ["job", "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}"]
+    procs = [_worker(args + ["--process-id", str(i)], devices=2) for i in (0, 1)]
+    try:
+        got = _result(procs[0], timeout=900)
+        _result_follower(procs[1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert got["processes"] == 2 and got["devices"] == 4
+    _check_run(got, one_device, 4, local_shards=2)
+
+
+def _result_follower(proc):
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the follower did not exit after process 0 finished")
+    assert proc.returncode == 0, f"follower failed:\n{err[-3000:]}"
+
+
+@pytest.mark.slow
+def test_smollm2_tensor_parallel_3_matches_one_device(smollm2_gguf):
+    from tests.conftest import SMOLLM2_KV_BYTES
+    args = ["tp", "--tp", "1,3", "--gguf", str(smollm2_gguf), "--max-tokens", "6",
+            "--kv-cache-memory", str(SMOLLM2_KV_BYTES // 16)]
+    runs = _result(_worker(args, devices=3), timeout=1500)
+    assert runs["3"]["shards"] == 3
+    assert runs["3"]["tokens"] == runs["1"]["tokens"]
+    assert runs["3"]["preemptions"] > 0 and runs["3"]["prefix_hit_tokens"] > 0
+
+
+def test_collectives_are_megatrons_only():
+    """The compiled decode and mixed steps at tp 4: per layer one all-reduce
+    of [T, E] after the attention output and one after the MLP, one gather
+    of the embedded rows [T, E] and one of the logits [S, V]; never a
+    weight or the cache."""
+    code = (
+        "from tests.sharding_worker import TINY, ENGINE; import re, json\n"
+        "from jaxkv.config import EngineConfig; from jaxkv.core.engine import LLMEngine\n"
+        "from jaxkv.model.llama import Llama; from jaxkv.worker.buckets import ProgramKey\n"
+        "eng = LLMEngine(Llama.random_init(TINY), None, EngineConfig(**ENGINE, "
+        "tensor_parallel_size=4))\n"
+        "for k in (ProgramKey('decode', 4, 4), ProgramKey('mixed', 64, 8)):\n"
+        "    txt = eng.runner.lower(k).compile().as_text()\n"
+        "    print(json.dumps(re.findall(r'= (\\S+?)\\{\\S* (all-gather|all-reduce|"
+        "reduce-scatter|all-to-all|collective-permute)(?:-start)?\\(', txt)))\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    decode, mixed = (json.loads(l) for l in proc.stdout.splitlines()[-2:])
+    E, V, L = TINY.hidden_size, TINY.vocab_size, TINY.num_layers
+    for ops, T, S in ((decode, 4, 4), (mixed, 64, 8)):
+        want = sorted([[f"f32[{T},{E}]", "all-gather"], [f"f32[{S},{V}]", "all-gather"]]
+                      + [[f"f32[{T},{E}]", "all-reduce"]] * 2 * L)
+        assert sorted(ops) == want
+
+
+@pytest.mark.parametrize("heads,kv,tp,message", [
+    (9, 3, 2, "9 query heads cannot be split over 2"),
+    (8, 4, 3, "8 query heads cannot be split over 3"),
+    (8, 2, 8, None),
+    (12, 3, 6, None),
+    (8, 4, 2, None),
+    (12, 4, 6, "6 shards cannot hold whole copies of the model's 4 KV heads"),
+    (12, 6, 4, "6 KV heads cannot be split over 4"),
+])
+def test_splits_that_cannot_give_whole_heads_are_refused(heads, kv, tp, message):
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=96, intermediate_size=96,
+                      num_layers=1, num_heads=heads, num_kv_heads=kv, head_dim=8)
+    if message is None:
+        stored = check_tensor_parallel(cfg, tp)
+        assert stored == max(kv, tp) and stored % tp == 0
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_tensor_parallel(cfg, tp)
+
+
+def test_llama3_8b_per_device_table():
+    """The planner's per-device figures for a Llama-3-8B-shaped model, by
+    hand: 8.03e9 parameters, bfloat16."""
+    cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128)
+    one = memory.per_device_bytes(cfg, 1, "bfloat16")["params"]
+    assert one == memory.weight_bytes(cfg, "bfloat16") + 64 * 4  # + rotary frequencies
+    for tp in (4, 8):
+        pd = memory.per_device_bytes(cfg, tp, "bfloat16", num_pages=1000, page_size=16)
+        norms = (2 * 32 + 1) * 4096 * 2 + 64 * 4
+        assert pd["params"] == (one - norms) // tp + norms
+        # 8 KV heads over tp shards: 8 / tp heads of every page per device.
+        assert pd["kv"] == 2 * 32 * (8 // tp) * 128 * 16 * 1000 * 2
