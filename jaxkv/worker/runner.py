@@ -71,8 +71,8 @@ class Runner:
         self._following = self._stopped = False
         if channel is not None and channel.leader:  # the followers wait for a stop
             atexit.register(self.stop_followers)
-        self.rng = jax.random.key(seed)
         if plan is None:
+            self.rng = jax.random.key(seed)
             # Commit every array to its device up front: outputs of the step
             # are committed, and a committed/uncommitted mismatch would not
             # match the compiled programs.
@@ -83,7 +83,8 @@ class Runner:
         else:  # placed by jaxkv.sharding already (or abstract, to compile ahead of time)
             self.state, self.cache = state, cache
             if isinstance(jax.tree_util.tree_leaves(state)[0], jax.ShapeDtypeStruct):
-                self.rng = jax.ShapeDtypeStruct((), self.rng.dtype, sharding=plan.replicated)
+                key = jax.eval_shape(lambda: jax.random.key(seed))
+                self.rng = jax.ShapeDtypeStruct((), key.dtype, sharding=plan.replicated)
             else:  # made in place: a single-device array cannot move to other processes' devices
                 self.rng = jax.jit(lambda: jax.random.key(seed), out_shardings=plan.replicated)()
             shardings = functools.partial(jax.tree_util.tree_map, lambda x: x.sharding)

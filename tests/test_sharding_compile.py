@@ -1,0 +1,119 @@
+"""The whole sharded step of a Llama-3-8B-shaped model, built for hardware
+this machine does not have, with nothing materialized (weights and cache
+are ShapeDtypeStructs with their NamedShardings):
+
+- compiled deviceless for TPU v5e:2x2 (tensor parallel 4) and v6e:2x4
+  (tensor parallel 8) with the Pallas TPU kernel under shard_map, against
+  libtpu's topology descriptions; per-device bytes from memory_analysis()
+  equal the planner's and fit the chip beside the planned KV pool;
+- lowered for CUDA over an abstract 8-GPU mesh with the Triton kernel.
+
+The TPU compile runs in a subprocess that alone sees libtpu (see
+tests/pallas_kernels/test_lowering.py for why). Run as a module it prints
+one JSON line with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxkv.config import ModelConfig
+from jaxkv.model import memory
+from jaxkv.sharding import AXES
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA3_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
+                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                        head_dim=128, max_position_embeddings=8192, rope_theta=500000.0)
+PAGE_SIZE = 16
+# (topology, tensor parallel size, chip HBM bytes, KV pool per device)
+SLICES = [("v5e:2x2", 4, 16 * 2**30, 8 * 2**30), ("v6e:2x4", 8, 32 * 2**30, 24 * 2**30)]
+
+
+def pages_for(tp: int, kv_bytes: int) -> int:
+    return kv_bytes // memory.per_device_bytes(LLAMA3_8B, tp, "bfloat16", num_pages=1,
+                                               page_size=PAGE_SIZE)["kv"]
+
+
+def compile_for_topology(topology: str, tp: int, kv_bytes: int) -> dict:
+    import time
+
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh
+
+    from jaxkv.worker.aot import lower_step
+
+    topo = topologies.get_topology_desc(topology, "tpu")
+    mesh = Mesh(np.array(topo.devices[:tp]).reshape(1, tp), AXES)
+    pages = pages_for(tp, kv_bytes)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):  # Mosaic reads the chip generation from the ambient mesh
+        lowered = lower_step(LLAMA3_8B, mesh, num_pages=pages, page_size=PAGE_SIZE,
+                             platform="tpu", kind="mixed", tokens=512, seqs=64)
+        compiled = lowered.compile()
+    ma = compiled.memory_analysis()
+    return dict(pages=pages, compile_s=round(time.perf_counter() - t0, 1),
+                argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
+                alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes,
+                mosaic="tpu_custom_call" in compiled.as_text())
+
+
+@pytest.mark.parametrize("topology,tp,hbm,kv_bytes", SLICES, ids=[s[0] for s in SLICES])
+def test_llama3_8b_sharded_step_compiles_for_tpu_slice(topology, tp, hbm, kv_bytes):
+    compiler = Path(os.environ.get("JAXKV_TPU_COMPILER", REPO / ".tpu-compiler"))
+    if not (compiler / "libtpu").is_dir():
+        pytest.skip(f"libtpu is not in {compiler} (bash .ci/install_tpu_compiler.sh)")
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(compiler)]))
+    proc = subprocess.run([sys.executable, "-m", "tests.test_sharding_compile", topology,
+                           str(tp), str(kv_bytes)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}:\n{proc.stderr[-4000:]}"
+    got = json.loads(lines[-1])
+    print(json.dumps({topology: got}))  # the figures, for the record (-s)
+    assert got["mosaic"], "no Mosaic kernel in the compiled step"
+    planned = memory.per_device_bytes(LLAMA3_8B, tp, "bfloat16", num_pages=got["pages"],
+                                      page_size=PAGE_SIZE)
+    # Arguments: the planned weights and KV pool, plus the step's metadata (< 1 MiB).
+    assert planned["total"] <= got["argument"] < planned["total"] + 2**20
+    assert planned["kv"] >= kv_bytes - planned["kv"] // got["pages"]
+    # The cache is donated: its output aliases its input, so the step's
+    # peak is the arguments plus what is not aliased plus the temporaries.
+    assert got["alias"] == planned["kv"]
+    peak = got["argument"] + got["output"] - got["alias"] + got["temp"]
+    assert peak < hbm, f"{peak / 2**30:.2f} GiB per device does not fit {hbm / 2**30:.0f} GiB"
+
+
+def test_llama3_8b_sharded_step_lowers_for_cuda_on_8_gpus():
+    from jaxkv.worker.aot import lower_step
+
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                      platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1, 8), AXES, abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = lower_step(LLAMA3_8B, mesh, num_pages=4096, page_size=PAGE_SIZE, platform="gpu",
+                          lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text  # the Pallas Triton kernel
+    # Each layer's cache write and attention is one manual (shard_map)
+    # computation over the 8-way "model" axis.
+    assert text.count("sdy.manual_computation") == LLAMA3_8B.num_layers
+    assert 'sdy.mesh @mesh = <["data"=1, "model"=8]>' in text
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("topology")
+    p.add_argument("tp", type=int)
+    p.add_argument("kv_bytes", type=int)
+    a = p.parse_args()
+    print(json.dumps(compile_for_topology(a.topology, a.tp, a.kv_bytes)), flush=True)
