@@ -193,3 +193,57 @@ def test_llama3_8b_per_device_table():
         assert pd["params"] == (one - norms) // tp + norms
         # 8 KV heads over tp shards: 8 / tp heads of every page per device.
         assert pd["kv"] == 2 * 32 * (8 // tp) * 128 * 16 * 1000 * 2
+
+
+def test_cli_generate_on_two_processes_matches_one(tmp_path):
+    """`jaxkv generate` run on two processes of 2 devices each (tensor
+    parallel 4, KV heads replicated) prints what one process prints."""
+    from jaxkv.entrypoints import cli
+    from tests.model_utils import make_hf_model, save_tiny_tokenizer
+
+    _, path = make_hf_model("llama", tmp_path)  # 4 heads, 2 KV heads
+    save_tiny_tokenizer(path)
+    args = ["generate", "the cache is a page of the model", "--raw", "--model", str(path),
+            "--num-pages", "32", "--page-size", "8", "--max-tokens", "12", "--no-warmup"]
+    one = subprocess.run([sys.executable, "-m", "jaxkv", *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    port = _free_port()
+    job = ["--tensor-parallel-size", "4", "--num-processes", "2",
+           "--coordinator-address", f"127.0.0.1:{port}"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxkv", *args, *job, "--process-id", str(i)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    # gloo (CPU collectives) prints its connections on stdout: "[Gloo] Rank ..."
+    text = [[l for l in o.splitlines() if not l.startswith("[Gloo]")] for o, _ in outs]
+    assert text[0] == one.stdout.splitlines() and one.stdout.strip()
+    assert text[1] == []  # the follower prints nothing
+
+
+def test_estimate_per_device(capsys):
+    from jaxkv.entrypoints import cli
+    from tests.model_utils import make_hf_model
+
+    # 2 layers, 4 heads, 2 KV heads, D 16, E 64, F 96, V 128
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        _, path = make_hf_model("llama", Path(d))
+        assert cli.main(["estimate", "--model", str(path), "--tensor-parallel-size", "2",
+                         "--context", "32", "--kv-dtype", "float32",
+                         "--weight-dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    # 3 pages (2 for 32 tokens, the trash page) x 16 tokens x 2 layers x 2 (K, V)
+    # x 2 KV heads x 16 x 4 bytes = 24,576; 12,288 per device with one head each.
+    assert "| kv | 24,576 (0.00 GiB) | 12,288 (0.00 GiB) |" in out
+    assert "| KV heads (KVH) | 1 |" in out
+    assert cli.main(["estimate", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
+                     "--tensor-parallel-size", "2"]) == 2
+    assert "needs --model" in capsys.readouterr().err

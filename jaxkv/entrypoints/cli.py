@@ -168,8 +168,27 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def _per_device_report(cfg, a) -> int:
+    """Print what one device of `a.tensor_parallel_size` holds; returns its weight bytes."""
+    from jaxkv.model import memory
+
+    tp, ps = a.tensor_parallel_size, a.page_size
+    pages = a.batch * -(-a.context // ps) + 1  # + the trash page
+    one = memory.per_device_bytes(cfg, 1, a.weight_dtype, a.kv_dtype, pages, ps)
+    pd = memory.per_device_bytes(cfg, tp, a.weight_dtype, a.kv_dtype, pages, ps)
+    print(f"Split over {tp} devices (tensor parallel; {pages:,} pages of {ps} tokens for "
+          f"batch {a.batch} at context {a.context:,}):\n")
+    print("| bytes | one device | per device of " + str(tp) + " |\n|---|---|---|")
+    for k in ("params", "kv", "total"):
+        print(f"| {k} | {one[k]:,} ({one[k] / 2**30:.2f} GiB) | {pd[k]:,} "
+              f"({pd[k] / 2**30:.2f} GiB) |")
+    print()
+    return pd["params"]
+
+
 def cmd_estimate(a) -> int:
     from jaxkv.model import memory
+    from jaxkv.sharding import check_tensor_parallel
 
     if a.layers is not None:
         if a.kv_heads is None or a.head_dim is None:
@@ -183,11 +202,18 @@ def cmd_estimate(a) -> int:
         geom, name = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), a.model
         wbytes = a.weight_bytes if a.weight_bytes is not None else \
             memory.weight_bytes(cfg, a.weight_dtype)
+    if a.tensor_parallel_size > 1:
+        if cfg is None:
+            raise ValueError("--tensor-parallel-size needs --model: its heads decide the split")
+        wbytes = _per_device_report(cfg, a) if a.weight_bytes is None else a.weight_bytes
+        geom = (cfg.num_layers, check_tensor_parallel(cfg, a.tensor_parallel_size)
+                // a.tensor_parallel_size, cfg.head_dim)
+        name = f"{name}, per device of {a.tensor_parallel_size}"
     br = memory.kv_cache_breakdown(*geom, a.context, a.batch, a.kv_dtype)
     print(f"KV cache of {name}: 2 x L x KVH x D x tokens x batch x bytes/element"
           f"{' + scales' if br.scale_bytes else ''}\n")
     print(br.table())
-    if cfg is not None and cfg.num_heads != cfg.num_kv_heads:
+    if cfg is not None and cfg.num_heads != cfg.num_kv_heads and a.tensor_parallel_size == 1:
         mha = memory.kv_cache_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, a.context,
                                     a.batch, a.kv_dtype)
         print(f"\nGQA saves {cfg.num_heads // cfg.num_kv_heads}x: the same model with "
@@ -279,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--weight-bytes", type=parse_size, default=None,
                    help="weight bytes to set aside (default: computed from the model)")
     e.add_argument("--page-size", type=int, default=16, help="KV page size (default: %(default)s)")
+    e.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model is split over: figures and --memory per device "
+                        "(default: %(default)s)")
     e.set_defaults(func=cmd_estimate)
 
     return p
