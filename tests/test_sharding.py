@@ -65,30 +65,27 @@ def test_tensor_parallel_reference_matches_one_device(one_device):
     runs = _result(_worker(["tp", "--tp", "2,4"], devices=4))
     for tp in (2, 4):
         _check_run(runs[str(tp)], one_device, tp)
-    # KV heads: 2 split over 2 shards, replicated to 4 over 4 (1 per device).
-    one_kv = one_device["kv_bytes"]
-    assert runs["2"]["kv_bytes"] == one_kv // 2
-    assert runs["4"]["kv_bytes"] == one_kv // 2  # 4 stored heads / 4 devices = 2 / 2
-
-
-@pytest.mark.slow
-def test_tensor_parallel_pallas_interpret_matches_one_device(one_device):
-    runs = _result(_worker(["tp", "--tp", "4", "--backend", "pallas"], devices=4), timeout=1500)
-    _check_run(runs["4"], one_device, 4)
-
-
-def test_per_device_bytes_match_the_planner(one_device):
-    runs = _result(_worker(["tp", "--tp", "2,4", "--max-tokens", "1", "--prompts", "1"],
-                           devices=4))
+    # What one device holds is what the planner (memory.per_device_bytes) says.
     for tp, r in [(1, one_device)] + [(int(k), v) for k, v in runs.items()]:
         assert r["params_bytes"] == r["planned"]["params"], f"tp {tp}"
         assert r["kv_bytes"] == r["planned"]["kv"], f"tp {tp}"
+    # KV heads: 2 split over 2 shards, replicated to 4 over 4 (1 per device).
+    one_kv = one_device["kv_bytes"]
+    assert runs["2"]["kv_bytes"] == one_kv // 2 and runs["4"]["kv_bytes"] == one_kv // 2
     # Weights shrink by the shard count but for the norms (at 2 shards; at
     # 4 the 2 KV heads' projections are stored twice).
     full = one_device["params_bytes"]
     assert full / 2 < runs["2"]["params_bytes"] < full / 2 * 1.01
     assert runs["4"]["params_bytes"] < runs["2"]["params_bytes"]
-    assert runs["4"]["kv_bytes"] == one_device["kv_bytes"] // 2
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pallas_interpret_matches_one_device(one_device):
+    # Four tokens each: the Pallas TPU kernel's interpret mode is slow on CPU.
+    runs = _result(_worker(["tp", "--tp", "4", "--backend", "pallas", "--max-tokens", "4"],
+                           devices=4), timeout=1500)
+    oracle = dict(one_device, tokens=[t[:4] for t in one_device["tokens"]])
+    _check_run(runs["4"], oracle, 4)
 
 
 def _free_port() -> int:
@@ -123,9 +120,7 @@ def _result_follower(proc):
 
 @pytest.mark.slow
 def test_smollm2_tensor_parallel_3_matches_one_device(smollm2_gguf):
-    from tests.conftest import SMOLLM2_KV_BYTES
-    args = ["tp", "--tp", "1,3", "--gguf", str(smollm2_gguf), "--max-tokens", "6",
-            "--kv-cache-memory", str(SMOLLM2_KV_BYTES // 16)]
+    args = ["tp", "--tp", "1,3", "--gguf", str(smollm2_gguf), "--max-tokens", "6"]
     runs = _result(_worker(args, devices=3), timeout=1500)
     assert runs["3"]["shards"] == 3
     assert runs["3"]["tokens"] == runs["1"]["tokens"]
