@@ -35,7 +35,8 @@ class JaxkvBench:
     # window (they are aborted at its end, never finish inside it).
     DECODE_MARGIN = 64
 
-    def __init__(self, model: str, sizes, meter: CompileMeter, quantize: str | None = None):
+    def __init__(self, model: str, sizes, meter: CompileMeter, quantize: str | None = None,
+                 tensor_parallel_size: int = 1):
         import jax
         import jax.numpy as jnp
 
@@ -54,7 +55,8 @@ class JaxkvBench:
         s0, n0, h0 = meter.snapshot()
         t, self.engine = _timed(lambda: LLMEngine.from_pretrained(
             model, page_size=ps, num_pages=need + 2, quantize=quantize,
-            max_num_seqs=max(64, *sizes.decode_batches)))
+            max_num_seqs=max(64, *sizes.decode_batches),
+            tensor_parallel_size=tensor_parallel_size))
         s1, n1, h1 = meter.snapshot()
         report = self.engine.warmup_report or dict(programs=0, seconds=0.0)
         self.warm_up = dict(new_programs=report["programs"], wall_s=report["seconds"],
