@@ -256,7 +256,7 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
-def per_device_bytes(tree) -> int:
+def shard_nbytes(tree) -> int:
     """Bytes one device holds of a pytree of sharded arrays (or
     ShapeDtypeStructs with shardings): each leaf's shard size."""
     total = 0

@@ -42,7 +42,7 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
     from jaxkv.core.engine import LLMEngine
     from jaxkv.core.sampling_params import SamplingParams
     from jaxkv.model import memory
-    from jaxkv.sharding import per_device_bytes
+    from jaxkv.sharding import shard_nbytes
 
     eng = LLMEngine(model, None, EngineConfig(**{**ENGINE, **engine}, tensor_parallel_size=tp,
                                               attention_backend=backend))
@@ -56,8 +56,8 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
                 preemptions=eng.scheduler.num_preemptions,
                 prefix_hit_tokens=eng.bm.prefix_hit_tokens,
                 partial_prefills=eng.stats["partial_prefills"],
-                params_bytes=per_device_bytes(eng.runner.state),
-                kv_bytes=per_device_bytes(eng.runner.cache),
+                params_bytes=shard_nbytes(eng.runner.state),
+                kv_bytes=shard_nbytes(eng.runner.cache),
                 planned=planned, shards=len(eng.runner.cache.k[0].addressable_shards))
 
 

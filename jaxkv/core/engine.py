@@ -36,7 +36,7 @@ from jaxkv.core.structured import Grammars, TokenRules
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
 from jaxkv.model.memory import max_model_len, plan_num_pages
-from jaxkv.sharding import per_device_bytes
+from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.distributed import init_distributed, scale_out
 from jaxkv.worker.runner import Runner
 from jaxkv.worker.execute import execute, execute_scored
@@ -59,7 +59,7 @@ class LLMEngine:
                                         kv_dtype=kv_dtype)
         pool_tokens = (num_pages - 1) * config.page_size
         self.attention = AttentionSpec.for_engine(self.model_config, config,
-                                                  self.sharding and self.sharding.mesh)
+                                                  self.sharding.mesh if self.sharding else None)
         self.max_model_len = max_model_len(config, self.model_config, self.attention,
                                            pool_tokens)
         self.bm = BlockManager(num_pages, config.page_size,
@@ -87,13 +87,14 @@ class LLMEngine:
                           partial_prefills=0)
         log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
                  "on %d); max_model_len %d; up to %d sequences at full length", num_pages,
-                 config.page_size, pool_tokens, kv_dtype, per_device_bytes(self.runner.cache)
+                 config.page_size, pool_tokens, kv_dtype, shard_nbytes(self.runner.cache)
                  / 2**20, config.tensor_parallel_size, self.max_model_len,
                  max(1, pool_tokens // self.max_model_len))
         self.warmup_report = None
         if config.warmup:
             self.warmup_report = self.runner.warm_up()
-            log.info("jaxkv: warm-up compiled %(programs)d programs in %(seconds).1fs", self.warmup_report)
+            log.info("jaxkv: warm-up compiled %(programs)d programs in %(seconds).1f s",
+                     self.warmup_report)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m-instruct", **config: Any) -> "LLMEngine":
@@ -317,4 +318,3 @@ class LLMEngine:
             if wanted is not None and wanted <= final.keys():
                 break
         return final
-

@@ -67,7 +67,7 @@ class Runner:
                  plan=None, channel=None):
         self.graphdef, state = nnx.split(model)
         self.vocab_size = model.config.vocab_size
-        self.plan, self.channel = plan, channel
+        self.channel = channel
         self._following = self._stopped = False
         if channel is not None and channel.leader:  # the followers wait for a stop
             atexit.register(self.stop_followers)
@@ -268,8 +268,10 @@ class Runner:
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device-side copy-on-write: copy page src -> dst for each pair."""
+        if not pairs:
+            return
         self._mirror("copy_pages", pairs)
-        prog = self._program(("copy", COPY_WIDTH)) if pairs else None
+        prog = self._program(("copy", COPY_WIDTH))
         for i in range(0, len(pairs), COPY_WIDTH):
             chunk = list(pairs[i:i + COPY_WIDTH])
             src = np.zeros(COPY_WIDTH, np.int32)
