@@ -188,6 +188,24 @@ class EngineConfig:
                                         "requests (default: $JAXKV_PROCESS_ID)")
     coordinator_address: str | None = _opt(
         None, "host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS)")
+    speculative_config: dict | None = _opt(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
+              '4} (prompt lookup; "prompt_lookup_max" / "prompt_lookup_min" the n-gram '
+              'lengths tried) or {"method": "draft_model", "model": PATH, '
+              '"num_speculative_tokens": 4}; outputs are exactly those without it',
+        parse="json")
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """`speculative_config` parsed (None: off)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_decode_steps",
@@ -214,5 +232,68 @@ class EngineConfig:
                                             or self.process_id < 0):
             raise ValueError(f"process_id: must be a non-negative integer or None, "
                              f"got {self.process_id!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # names a bad key or value
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`EngineConfig.speculative_config`, parsed by
+    `from_dict`). method "ngram": prompt lookup, the last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) matched against the
+    sequence's own earlier tokens, the tokens that followed proposed.
+    method "draft_model": a smaller model (`model`, any path jaxkv loads,
+    same vocabulary) proposes greedily. num_speculative_tokens: k, the most
+    proposals a sequence brings to one step (static: one program per k)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+
+    METHODS = ("ngram", "draft_model")
+    MAX_TOKENS = 16
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SpeculativeConfig":
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise ValueError(f"speculative_config: must be a JSON object, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        method = d.get("method")
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config.method: must be one of {cls.METHODS}, "
+                             f"got {method!r}")
+        k = d.get("num_speculative_tokens", 4)
+        for name, v in (("num_speculative_tokens", k),
+                        ("prompt_lookup_max", d.get("prompt_lookup_max", 4)),
+                        ("prompt_lookup_min", d.get("prompt_lookup_min", 2))):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"speculative_config.{name}: must be a positive integer, "
+                                 f"got {v!r}")
+        if k > cls.MAX_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens: at most "
+                             f"{cls.MAX_TOKENS}, got {k}")
+        lo, hi = d.get("prompt_lookup_min", 2), d.get("prompt_lookup_max", 4)
+        if "prompt_lookup_min" in d and "prompt_lookup_max" not in d:
+            hi = max(hi, lo)
+        elif "prompt_lookup_max" in d and "prompt_lookup_min" not in d:
+            lo = min(lo, hi)
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min {lo} exceeds "
+                             f"prompt_lookup_max {hi}")
+        model = d.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError("speculative_config.model: the draft model's name or path is "
+                             "required with method 'draft_model'")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config.model: only with method 'draft_model'")
+        return cls(method, k, hi, lo, model)

@@ -26,11 +26,11 @@ How the scheduler drives it, per sequence (ids are any hashable):
    pages are hashed and become reusable by other prompts only then, so a
    page is never shared before its K/V exists.
 4. ``free(seq_id)`` when the sequence finishes, aborts or is preempted;
-   its hashed pages stay cached (evictable) until the pool runs short.
+   its hashed pages stay cached (evictable) until the pool runs short;
+   ``trim`` gives back slots reserved for rejected speculative tokens.
 
-Running out of pages raises ``OutOfPages`` and leaves the manager unchanged,
-so the scheduler can preempt a sequence and retry; ``can_allocate`` and
-``can_append_slots`` answer the same question without raising.
+Running out of pages raises ``OutOfPages`` and leaves the manager unchanged
+(the scheduler preempts and retries; ``can_*`` ask without raising).
 """
 
 from __future__ import annotations
@@ -296,6 +296,18 @@ class BlockManager(PagePool):
                 s.pages[j] = TRASH_PAGE
                 n += 1
         return n
+
+    def trim(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Keep only the first ``num_tokens`` reserved slots (never fewer
+        than the computed ones); pages past them go back to the pool (they
+        were this sequence's own, never hashed). Returns pages released."""
+        s = self._seq(seq_id)
+        s.num_tokens = max(s.num_computed, min(s.num_tokens, num_tokens))
+        keep = self._pages_for(s.num_tokens)
+        extra, s.pages = s.pages[keep:], s.pages[:keep]
+        for p in reversed(extra):
+            self._release_page(p)
+        return len(extra)
 
     # ---------------------------------------------------------------- internals
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any, Iterable
 
 import numpy as np
@@ -28,11 +29,12 @@ from jaxkv.config import CacheConfig, EngineConfig, ModelConfig
 from jaxkv.core.block_manager import BlockManager
 from jaxkv.core.output_processor import OutputProcessor
 from jaxkv.core.outputs import RequestOutput
-from jaxkv.core.requests import check_request, child_seed, parse_prompt
-from jaxkv.core.sampling_params import SamplingParams, is_unicode
+from jaxkv.core.intake import RequestIntake
+from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.core.scheduler import Scheduler, SchedulerOutput
 from jaxkv.core.sequence import Sequence
-from jaxkv.core.structured import Grammars, TokenRules
+from jaxkv.core.spec_decode import SpecStats, make_proposer
+from jaxkv.core.structured import Grammars
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
 from jaxkv.model.memory import max_model_len, plan_num_pages
@@ -41,13 +43,16 @@ from jaxkv.worker.distributed import init_distributed, scale_out
 from jaxkv.worker.runner import Runner
 from jaxkv.worker.execute import execute, execute_scored
 from jaxkv.worker.buckets import Buckets
-from jaxkv.worker.stop import StopRule
 
 log = logging.getLogger("jaxkv")
 
 
-class LLMEngine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+class LLMEngine(RequestIntake):
+    """The engine: `add_request` / `check_request` / `abort` (the request
+    side, `jaxkv.core.intake`), `step`, `run_to_completion`."""
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None,
+                 draft_model=None):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         model, self.sharding, channel = scale_out(model, config)
@@ -64,12 +69,17 @@ class LLMEngine:
                                            pool_tokens)
         self.bm = BlockManager(num_pages, config.page_size,
                                enable_prefix_caching=config.enable_prefix_caching)
+        buckets = Buckets.make(config.max_num_seqs, config.max_num_batched_tokens,
+                               -(-self.max_model_len // config.page_size), self.max_model_len,
+                               num_spec=config.num_speculative_tokens)
+        # A draft model keeps its own cache in step, so it sees every step.
+        self.proposer, self.draft = make_proposer(config, self, buckets, draft_model)
+        self.spec_stats = SpecStats()
         self.scheduler = Scheduler(self.bm, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   max_num_steps=config.num_decode_steps)
-        buckets = Buckets.make(config.max_num_seqs, config.max_num_batched_tokens,
-                               -(-self.max_model_len // config.page_size), self.max_model_len)
+                                   max_num_steps=1 if self.draft else config.num_decode_steps,
+                                   proposer=self.proposer, num_spec=buckets.num_spec)
         cache = create_cache(self.model_config, self.cache_config,
                              self.sharding.cache_sharding() if self.sharding else None)
         self.runner = Runner(model, cache, buckets, self.attention,
@@ -84,7 +94,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         # decode_steps: model calls; partial_prefills: chunks short of the prompt's end.
         self.stats = dict(steps=0, decode_steps=0, prompt_tokens_computed=0, generated_tokens=0,
-                          partial_prefills=0)
+                          partial_prefills=0, step_seconds=0.0)
         log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
                  "on %d); max_model_len %d; up to %d sequences at full length", num_pages,
                  config.page_size, pool_tokens, kv_dtype, shard_nbytes(self.runner.cache)
@@ -92,6 +102,8 @@ class LLMEngine:
                  max(1, pool_tokens // self.max_model_len))
         self.warmup_report = None
         if config.warmup:
+            if self.draft is not None:
+                self.draft.warm_up()
             self.warmup_report = self.runner.warm_up()
             log.info("jaxkv: warm-up compiled %(programs)d programs in %(seconds).1f s",
                      self.warmup_report)
@@ -119,111 +131,12 @@ class LLMEngine:
         """Process 0 of several: release the followers (also done at exit)."""
         self.runner.stop_followers()
 
-    # ------------------------------------------------------------ requests
-
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
-        """Queue a request: a string, a list of token ids, or
-        {"prompt": str} / {"prompt_token_ids": [...]}. Returns its id. A bad
-        request is not raised: it finishes at once with finish_reason
-        "error" and a message naming the field, reported by the next step().
-        `cache_salt`: requests share prefix-cache pages only with requests
-        of the same salt (one per tenant)."""
-        if request_id is None:
-            rid = str(next(self._ids))
-            while rid in self._seqs:  # a caller chose this id
-                rid = str(next(self._ids))
-        else:
-            rid = str(request_id)
-        if rid in self._seqs:
-            raise ValueError(f"request_id: {rid!r} is already in use")
-        params = params if params is not None else SamplingParams()
-        text, ids, err = None, [], None
-        try:
-            text, ids = self.check_request(prompt, params, cache_salt)
-        except (ValueError, TypeError) as e:
-            # A TypeError is a check that named no field: still the request's error.
-            err = str(e) if isinstance(e, ValueError) else f"request: {e}"
-            params = params if isinstance(params, SamplingParams) else SamplingParams()
-            ids = ids if isinstance(ids, list) else []
-            cache_salt = None
-        seed = params.seed if isinstance(params.seed, int) else int(self._seed_rng.integers(2**31))
-        seq = Sequence(rid, text, ids, params, seed, cache_salt=cache_salt)
-        self._seqs[rid] = seq
-        if err is not None:
-            seq.finish("error", error=err)
-            self._errors.append(seq)
-        else:
-            seq.stop = StopRule.for_request(params, self.model_config.eos_token_ids, len(ids),
-                                            self.max_model_len)
-            seq.rules = self._rules(params)
-            self.scheduler.add(seq)
-            if params.n > 1:  # share the prompt's full pages if it has any
-                if len(ids) - 1 >= self.config.page_size:
-                    seq.fork_pending = True
-                else:
-                    for i in range(1, params.n):
-                        self.scheduler.add(self._child(seq, i))
-        return rid
-
-    def _rules(self, params: SamplingParams) -> TokenRules | None:
-        if not params.uses_rules:
-            return None
-        return TokenRules(params, self.grammars, self.tokenizer, self.model_config.vocab_size)
-
-    def _child(self, parent: Sequence, i: int) -> Sequence:
-        return parent.add_child(i, child_seed(parent.seed, i), self._rules(parent.params))
-
-    def _fork(self, parent: Sequence) -> None:
-        """The parent computed all but its last prompt token: its n - 1
-        siblings share those pages and each runs the last token itself."""
-        parent.fork_pending = False
-        self.scheduler.fork(parent, [self._child(parent, i) for i in range(1, parent.params.n)])
-
-    def check_request(self, prompt, params: SamplingParams,
-                      cache_salt: str | None = None) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a request this engine would
-        accept, else ValueError naming the field. Reads only the engine's
-        fixed settings, so a server's handler threads may call it."""
-        text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
-        c = self.config
-        check_request(ids, params, vocab_size=self.model_config.vocab_size,
-                      max_model_len=self.max_model_len, has_tokenizer=self.tokenizer is not None,
-                      max_prefill=None if c.enable_chunked_prefill else c.max_num_batched_tokens)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
-                                       or not is_unicode(cache_salt)):
-            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
-        if params.n > c.max_num_seqs:
-            raise ValueError(f"n: {params.n} sequences exceed max_num_seqs {c.max_num_seqs}")
-        if params.structured_outputs is not None:
-            self.grammars.matcher(params.structured_outputs)  # compiles (cached) or names the error
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words: this model has no tokenizer")
-        return text, ids
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its next output has finish_reason "abort"."""
-        seq = self._seqs.get(str(request_id))
-        if seq is None or all(c.finished for c in seq.children):
-            return
-        for c in seq.children:
-            if not c.finished:
-                self.scheduler.remove(c)
-                c.finish("abort")
-        self._errors.append(seq)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._errors)
-
-    def get_request(self, request_id: str) -> Sequence:
-        """The host state of a request not yet reported finished."""
-        return self._seqs[str(request_id)]
-
     # ------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that produced
         tokens or finished."""
+        t0 = time.perf_counter()
         outputs = [self._output(s) for s in self._errors]
         self._errors.clear()
         sched = self.scheduler.schedule()
@@ -232,19 +145,35 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress: the page pool is too small "
                                    "for any waiting request")
             return outputs
-        return outputs + self._run(sched)
+        outputs += self._run(sched)
+        self.stats["step_seconds"] += time.perf_counter() - t0
+        return outputs
+
+    def speculative_metrics(self) -> dict:
+        """Speculative decoding so far ({} when off): verify steps, drafts,
+        proposed and accepted tokens, acceptance rate, mean accepted length,
+        and the seconds spent proposing with their share of step time."""
+        if self.proposer is None:
+            return {}
+        d = self.spec_stats.as_dict()
+        d["propose_seconds"] = secs = self.scheduler.propose_seconds
+        d["propose_share"] = secs / self.stats["step_seconds"] if self.stats["step_seconds"] else 0.0
+        return d
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         self.runner.copy_pages(sched.copies)
+        mirror = self.draft.mirror if self.draft is not None else None
+        if mirror is not None:
+            self.draft.copy_pages(sched.copies)
         V = self.model_config.vocab_size
         scored = [sc for sc in sched.scheduled if sc.seq.scores_prompt(sc.start)]
         plain = [sc for sc in sched.scheduled if id(sc) not in {id(x) for x in scored}]
         touched: dict[int, Sequence] = {}
         if plain:
-            res, stuck = execute(self.runner, plain, sched.num_steps, V)
+            res, stuck = execute(self.runner, plain, sched.num_steps, V, mirror)
             self._accept(plain, res, stuck, touched)
         for sc in scored:  # prompt chunks with prompt log-probabilities
-            tgt, top_ids, top_lps, res, stuck = execute_scored(self.runner, sc, V)
+            tgt, top_ids, top_lps, res, stuck = execute_scored(self.runner, sc, V, mirror)
             self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_tokens, tgt, top_ids, top_lps)
             self._accept([sc], res, stuck, touched)
         self.stats["steps"] += 1
@@ -252,7 +181,12 @@ class LLMEngine:
 
     def _accept(self, scheduled, res, stuck: list[int], touched: dict) -> None:
         """Hand each sequence's sampled tokens to the output processor."""
-        self.stats["decode_steps"] += len(res.tokens)
+        if self.spec_stats.record(scheduled, res):
+            self.stats["decode_steps"] += 1
+            if self.spec_stats.steps % 100 == 0:
+                log.info("jaxkv: speculative decoding: %s", self.speculative_metrics())
+        else:
+            self.stats["decode_steps"] += len(res.tokens)
         for i, sc in enumerate(scheduled):
             s = sc.seq
             if not sc.completes:  # a prefill chunk short of the prompt's end
@@ -264,11 +198,11 @@ class LLMEngine:
                 continue
             if not s.output_token_ids:
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
-            self._computed(s, sc.start + sc.num_tokens)
+            self._computed(s, sc.known_end)
             if i in stuck:
                 s.finish("error", error="structured_outputs: no token can continue the "
                                         "output (the rules allow none)")
-            for k in range(0 if i in stuck else len(res.tokens)):
+            for k in range(0 if i in stuck else int(res.counts[i])):
                 if not res.finite[k, i]:
                     s.finish("error", error=f"logits: not finite (NaN or inf) at output token "
                                             f"{len(s.output_token_ids)}: the model's weights or "
@@ -281,8 +215,10 @@ class LLMEngine:
                     break
             if s.finished:
                 self.scheduler.remove(s)
-            elif len(res.tokens) > 1:  # every token but the newest has its K/V written
+            elif res.counts[i] > 1:  # every token but the newest has its K/V written
                 self._computed(s, s.num_tokens - 1)
+            if sc.spec_tokens and not s.finished:  # slots of rejected proposals go back
+                self.bm.trim(s.request_id, s.num_tokens)
             touched[id(s.parent)] = s.parent
 
     def _computed(self, s: Sequence, num_computed: int) -> None:

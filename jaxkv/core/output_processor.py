@@ -74,7 +74,9 @@ class OutputProcessor:
         firsts = [c.t_first_token for c in s.children if c.t_first_token is not None]
         metrics = dict(arrival=s.t_arrival, first_token=min(firsts) if firsts else None,
                        finish=max(ends) if finished and ends else None,
-                       num_preemptions=sum(c.num_preemptions for c in s.children))
+                       num_preemptions=sum(c.num_preemptions for c in s.children),
+                       spec_proposed=sum(c.spec_proposed for c in s.children),
+                       spec_accepted=sum(c.spec_accepted for c in s.children))
         return RequestOutput(request_id=s.request_id, prompt=s.prompt,
                              prompt_token_ids=list(s.prompt_token_ids), outputs=comps,
                              finished=finished, error="; ".join(errors) or None,

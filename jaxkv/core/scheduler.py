@@ -9,6 +9,10 @@ All of it rides in one ragged step. When only decodes can run (every
 running sequence decodes, nothing waiting could be admitted, no sequence
 needs the host between tokens: penalties), the step runs up to
 `max_num_steps` decode steps in one device call, with pages reserved ahead.
+With speculative decoding (a `proposer`, `jaxkv.core.spec_decode`), such a
+decode-only step where some sequence has proposals is a verify step
+instead: each sequence brings its last token plus up to `num_spec`
+proposals (within the token budget), pages reserved for all of them.
 
 When the page pool runs dry, the most recently admitted running sequence is
 preempted by recompute: its pages are freed and it goes back to the front
@@ -20,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 from jaxkv.core.block_manager import BlockManager, OutOfPages
 from jaxkv.core.page_pool import salted_root
 from jaxkv.core.sequence import Sequence, Status
+from jaxkv.core.spec_decode import can_speculate
 
 
 # Prompt rows per step of a request that wants prompt log-probabilities
@@ -41,14 +47,20 @@ def _chunk_cap(seq: Sequence, start: int) -> int:
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
-    num_tokens: int  # rows this step
+    num_tokens: int  # rows this step (with the proposals)
     block_table: list[int] = dataclasses.field(default_factory=list)  # after this step's growth
+    spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposals, rows 1..k
+
+    @property
+    def known_end(self) -> int:
+        """Position after the last known (not proposed) token of this chunk."""
+        return self.start + self.num_tokens - len(self.spec_tokens)
 
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the sequence's last known token, so
         the step's sample is its next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.known_end == self.seq.num_tokens
 
 
 @dataclasses.dataclass
@@ -66,12 +78,15 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_num_steps: int = 1):
+                 max_num_steps: int = 1, proposer=None, num_spec: int = 0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.max_num_steps = max_num_steps
+        self.proposer = proposer
+        self.num_spec = num_spec
+        self.propose_seconds = 0.0  # in the proposer's fill (a draft model's runs)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -104,24 +119,52 @@ class Scheduler:
         return self.bm.num_computed_tokens(seq.request_id)
 
     def schedule(self) -> SchedulerOutput:
-        n = self._decode_steps()
-        out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
+        caps = self._spec_caps()
+        if caps is not None:
+            out = self._schedule_decodes(1, caps)
+        else:
+            n = self._decode_steps()
+            out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
         for sc in out.scheduled:
             sc.block_table = self.bm.block_table(sc.seq.request_id)
+        if caps is not None:  # proposals once the pages are reserved (a draft writes there)
+            t0 = time.perf_counter()
+            self.proposer.fill([sc for sc in out.scheduled if sc.num_tokens > 1])
+            self.propose_seconds += time.perf_counter() - t0
         return out
+
+    def _decode_only(self) -> bool:
+        """Every running sequence decodes and nothing waiting could be
+        admitted: a step of decodes only."""
+        if not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
+            return False
+        return len(self.running) <= self.max_num_batched_tokens and all(
+            s.num_tokens - self.computed(s) == 1 for s in self.running)
+
+    def _spec_caps(self) -> dict[int, int] | None:
+        """Proposals each running sequence may bring ({id(seq): k}), or None
+        when this is no verify step: speculation is off, the step is not
+        decode-only, a sequence needs the host between tokens, or no one has
+        a proposal."""
+        if self.proposer is None or not self._decode_only():
+            return None
+        if not all(can_speculate(s) for s in self.running):
+            return None
+        budget = self.max_num_batched_tokens - len(self.running)
+        caps = {}
+        for s in self.running:
+            cap = min(self.num_spec, budget, s.tokens_left - 1)
+            caps[id(s)] = k = self.proposer.max_proposals(s, cap) if cap > 0 else 0
+            budget -= k
+        return caps if any(caps.values()) else None
 
     def _decode_steps(self) -> int:
         """Decode steps the next call may run: more than one only when every
         running sequence decodes, nothing waiting could be admitted, and no
         sequence needs per-step host work (penalties, token rules)."""
-        if self.max_num_steps <= 1 or not self.running:
+        if self.max_num_steps <= 1 or not self._decode_only():
             return 1
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return 1
-        if len(self.running) > self.max_num_batched_tokens:
-            return 1
-        if any(s.num_tokens - self.computed(s) != 1 or s.params.uses_penalties
-               or s.rules is not None for s in self.running):
+        if not all(can_speculate(s) for s in self.running):
             return 1
         return self.max_num_steps  # fixed: one program; the loop ends early
 
@@ -151,16 +194,19 @@ class Scheduler:
                 if victim is seq:
                     return False
 
-    def _schedule_decodes(self, num_steps: int) -> SchedulerOutput:
+    def _schedule_decodes(self, num_steps: int,
+                          caps: dict[int, int] | None = None) -> SchedulerOutput:
         """Every running sequence decodes, with pages reserved for up to
-        `num_steps` tokens (capped by what it may still generate); may
-        preempt the newest."""
+        `num_steps` tokens (capped by what it may still generate), or with
+        `caps`, for its last token and its proposals; may preempt the
+        newest."""
         out = SchedulerOutput([], [], [], num_steps=num_steps)
         for seq in list(self.running):
-            n = max(1, min(num_steps, seq.tokens_left))
+            k = caps.get(id(seq), 0) if caps is not None else 0
+            n = 1 + k if caps is not None else max(1, min(num_steps, seq.tokens_left))
             start = self.computed(seq) if seq in self.running else 0
             if seq in self.running and self._grow(seq, start + n, out):
-                out.scheduled.append(ScheduledSeq(seq, start, 1))
+                out.scheduled.append(ScheduledSeq(seq, start, 1 + k))
         return out
 
     def _schedule_step(self) -> SchedulerOutput:

@@ -57,6 +57,8 @@ class Sequence:
         self.sent_text = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
+        self.spec_proposed = 0  # speculative tokens proposed / accepted for it
+        self.spec_accepted = 0
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None
         self.t_finish: float | None = None

@@ -16,7 +16,9 @@ class ProgramKey(NamedTuple):
     sequence counts. kind "decode" (T == S): decode steps only, up to K per
     call; "mixed" (T > S): one step with prefill chunks; "both" (T == S):
     either, the attention path picked at run time (a T == S shape that is
-    also a mixed bucket, compiled once for both uses)."""
+    also a mixed bucket, compiled once for both uses); "verify" (T == S (k
+    + 1)): speculative verification, each sequence its last token plus up
+    to k proposals."""
 
     kind: str
     tokens: int
@@ -25,7 +27,7 @@ class ProgramKey(NamedTuple):
     @property
     def loops(self) -> bool:
         """Whether the program may run several decode steps per call."""
-        return self.kind != "mixed"
+        return self.kind in ("decode", "both")
 
 
 def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
@@ -49,16 +51,19 @@ class Buckets:
     (measured: a 256-token prompt alone takes 779 ms padded to 8 sequences,
     629 ms at 1). pages_per_seq: W. history: N of the penalty sampler
     (powers of four from 8192 up to the longest sequence). A T == S shape
-    in both lists is one program ("both")."""
+    in both lists is one program ("both"). num_spec: k of speculative
+    decoding (0: off); then every decode S also has a verify program of
+    S (k + 1) rows."""
 
     decode_seqs: tuple[int, ...]
     mixed: tuple[tuple[int, int], ...]
     pages_per_seq: int
     history: tuple[int, ...]
+    num_spec: int = 0
 
     @classmethod
     def make(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int,
-             max_model_len: int) -> "Buckets":
+             max_model_len: int, num_spec: int = 0) -> "Buckets":
         max_s = min(max_num_seqs, max_num_batched_tokens)
         mixed = []
         for t in _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens):
@@ -68,7 +73,8 @@ class Buckets:
             mixed += [(t, s) for s in sorted(counts)]
         return cls(decode_seqs=_pow2_buckets(1, max_s), mixed=tuple(mixed),
                    pages_per_seq=pages_per_seq,
-                   history=_pow2_buckets(min(8192, max_model_len), max_model_len, factor=4))
+                   history=_pow2_buckets(min(8192, max_model_len), max_model_len, factor=4),
+                   num_spec=num_spec)
 
     def _key(self, t: int, s: int) -> ProgramKey:
         if t == s and s in self.decode_seqs:
@@ -78,6 +84,12 @@ class Buckets:
     def decode_key(self, num_seqs: int) -> ProgramKey:
         s = _pick(self.decode_seqs, num_seqs, "sequences per step")
         return self._key(s, s)
+
+    def verify_key(self, num_seqs: int) -> ProgramKey:
+        if not self.num_spec:
+            raise ValueError("verify_key: speculative decoding is off (num_spec 0)")
+        s = _pick(self.decode_seqs, num_seqs, "sequences per step")
+        return ProgramKey("verify", s * (self.num_spec + 1), s)
 
     def mixed_key(self, num_tokens: int, num_seqs: int) -> ProgramKey:
         for t, s in self.mixed:
@@ -93,6 +105,8 @@ class Buckets:
         """Every step program an engine with these buckets can run."""
         keys = [self._key(s, s) for s in self.decode_seqs]
         keys += [self._key(t, s) for t, s in self.mixed]
+        if self.num_spec:
+            keys += [self.verify_key(s) for s in self.decode_seqs]
         return list(dict.fromkeys(keys))
 
 

@@ -132,3 +132,43 @@ def scale_out(model, config):
         return model, None, None
     plan = ShardingPlan.make(model.config, tp)
     return shard_model(model, plan), plan, Channel() if procs > 1 else None
+
+
+class Follower:
+    """The Runner's side of several processes (a mixin over its `channel`,
+    `_following` and `_stopped`): process 0 mirrors each device call to
+    the others, which `follow` it."""
+
+    def _mirror(self, method: str, *args) -> None:
+        """On process 0 of several: send the call to the other processes."""
+        ch = self.channel
+        if ch is None or self._following:
+            return
+        if not ch.leader:
+            raise RuntimeError(f"process {ch.process_index} follows process 0: requests enter "
+                               "on process 0 only (run Runner.follow here)")
+        ch.send((method, args))
+
+    def follow(self) -> int:
+        """Processes 1..n-1: run process 0's calls on this Runner until it
+        says stop (`stop_followers`); returns the number of calls run."""
+        if self.channel is None or self.channel.leader:
+            raise RuntimeError("follow: only processes other than 0 of a multi-process job "
+                               "follow")
+        self._following = True
+        n = 0
+        try:
+            while (msg := self.channel.recv()) is not None:
+                method, args = msg
+                getattr(self, method)(*args)
+                n += 1
+        finally:
+            self._following = False
+        return n
+
+    def stop_followers(self) -> None:
+        """Process 0: tell the followers to return from `follow` (once)."""
+        ch = self.channel
+        if ch is not None and ch.leader and not self._stopped:
+            self._stopped = True
+            ch.send(None)

@@ -19,17 +19,23 @@ from jaxkv.worker.step_batch import build_penalty_batch, build_rules_batch, buil
 
 
 def execute(runner: Runner, scheduled: Sequence[Any], num_steps: int,
-            vocab_size: int) -> tuple[StepResult, list[int]]:
+            vocab_size: int, mirror=None) -> tuple[StepResult, list[int]]:
+    """`mirror(batch, key)`, when given, runs the same batch first (a draft
+    model writing its own cache)."""
     batch, key = build_step_batch(scheduled, num_steps, runner.page_size, runner.buckets)
+    if mirror is not None:
+        mirror(batch, key)
     penalties = build_penalty_batch(scheduled, key.seqs, runner.buckets)
     rules, stuck = build_rules_batch(scheduled, key.seqs, vocab_size)
     return runner.step(batch, key, len(scheduled), penalties, rules), stuck
 
 
-def execute_scored(runner: Runner, sc: Any, vocab_size: int):
+def execute_scored(runner: Runner, sc: Any, vocab_size: int, mirror=None):
     """Rows [sc.start, sc.start + sc.num_tokens) of one sequence; row r's
     target is the token after it (0 past the known tokens)."""
     batch, key = build_step_batch([sc], 1, runner.page_size, runner.buckets)
+    if mirror is not None:
+        mirror(batch, key)
     penalties = build_penalty_batch([sc], 1, runner.buckets)  # only its last row samples
     rules, stuck = build_rules_batch([sc], 1, vocab_size)
     toks = sc.seq.all_token_ids

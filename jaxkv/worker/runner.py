@@ -40,7 +40,9 @@ from jaxkv.model.attention import AttentionSpec
 from jaxkv.sharding import to_host
 from jaxkv.model.kv_cache import KVCache, copy_pages
 from jaxkv.worker.sampler import sample_with_rules
-from jaxkv.worker.step import ScoreOutput, StepOutput, score_step, step
+from jaxkv.worker.distributed import Follower
+from jaxkv.worker.step import ScoreOutput, StepOutput, forward_step, score_step, step
+from jaxkv.worker.verify import verify_step
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.step_batch import PenaltyBatch, RulesBatch, StepBatch, empty, empty_rules
 
@@ -52,16 +54,19 @@ COPY_WIDTH = 64
 class StepResult:
     """A step's outputs on the host, cut to the live sequences: tokens /
     logprobs [n, S_live], top_ids / top_logprobs [n, S_live, N], finite
-    [n, S_live] (all that row's logits finite), n the model calls run."""
+    [n, S_live] (all that row's logits finite), n the model calls run (or
+    k + 1 in a verify step); counts [S_live] the rows that are each
+    sequence's tokens (n, or its accepted proposals plus one)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
     finite: np.ndarray
+    counts: np.ndarray
 
 
-class Runner:
+class Runner(Follower):
     def __init__(self, model, cache: KVCache, buckets: Buckets, attention: AttentionSpec, *,
                  max_decode_steps: int = 1, num_top_logprobs: int = 0, seed: int = 0,
                  plan=None, channel=None):
@@ -139,11 +144,19 @@ class Runner:
                                         logits_indices=np.zeros(T, np.int32))
             return fn.trace(self.state, self.cache, batch, self.rng,
                             np.zeros(T, np.int32)).lower(**kw)
+        if key[0] == "forward":  # ("forward", ProgramKey): K/V writes only
+            fn = self._jit(functools.partial(forward_step, g, kind=key[1].kind,
+                                             attention=self.attention), "scr", "c", (1,))
+            batch = empty(key[1], self.buckets.pages_per_seq)
+            return fn.trace(self.state, self.cache, batch).lower(**kw)
         if isinstance(key, ProgramKey):
-            fn = self._jit(functools.partial(
-                step, g, kind=key.kind, max_steps=self.max_decode_steps if key.loops else 1,
-                num_top_logprobs=self.num_top_logprobs, attention=self.attention),
-                "scrr", "rc", (1,))
+            common = dict(num_top_logprobs=self.num_top_logprobs, attention=self.attention)
+            if key.kind == "verify":
+                fn = functools.partial(verify_step, g, num_spec=self.buckets.num_spec, **common)
+            else:
+                fn = functools.partial(step, g, kind=key.kind, **common,
+                                       max_steps=self.max_decode_steps if key.loops else 1)
+            fn = self._jit(fn, "scrr", "rc", (1,))
             batch = empty(key, self.buckets.pages_per_seq)
             return fn.trace(self.state, self.cache, batch, self.rng).lower(**kw)
         if key[0] == "rules":
@@ -215,10 +228,15 @@ class Runner:
         if rules is not None or penalties is not None:
             fields = self._resample(out, batch.sampling, batch.num_output, penalties, rules)
         n = int(to_host(out.steps))
-        res = StepResult(*(to_host(x)[:n, :num_seqs] for x in fields))
+        res = StepResult(*(to_host(x)[:n, :num_seqs] for x in fields),
+                         counts=to_host(out.counts)[:num_seqs])
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
         return res
+
+    def forward(self, batch: StepBatch, key: ProgramKey) -> None:
+        """Run `batch` for its K/V writes alone (program ("forward", key))."""
+        self.cache = self._program(("forward", key))(self.state, self.cache, batch)
 
     def score(self, batch: StepBatch, key: ProgramKey, targets: np.ndarray,
               penalties: PenaltyBatch | None = None, rules: RulesBatch | None = None):
@@ -238,7 +256,7 @@ class Runner:
         if rules is not None or penalties is not None:  # one row: the sequence's
             sb = jax.tree_util.tree_map(lambda x: x[:1], batch.sampling)
             fields = self._resample(st, sb, batch.num_output[:1], penalties, rules)
-        res = StepResult(*(to_host(x) for x in fields))
+        res = StepResult(*(to_host(x) for x in fields), counts=np.ones(1, np.int32))
         self.stats["calls"] += 1
         return (to_host(out.target_logprobs), to_host(out.top_ids),
                 to_host(out.top_logprobs), res)
@@ -279,39 +297,3 @@ class Runner:
             src[:len(chunk)] = [p[0] for p in chunk]
             dst[:len(chunk)] = [p[1] for p in chunk]
             self.cache = prog(self.cache, src, dst)
-
-    # ------------------------------------------------------------ several processes
-
-    def _mirror(self, method: str, *args) -> None:
-        """On process 0 of several: send the call to the other processes."""
-        ch = self.channel
-        if ch is None or self._following:
-            return
-        if not ch.leader:
-            raise RuntimeError(f"process {ch.process_index} follows process 0: requests enter "
-                               "on process 0 only (run Runner.follow here)")
-        ch.send((method, args))
-
-    def follow(self) -> int:
-        """Processes 1..n-1: run process 0's calls on this Runner until it
-        says stop (`stop_followers`); returns the number of calls run."""
-        if self.channel is None or self.channel.leader:
-            raise RuntimeError("follow: only processes other than 0 of a multi-process job "
-                               "follow")
-        self._following = True
-        n = 0
-        try:
-            while (msg := self.channel.recv()) is not None:
-                method, args = msg
-                getattr(self, method)(*args)
-                n += 1
-        finally:
-            self._following = False
-        return n
-
-    def stop_followers(self) -> None:
-        """Process 0: tell the followers to return from `follow` (once)."""
-        ch = self.channel
-        if ch is not None and ch.leader and not self._stopped:
-            self._stopped = True
-            ch.send(None)

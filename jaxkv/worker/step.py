@@ -2,6 +2,7 @@
 
     step(graphdef, state, cache, batch, rng) -> (StepOutput, cache)   cache donated
     score_step(graphdef, state, cache, batch, rng, targets) -> (ScoreOutput, cache)
+    forward_step(graphdef, state, cache, batch) -> cache    K/V writes only (a draft's mirror)
 
 One function serves every kind of step (`jaxkv.worker.step_batch`): a
 mixed step runs the model once and samples one token per sequence; a
@@ -37,7 +38,9 @@ class StepOutput:
     """tokens / logprobs [K, S]; top_ids / top_logprobs [K, S, N]; finite
     [K, S] bool (every logit of that row was finite: NaN or inf weights or
     activations show here instead of as a silent token 0); steps[] the model
-    calls run (rows past it are zeros); logits [S, V] f32 of the last call."""
+    calls run (rows past it are zeros); logits [S, V] f32 of the last call;
+    counts [S] the rows of each sequence that are its tokens (steps, or in
+    a verify step its accepted proposals plus one)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -46,6 +49,7 @@ class StepOutput:
     finite: jax.Array
     steps: jax.Array
     logits: jax.Array
+    counts: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -78,7 +82,18 @@ def score_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, targets, 
     t, lp1, ti, tl = (x[None] for x in _stack(out))
     finite = jnp.all(jnp.isfinite(last), axis=-1)[None]
     return ScoreOutput(target, top_ids.astype(jnp.int32), top_lp,
-                       StepOutput(t, lp1, ti, tl, finite, jnp.int32(1), last)), cache
+                       StepOutput(t, lp1, ti, tl, finite, jnp.int32(1), last,
+                                  jnp.ones(1, jnp.int32))), cache
+
+
+def forward_step(graphdef, state, cache: KVCache, batch: StepBatch, *, kind: str,
+                 attention: AttentionSpec):
+    """Run the model over the batch for its K/V writes alone (a draft model
+    keeping its cache in step with the target's); the logits are dropped."""
+    model = nnx.merge(graphdef, state)
+    all_decode = {"decode": True, "both": None}.get(kind, False)
+    _, cache = model(cache, batch, attention, all_decode=all_decode)
+    return cache
 
 
 def _stack(outs: SampleOutput):
@@ -94,7 +109,9 @@ def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, kind: str,
                      num_top_logprobs=num_top_logprobs)
         t, lp, ti, tl = (x[None] for x in _stack(out))
         finite = jnp.all(jnp.isfinite(logits), axis=-1)[None]
-        return StepOutput(t, lp, ti, tl, finite, jnp.int32(1), logits), cache
+        S = batch.kv_lens.shape[0]
+        return StepOutput(t, lp, ti, tl, finite, jnp.int32(1), logits,
+                          jnp.ones(S, jnp.int32)), cache
     # "decode": every row a decode; "both": decided at run time (a mixed
     # batch runs with num_steps 1, its rows need not be its sequences).
     return _decode_loop(model, cache, batch, rng, max_steps=max_steps,
@@ -140,4 +157,4 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
 
     init = (jnp.int32(0), cache, batch, ~live, bufs, jnp.zeros((S, V), jnp.float32))
     n, cache, _, _, bufs, logits = jax.lax.while_loop(cond, body, init)
-    return StepOutput(*bufs, n, logits), cache
+    return StepOutput(*bufs, n, logits, jnp.full(S, n, jnp.int32)), cache

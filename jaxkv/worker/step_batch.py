@@ -14,7 +14,9 @@ compiles once per program key (`ProgramKey`: kind, T, S) and never again:
     kv_lens[S]          tokens in the cache for s after this step's writes
     block_tables[S, W]  pages of s in order (0 past its last page)
     num_seqs[]          live sequences; the rest are padding
-    logits_indices[S]   row whose logits are sampled for s (its last row)
+    logits_indices[S]   row whose logits are sampled for s (its last row);
+                        [S, k + 1] flattened in a verify step: s's rows
+                        from its last known token on, repeating the last
     num_output[S]       tokens s generated before this step (seed stream
                         index, stop rules)
     num_steps[]         decode steps to run (decode programs; 1 otherwise)
@@ -25,7 +27,9 @@ A decode is a sequence with one row, a prefill chunk one with several; both
 ride in the same step. A "decode" program serves steps where every sequence
 brings one row and may run several decode steps in one call (each step's
 token is the next one's input); a "mixed" program serves every other step;
-a "both" program, a shape that is both, serves either.
+a "both" program, a shape that is both, serves either. A "verify"
+program serves decode-only steps where some sequences bring proposals
+(speculative decoding): its rows are the last token then the proposals.
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ def empty(key: ProgramKey, pages_per_seq: int) -> StepBatch:
     return StepBatch(token_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
                      cu_q_lens=i32(S + 1), kv_lens=i32(S),
                      block_tables=np.zeros((S, pages_per_seq), np.int32),
-                     num_seqs=np.asarray(0, np.int32), logits_indices=i32(S),
+                     num_seqs=np.asarray(0, np.int32),
+                     logits_indices=i32(T if key.kind == "verify" else S),
                      num_output=i32(S), num_steps=np.asarray(1, np.int32),
                      sampling=sampling, stops=stops)
 
@@ -131,14 +136,22 @@ def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
     position computed), `num_tokens` (rows) and `block_table` (its pages,
     reserved for every position this call writes). With `num_steps` > 1
     every sequence brings one row and its block table already covers the
-    positions of the tokens it may still generate, up to num_steps. This is the only place SamplingParams fields are
-    copied into arrays."""
+    positions of the tokens it may still generate, up to num_steps. A
+    sequence with `spec_tokens` (k proposals) brings its last token and
+    them (num_tokens == 1 + k): the step is a verify step. This is the
+    only place SamplingParams fields are copied into arrays."""
     n_tok = sum(sc.num_tokens for sc in scheduled)
-    decode = all(sc.num_tokens == 1 for sc in scheduled)
-    if num_steps > 1 and not decode:
-        raise ValueError("num_steps > 1 needs every sequence to bring exactly one token")
-    key = (buckets.decode_key(len(scheduled)) if decode
+    spec = [len(getattr(sc, "spec_tokens", ()) or ()) for sc in scheduled]
+    decode = all(sc.num_tokens == 1 + k for sc, k in zip(scheduled, spec))
+    if (num_steps > 1 or any(spec)) and not decode:
+        raise ValueError("num_steps > 1 and proposals need every sequence to bring exactly "
+                         "one known token")
+    if any(spec) and num_steps > 1:
+        raise ValueError("a verify step runs one step")
+    key = (buckets.verify_key(len(scheduled)) if any(spec)
+           else buckets.decode_key(len(scheduled)) if decode
            else buckets.mixed_key(n_tok, len(scheduled)))
+    K1 = buckets.num_spec + 1
     W = buckets.pages_per_seq
     b = empty(key, W)
     sp, st = b.sampling, b.stops
@@ -151,14 +164,22 @@ def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
             raise ValueError(f"sequence {i}: {end} positions but {len(table)} pages "
                              f"(at most {W})")
         pos = np.arange(sc.start, end)
-        b.token_ids[row:row + n] = seq.all_token_ids[sc.start:end]
+        k = spec[i]
+        b.token_ids[row:row + n - k] = seq.all_token_ids[sc.start:end - k]
+        if k:
+            if k > buckets.num_spec:
+                raise ValueError(f"sequence {i}: {k} proposals, at most {buckets.num_spec}")
+            b.token_ids[row + n - k:row + n] = sc.spec_tokens
         b.positions[row:row + n] = pos
         b.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
         b.block_tables[i, :len(table)] = table
         b.kv_lens[i] = end
         row += n
         b.cu_q_lens[i + 1] = row
-        b.logits_indices[i] = row - 1
+        if key.kind == "verify":
+            b.logits_indices[i * K1:(i + 1) * K1] = row - 1 - k + np.minimum(np.arange(K1), k)
+        else:
+            b.logits_indices[i] = row - 1
         b.num_output[i] = len(seq.output_token_ids)
         p = seq.params
         sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = (

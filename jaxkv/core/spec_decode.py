@@ -1,0 +1,136 @@
+"""Speculative decoding, the host side: who proposes, and what it earned.
+
+A decoding sequence brings its last token plus up to k proposed tokens to
+one step (q_len 1 + k); the step returns the target's sample at each of
+those rows and accepts on the device the longest prefix of proposals that
+equals the target's own draws, plus the draw after it
+(`jaxkv.worker.step.verify_step`). Proposals here are deterministic (a
+point mass), for which that rule *is* the rejection-sampling rule: a
+proposal x is accepted with probability p(x), and on rejection the token
+comes from p with x removed. So outputs are exactly the target's, and for a
+seeded request the very tokens it gets without speculation.
+
+Proposers (`make_proposer`): `NgramProposer` (prompt lookup, on the host)
+and `jaxkv.worker.draft.DraftProposer` (a small model run k steps ahead on
+the device). The scheduler asks `max_proposals(seq, cap)` while it plans a
+decode-only step and `fill(scheduled)` once pages are reserved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from jaxkv.config import SpeculativeConfig
+
+
+def can_speculate(seq) -> bool:
+    """Sequences whose next token is drawn on the device from the step's own
+    logits: not those with penalties or token rules (structured outputs,
+    logit bias, bad words), which the host re-draws one token at a time."""
+    return not seq.params.uses_penalties and seq.rules is None
+
+
+def ngram_lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
+    """Prompt lookup: for n from n_max down to n_min, find the latest earlier
+    place where the last n tokens occur and propose the (up to k) tokens that
+    followed it; [] when no n matches. tokens [N] int."""
+    N = len(tokens)
+    for n in range(min(n_max, N - 1), n_min - 1, -1):
+        windows = sliding_window_view(tokens[:N - 1], n)  # starts 0 .. N-1-n, each followed
+        hits = np.flatnonzero((windows == tokens[N - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """n-gram (prompt lookup) proposals from the sequence's own prompt and
+    output; a sequence without a match decodes normally that step."""
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.k = cfg.num_speculative_tokens
+        self.n_max, self.n_min = cfg.prompt_lookup_max, cfg.prompt_lookup_min
+        # The lookup of a planning pass, kept for its fill: id -> (seq, length, proposals).
+        self._memo: dict[int, tuple[object, int, list[int]]] = {}
+
+    def _propose(self, seq) -> list[int]:
+        n = seq.num_tokens
+        hit = self._memo.get(id(seq))
+        if hit is None or hit[0] is not seq or hit[1] != n:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            toks = np.asarray(seq.all_token_ids, np.int64)
+            hit = self._memo[id(seq)] = (seq, n, ngram_lookup(toks, self.k, self.n_max,
+                                                              self.n_min))
+        return hit[2]
+
+    def max_proposals(self, seq, cap: int) -> int:
+        return min(len(self._propose(seq)), cap)
+
+    def fill(self, scheduled) -> None:
+        """Set each speculating ScheduledSeq's proposals (its rows after the
+        first)."""
+        for sc in scheduled:
+            sc.spec_tokens = self._propose(sc.seq)[:sc.num_tokens - 1]
+        self._memo.clear()
+
+
+def make_proposer(config, engine, buckets, draft_model=None):
+    """(proposer, draft) for an engine: (None, None) when speculation is
+    off; a draft model's proposer is also the draft (it mirrors every step
+    into its own cache)."""
+    spec = config.speculative
+    if spec is None:
+        return None, None
+    if spec.method == "ngram":
+        return NgramProposer(spec), None
+    from jaxkv.worker.draft import DraftProposer
+
+    draft = DraftProposer.for_engine(spec, config, engine, buckets, draft_model)
+    return draft, draft
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Aggregate figures: steps that verified proposals, sequences in them
+    that brought some (drafts), proposed and accepted tokens."""
+
+    steps: int = 0
+    drafts: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafting sequence gained per step: accepted + the target's own."""
+        return 1 + self.accepted / self.drafts if self.drafts else 0.0
+
+    def record(self, scheduled, res) -> bool:
+        """Count a step's proposals and acceptances (per sequence too);
+        False when the step verified nothing."""
+        drafts = [(i, sc) for i, sc in enumerate(scheduled) if sc.spec_tokens]
+        if not drafts:
+            return False
+        self.steps += 1
+        for i, sc in drafts:
+            k, a = len(sc.spec_tokens), int(res.counts[i]) - 1
+            self.drafts += 1
+            self.proposed += k
+            self.accepted += a
+            sc.seq.spec_proposed += k
+            sc.seq.spec_accepted += a
+        return True
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate,
+                 mean_accepted_length=self.mean_accepted_length)
+        return d
