@@ -26,10 +26,14 @@ can see: not the padded width of the block table, nothing past the newest
 query's position, nothing behind every row's sliding window. A batch of
 decodes (every q_len <= 1) takes a one-row-per-sequence path
 (`_decode_attention`, multiply-and-reduce); a batch with prefill chunks
-takes blocks of `prefill_block(T, S)` rows. Both are traced and `lax.cond`
-picks one at run time, unless the caller says which (`all_decode`). Neither
-reads past the longest live sequence, so the block table's width
-(`pages_per_seq`) may be the engine's fixed maximum.
+takes blocks of `prefill_block(T, S)` rows, or, where the step's shape
+holds long chunks (T / S >= 32: a lone prompt's buckets), dense causal
+blocks one after another (`dense.py`: each block only its own keys, work
+above the diagonal skipped) with the decodes of the step on the decode
+path. Both are traced and `lax.cond` picks one at run time, unless the
+caller says which (`all_decode`). None reads past the longest live
+sequence, so the block table's width (`pages_per_seq`) may be the
+engine's fixed maximum.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention import dense
 
 _MIN_PREFILL_BLOCK = 16
 _MAX_PREFILL_BLOCK = 128
@@ -284,6 +290,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         return _decode_attention(*args, **kw)
 
     def prefill(args):
+        if dense.use_dense(T, S):  # long chunks: dense causal blocks, decodes apart
+            out, served = dense.dense_prefill(*args, block_q=dense.dense_block(T, S), **kw)
+            q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+            dec = _decode_attention(q, k_pages, v_pages, jnp.where(q_lens == 1, kv_lens, 0),
+                                    block_tables, cu_q_lens, num_seqs, **kw)
+            return jnp.where(served[:, None, None], out, dec)
         bq = prefill_block(T, S)
         # sum_s ceil(q_s / bq) <= (T + S (bq - 1)) / bq when sum_s q_s <= T
         return _blocked_attention(*args, block_q=bq, num_blocks=(T + S * (bq - 1)) // bq, **kw)
