@@ -132,6 +132,22 @@ class CacheConfig:
             raise ValueError(f"kv_dtype: unsupported {self.kv_dtype!r}")
 
 
+_SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+               "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'24GB', '512MiB', '64 MB', '1e9' -> bytes (ValueError if not a size)."""
+    t = str(text).strip().upper().replace(" ", "")
+    try:
+        for u, m in _SIZE_UNITS.items():
+            if t.endswith(u):
+                return int(float(t[:-len(u)]) * m)
+        return int(float(t))
+    except ValueError:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 24GB, 512MiB)") from None
+
+
 def _opt(default, help: str, **meta):
     """A config field with its help text (the CLI builds its options from these)."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
@@ -148,9 +164,11 @@ class EngineConfig:
     page_size: int = _opt(16, "tokens per KV cache page")
     num_pages: int | None = _opt(None, "KV pages in the pool (default: sized from "
                                        "--kv-cache-memory)")
-    kv_cache_memory: int | None = _opt(
-        None, "bytes for the KV cache (default: --gpu-memory-utilization of free device "
-              "memory, or 1 GiB where the device does not report it)", parse="bytes")
+    kv_cache_memory: int | str | None = _opt(
+        None, "bytes for the KV cache, units allowed (64MB, 2GiB) (default: "
+              "--gpu-memory-utilization of free device memory; on CPU enough for "
+              "--max-num-seqs sequences of --max-model-len tokens, at most that fraction of "
+              "available RAM and 1 GiB)", parse="bytes")
     gpu_memory_utilization: float = _opt(0.8, "fraction of free device memory for the KV "
                                               "cache when --kv-cache-memory is not given")
     max_model_len: int | None = _opt(None, "cap on prompt + output tokens (default: the "
@@ -219,6 +237,11 @@ class EngineConfig:
             if choices and v is not None and v not in choices:
                 raise ValueError(f"{f.name}: must be one of {choices}"
                                  f"{' or None' if f.default is None else ''}, got {v!r}")
+        if isinstance(self.kv_cache_memory, str):  # "64MB", "1GiB": units as on the command line
+            try:
+                object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
         for name in ("num_pages", "kv_cache_memory", "max_model_len", "num_processes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):

@@ -117,3 +117,54 @@ def test_param_count_biases_and_tied_head():
     assert param_count(ModelConfig(**small, attention_bias=True)) == plain + 4 + 2 + 2
     assert param_count(ModelConfig(**small, attention_out_bias=True)) == plain + 4
     assert param_count(ModelConfig(**small, tie_word_embeddings=True)) == plain - 40
+
+
+SMALL = dict(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
+# One page of 16 tokens, float32: 2 (K, V) x 4 layers x 2 KV heads x 16 dims x 16 tokens x 4 B.
+SMALL_PAGE = 2 * 4 * 2 * 16 * 16 * 4
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """A CPU-like host: devices report no memory; available RAM as set."""
+    from jaxkv.model import memory
+    monkeypatch.setattr(memory, "_free_device_memory", lambda: None)
+    avail = {"bytes": 16 << 30}
+    monkeypatch.setattr(memory, "host_available_memory", lambda: avail["bytes"])
+    return avail
+
+
+def test_cpu_pool_holds_what_the_run_can_use(host):
+    from jaxkv.config import EngineConfig
+    from jaxkv.model.memory import HOST_POOL_MAX, plan_num_pages
+
+    m = ModelConfig(**SMALL)
+    # 2 sequences of 1000 tokens: 63 pages each, + the trash page.
+    c = EngineConfig(max_num_seqs=2, max_model_len=1000)
+    assert plan_num_pages(c, m, "float32") == 2 * 63 + 1
+    # max_model_len unset: the model's 4096 positions, 256 pages a sequence.
+    assert plan_num_pages(EngineConfig(max_num_seqs=3), m, "float32") == 3 * 256 + 1
+    # bfloat16 pages are half the bytes, not fewer pages: the need is in tokens.
+    assert plan_num_pages(c, m, "bfloat16") == 2 * 63 + 1
+    # Capped by the available memory's fraction, and by HOST_POOL_MAX.
+    host["bytes"] = 100 * SMALL_PAGE
+    assert plan_num_pages(EngineConfig(max_num_seqs=64), m, "float32") == 80  # 0.8 x 100
+    host["bytes"] = 1 << 40
+    big = ModelConfig(**dict(SMALL, num_layers=400, max_position_embeddings=1 << 16))
+    assert plan_num_pages(EngineConfig(), big, "float32") == HOST_POOL_MAX // (100 * SMALL_PAGE)
+    # Asked for: the budget decides, with units.
+    assert plan_num_pages(EngineConfig(kv_cache_memory="64KiB"), m, "float32") == 65536 // SMALL_PAGE
+    assert plan_num_pages(EngineConfig(num_pages=7), m, "float32") == 7
+
+
+def test_kv_cache_memory_takes_units():
+    from jaxkv.config import EngineConfig
+
+    assert EngineConfig(kv_cache_memory="64MB").kv_cache_memory == 64_000_000
+    assert EngineConfig(kv_cache_memory="1.5 GiB").kv_cache_memory == 3 << 29
+    assert EngineConfig(kv_cache_memory=1000).kv_cache_memory == 1000
+    with pytest.raises(ValueError, match="kv_cache_memory: not a size"):
+        EngineConfig(kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineConfig(kv_cache_memory="0MB")

@@ -12,19 +12,16 @@ import json
 import typing
 from typing import Any, Mapping
 
+from jaxkv.config import parse_size as config_parse_size
+
 
 def parse_size(text: str) -> int:
-    """'24GB', '512MiB', '1e9' -> bytes."""
-    t = text.strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    """'24GB', '512MiB', '1e9' -> bytes (`jaxkv.config.parse_size`, as an
+    argparse type)."""
     try:
-        for u, m in units.items():
-            if t.endswith(u):
-                return int(float(t[:-len(u)]) * m)
-        return int(float(t))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 24GB, 512MiB)")
+        return config_parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_json(text: str):

@@ -12,9 +12,7 @@ e.g. 48 layers, 64 KV heads, D 128, 4096 tokens, batch 1, float16:
 2 x 48 x 64 x 128 x 4096 x 2 = 6,442,450,944 bytes (6 GiB). Grouped-query
 attention divides this by H / KVH, which is why KVH, not H, appears.
 The int8 scale layout matches `jaxkv.kv_cache` (k_scale, v_scale:
-L x [KVH, P, page_size] float32).
-
-Functions that take a model accept a `jaxkv.config.ModelConfig` (or any
+L x [KVH, P, page_size] float32). Functions that take a model accept a `jaxkv.config.ModelConfig` (or any
 object with `num_layers`, `num_kv_heads`, `head_dim`), a mapping with those
 keys, or a plain `(num_layers, num_kv_heads, head_dim)` tuple.
 """
@@ -40,9 +38,8 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def _default_scale_bytes(dtype: str, scale_bytes_per_token_head: int | None) -> int:
-    if scale_bytes_per_token_head is not None:
-        return scale_bytes_per_token_head
-    return INT8_SCALE_BYTES if dtype == "int8" else 0
+    return scale_bytes_per_token_head if scale_bytes_per_token_head is not None else (
+        INT8_SCALE_BYTES if dtype == "int8" else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,22 +254,50 @@ def _free_device_memory() -> int | None:
     return min(free) if free else None
 
 
+HOST_POOL_MAX = 1 << 30  # the largest pool sized without being asked, where devices say nothing
+
+
+def host_available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
     """The pool size of an engine: EngineConfig.num_pages if set, else what
     kv_cache_memory holds, else gpu_memory_utilization of the device's free
-    memory (1 GiB where the device does not say, as on CPU). Budgets are
-    per device: with the KV heads split over `shards` devices (the
-    model's KV heads as stored, replicas included), each holds
-    num_kv_heads / shards of every page."""
+    memory where the device reports it. On CPU (it does not) the pool holds
+    what the run can use, max_num_seqs sequences of max_model_len tokens
+    (the model's context when not set), but at most gpu_memory_utilization
+    of the host's available memory and `HOST_POOL_MAX`. Budgets are per
+    device: with the KV heads split over `shards` devices (the model's KV
+    heads as stored, replicas included), each holds num_kv_heads / shards
+    of every page."""
     c, m = config, model_config
     if c.num_pages is not None:
         return c.num_pages
+    geom = (m.num_layers, m.num_kv_heads // shards, m.head_dim)
     budget = c.kv_cache_memory
     if budget is None:
         free = _free_device_memory()
-        budget = int(free * c.gpu_memory_utilization) if free else 1 << 30
-    pages = pages_for_budget(budget, m.num_layers, m.num_kv_heads // shards, m.head_dim,
-                             c.page_size, kv_dtype)
+        if free:
+            budget = int(free * c.gpu_memory_utilization)
+        else:
+            page = kv_cache_bytes(*geom, c.page_size, dtype=kv_dtype)
+            max_len = min(c.max_model_len or m.max_position_embeddings,
+                          m.max_position_embeddings)
+            want = (c.max_num_seqs * -(-max_len // c.page_size) + 1) * page  # + trash page
+            avail = host_available_memory()
+            cap = HOST_POOL_MAX if avail is None else min(
+                HOST_POOL_MAX, int(avail * c.gpu_memory_utilization))
+            budget = max(min(want, cap), 2 * page)
+    pages = pages_for_budget(budget, *geom, c.page_size, kv_dtype)
     if pages < 2:
         raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
     return int(pages)
