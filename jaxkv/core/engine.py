@@ -217,7 +217,7 @@ class LLMEngine(RequestIntake):
                 self.scheduler.remove(s)
             elif res.counts[i] > 1:  # every token but the newest has its K/V written
                 self._computed(s, s.num_tokens - 1)
-            if sc.spec_tokens and not s.finished:  # slots of rejected proposals go back
+            if not s.finished:  # slots reserved for rejected proposals go back
                 self.bm.trim(s.request_id, s.num_tokens)
             touched[id(s.parent)] = s.parent
 
@@ -253,4 +253,6 @@ class LLMEngine(RequestIntake):
                 progress(len(final), new)
             if wanted is not None and wanted <= final.keys():
                 break
+        if self.proposer is not None:
+            log.info("jaxkv: speculative decoding: %s", self.speculative_metrics())
         return final

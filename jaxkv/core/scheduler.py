@@ -9,10 +9,12 @@ All of it rides in one ragged step. When only decodes can run (every
 running sequence decodes, nothing waiting could be admitted, no sequence
 needs the host between tokens: penalties), the step runs up to
 `max_num_steps` decode steps in one device call, with pages reserved ahead.
-With speculative decoding (a `proposer`, `jaxkv.core.spec_decode`), such a
-decode-only step where some sequence has proposals is a verify step
-instead: each sequence brings its last token plus up to `num_spec`
-proposals (within the token budget), pages reserved for all of them.
+With speculative decoding (a `proposer`, `jaxkv.core.spec_decode`) a
+decoding sequence brings its last token plus up to `num_spec` proposals
+(counted in the token budget, pages reserved for all of them), in any
+step; a decode-only step with proposals runs as one verify step instead
+of the multi-step loop. A step in which some sequence needs the host
+between tokens (penalties, token rules) carries no proposals.
 
 When the page pool runs dry, the most recently admitted running sequence is
 preempted by recompute: its pages are freed and it goes back to the front
@@ -49,6 +51,7 @@ class ScheduledSeq:
     start: int  # first position computed this step
     num_tokens: int  # rows this step (with the proposals)
     block_table: list[int] = dataclasses.field(default_factory=list)  # after this step's growth
+    num_spec: int = 0  # rows reserved for proposals (the proposer fills spec_tokens)
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposals, rows 1..k
 
     @property
@@ -119,17 +122,19 @@ class Scheduler:
         return self.bm.num_computed_tokens(seq.request_id)
 
     def schedule(self) -> SchedulerOutput:
-        caps = self._spec_caps()
-        if caps is not None:
-            out = self._schedule_decodes(1, caps)
-        else:
-            n = self._decode_steps()
-            out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
+        n = self._decode_steps()
+        out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
         for sc in out.scheduled:
             sc.block_table = self.bm.block_table(sc.seq.request_id)
-        if caps is not None:  # proposals once the pages are reserved (a draft writes there)
+        drafting = [sc for sc in out.scheduled if sc.num_spec]
+        if drafting and not all(can_speculate(sc.seq) for sc in out.scheduled):
+            for sc in drafting:  # a step the host re-samples: no proposals (slots trimmed later)
+                sc.num_tokens -= sc.num_spec
+                sc.num_spec = 0
+            drafting = []
+        if drafting:  # proposals once the pages are reserved (a draft writes there)
             t0 = time.perf_counter()
-            self.proposer.fill([sc for sc in out.scheduled if sc.num_tokens > 1])
+            self.proposer.fill(drafting)
             self.propose_seconds += time.perf_counter() - t0
         return out
 
@@ -141,22 +146,13 @@ class Scheduler:
         return len(self.running) <= self.max_num_batched_tokens and all(
             s.num_tokens - self.computed(s) == 1 for s in self.running)
 
-    def _spec_caps(self) -> dict[int, int] | None:
-        """Proposals each running sequence may bring ({id(seq): k}), or None
-        when this is no verify step: speculation is off, the step is not
-        decode-only, a sequence needs the host between tokens, or no one has
-        a proposal."""
-        if self.proposer is None or not self._decode_only():
-            return None
-        if not all(can_speculate(s) for s in self.running):
-            return None
-        budget = self.max_num_batched_tokens - len(self.running)
-        caps = {}
-        for s in self.running:
-            cap = min(self.num_spec, budget, s.tokens_left - 1)
-            caps[id(s)] = k = self.proposer.max_proposals(s, cap) if cap > 0 else 0
-            budget -= k
-        return caps if any(caps.values()) else None
+    def _proposals(self, seq: Sequence, budget: int) -> int:
+        """Proposals a decoding sequence may bring within `budget` rows
+        (its own row included)."""
+        if self.proposer is None or not can_speculate(seq):
+            return 0
+        cap = min(self.num_spec, budget - 1, seq.tokens_left - 1)
+        return self.proposer.max_proposals(seq, cap) if cap > 0 else 0
 
     def _decode_steps(self) -> int:
         """Decode steps the next call may run: more than one only when every
@@ -166,6 +162,8 @@ class Scheduler:
             return 1
         if not all(can_speculate(s) for s in self.running):
             return 1
+        if any(self._proposals(s, self.num_spec + 1) for s in self.running):
+            return 1  # a verify step instead
         return self.max_num_steps  # fixed: one program; the loop ends early
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
@@ -194,19 +192,16 @@ class Scheduler:
                 if victim is seq:
                     return False
 
-    def _schedule_decodes(self, num_steps: int,
-                          caps: dict[int, int] | None = None) -> SchedulerOutput:
+    def _schedule_decodes(self, num_steps: int) -> SchedulerOutput:
         """Every running sequence decodes, with pages reserved for up to
-        `num_steps` tokens (capped by what it may still generate), or with
-        `caps`, for its last token and its proposals; may preempt the
-        newest."""
+        `num_steps` tokens (capped by what it may still generate); may
+        preempt the newest."""
         out = SchedulerOutput([], [], [], num_steps=num_steps)
         for seq in list(self.running):
-            k = caps.get(id(seq), 0) if caps is not None else 0
-            n = 1 + k if caps is not None else max(1, min(num_steps, seq.tokens_left))
+            n = max(1, min(num_steps, seq.tokens_left))
             start = self.computed(seq) if seq in self.running else 0
             if seq in self.running and self._grow(seq, start + n, out):
-                out.scheduled.append(ScheduledSeq(seq, start, 1 + k))
+                out.scheduled.append(ScheduledSeq(seq, start, 1))
         return out
 
     def _schedule_step(self) -> SchedulerOutput:
@@ -220,10 +215,11 @@ class Scheduler:
             if seq not in self.running:  # preempted while making room for another
                 continue
             start = self.computed(seq)
-            n = min(seq.prefill_target - start, budget, _chunk_cap(seq, start))
+            k = self._proposals(seq, budget) if seq.num_tokens - start == 1 else 0
+            n = min(seq.prefill_target - start, budget, _chunk_cap(seq, start)) + k
             if not self._grow(seq, start + n, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, start, n))
+            out.scheduled.append(ScheduledSeq(seq, start, n, num_spec=k))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
                 and not out.preempted:

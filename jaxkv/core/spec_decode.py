@@ -72,10 +72,11 @@ class NgramProposer:
         return min(len(self._propose(seq)), cap)
 
     def fill(self, scheduled) -> None:
-        """Set each speculating ScheduledSeq's proposals (its rows after the
-        first)."""
+        """Set each drafting ScheduledSeq's proposals (at most its num_spec
+        reserved rows)."""
         for sc in scheduled:
-            sc.spec_tokens = self._propose(sc.seq)[:sc.num_tokens - 1]
+            sc.spec_tokens = self._propose(sc.seq)[:sc.num_spec]
+            sc.num_tokens += len(sc.spec_tokens) - sc.num_spec
         self._memo.clear()
 
 

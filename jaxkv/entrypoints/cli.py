@@ -38,6 +38,10 @@ def _engine_args(p: argparse.ArgumentParser, **defaults) -> None:
                         "GGUF file or jaxkv checkpoint (default: %(default)s)")
     add_options(g, EngineConfig, prefix=ENGINE, defaults=defaults,
                 rename={"seed": "engine-seed"})
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="speculative decoding with this draft model (same vocabulary): "
+                        "short for --speculative-config '{\"method\": \"draft_model\", "
+                        "\"model\": PATH, \"num_speculative_tokens\": 4}'")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
 
 
@@ -53,7 +57,13 @@ def _make_engine(a):
     from jaxkv.config import EngineConfig
     from jaxkv.core.engine import LLMEngine
 
-    engine = LLMEngine.from_pretrained(a.model, **values(a, EngineConfig, prefix=ENGINE))
+    kw = values(a, EngineConfig, prefix=ENGINE)
+    if getattr(a, "draft_model", None):
+        if kw.get("speculative_config") is not None:
+            raise ValueError("--draft-model: give it or --speculative-config, not both")
+        kw["speculative_config"] = {"method": "draft_model", "model": a.draft_model,
+                                    "num_speculative_tokens": 4}
+    engine = LLMEngine.from_pretrained(a.model, **kw)
     if engine.follow():  # process 1..n-1 of a multi-process job: it ran process 0's steps
         raise SystemExit(0)
     return engine

@@ -73,6 +73,8 @@ class Llama(nnx.Module):
         self.final_norm = nnx.Param(init("final_norm", (E,)))
         if not config.tie_word_embeddings:
             self.lm_head = Dense(init("lm_head", (E, V)), quantize)
+        elif quantize == "w8a8":  # an int8 copy of the tied embedding as the head
+            self.lm_head = Dense(self.embed[...].T, quantize)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_frequencies(config)))
         # Tensor-parallel shards the fused wqkv / w_gate_up columns are
         # grouped by (`jaxkv.sharding.shard_model`); 1 unsharded.
@@ -151,7 +153,7 @@ class Llama(nnx.Module):
             x = x + layer.w_down(jax.nn.silu(g) * u)
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and not hasattr(self, "lm_head"):
             logits = jnp.einsum("SE,VE->SV", h, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = self.lm_head(h).astype(jnp.float32)

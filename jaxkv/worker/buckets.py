@@ -16,9 +16,9 @@ class ProgramKey(NamedTuple):
     sequence counts. kind "decode" (T == S): decode steps only, up to K per
     call; "mixed" (T > S): one step with prefill chunks; "both" (T == S):
     either, the attention path picked at run time (a T == S shape that is
-    also a mixed bucket, compiled once for both uses); "verify" (T == S (k
-    + 1)): speculative verification, each sequence its last token plus up
-    to k proposals."""
+    also a mixed bucket, compiled once for both uses); "verify": one step
+    with logits at k + 1 rows per sequence, speculative verification (a
+    decoding sequence brings its last token plus up to k proposals)."""
 
     kind: str
     tokens: int
@@ -52,8 +52,7 @@ class Buckets:
     629 ms at 1). pages_per_seq: W. history: N of the penalty sampler
     (powers of four from 8192 up to the longest sequence). A T == S shape
     in both lists is one program ("both"). num_spec: k of speculative
-    decoding (0: off); then every decode S also has a verify program of
-    S (k + 1) rows."""
+    decoding (0: off); then `verify_shapes` lists the verify programs."""
 
     decode_seqs: tuple[int, ...]
     mixed: tuple[tuple[int, int], ...]
@@ -85,11 +84,24 @@ class Buckets:
         s = _pick(self.decode_seqs, num_seqs, "sequences per step")
         return self._key(s, s)
 
-    def verify_key(self, num_seqs: int) -> ProgramKey:
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """(T, S) of verify programs: S (k + 1) rows for every decode S (all
+        sequences drafting), and every mixed shape (prefill chunks beside
+        drafting decodes); none when speculation is off."""
         if not self.num_spec:
-            raise ValueError("verify_key: speculative decoding is off (num_spec 0)")
-        s = _pick(self.decode_seqs, num_seqs, "sequences per step")
-        return ProgramKey("verify", s * (self.num_spec + 1), s)
+            return []
+        K1 = self.num_spec + 1
+        return sorted({(s * K1, s) for s in self.decode_seqs} | set(self.mixed))
+
+    def verify_key(self, num_tokens: int, num_seqs: int) -> ProgramKey:
+        """The cheapest verify program that holds the step: fewest rows plus
+        logits rows (S (k + 1))."""
+        fits = [(t, s) for t, s in self.verify_shapes() if t >= num_tokens and s >= num_seqs]
+        if not fits:
+            raise ValueError(f"tokens per step: {num_tokens} tokens of {num_seqs} sequences fit "
+                             f"no verify program (speculation {'on' if self.num_spec else 'off'})")
+        t, s = min(fits, key=lambda ts: ts[0] + ts[1] * (self.num_spec + 1))
+        return ProgramKey("verify", t, s)
 
     def mixed_key(self, num_tokens: int, num_seqs: int) -> ProgramKey:
         for t, s in self.mixed:
@@ -105,8 +117,7 @@ class Buckets:
         """Every step program an engine with these buckets can run."""
         keys = [self._key(s, s) for s in self.decode_seqs]
         keys += [self._key(t, s) for t, s in self.mixed]
-        if self.num_spec:
-            keys += [self.verify_key(s) for s in self.decode_seqs]
+        keys += [ProgramKey("verify", t, s) for t, s in self.verify_shapes()]
         return list(dict.fromkeys(keys))
 
 

@@ -84,10 +84,11 @@ class DraftProposer:
 
     def fill(self, scheduled) -> None:
         """Run the draft k steps ahead from each sequence's last token
-        (greedy) and set its proposals (at most num_tokens - 1 of them)."""
+        (greedy) and set its proposals (at most its num_spec)."""
         if not scheduled:
             return
-        plan = [dataclasses.replace(sc, num_tokens=1, spec_tokens=[]) for sc in scheduled]
+        plan = [dataclasses.replace(sc, num_tokens=1, num_spec=0, spec_tokens=[])
+                for sc in scheduled]
         batch, key = build_step_batch(plan, self.k, self.runner.page_size, self.buckets)
         S = key.seqs
         batch = dataclasses.replace(batch, sampling=dataclasses.replace(
@@ -95,8 +96,8 @@ class DraftProposer:
             num_logprobs=np.zeros(S, np.int32)))
         tokens = self.runner.step(batch, key, len(plan)).tokens  # [n, S_live]
         for i, sc in enumerate(scheduled):
-            sc.spec_tokens = tokens[:sc.num_tokens - 1, i].tolist()
-            sc.num_tokens = 1 + len(sc.spec_tokens)
+            sc.spec_tokens = tokens[:sc.num_spec, i].tolist()
+            sc.num_tokens += len(sc.spec_tokens) - sc.num_spec
 
     # ------------------------------------------------------------ keeping in step
 

@@ -147,7 +147,7 @@ class Runner(Follower):
         if key[0] == "forward":  # ("forward", ProgramKey): K/V writes only
             fn = self._jit(functools.partial(forward_step, g, kind=key[1].kind,
                                              attention=self.attention), "scr", "c", (1,))
-            batch = empty(key[1], self.buckets.pages_per_seq)
+            batch = empty(key[1], self.buckets.pages_per_seq, self.buckets.num_spec)
             return fn.trace(self.state, self.cache, batch).lower(**kw)
         if isinstance(key, ProgramKey):
             common = dict(num_top_logprobs=self.num_top_logprobs, attention=self.attention)
@@ -157,7 +157,7 @@ class Runner(Follower):
                 fn = functools.partial(step, g, kind=key.kind, **common,
                                        max_steps=self.max_decode_steps if key.loops else 1)
             fn = self._jit(fn, "scrr", "rc", (1,))
-            batch = empty(key, self.buckets.pages_per_seq)
+            batch = empty(key, self.buckets.pages_per_seq, self.buckets.num_spec)
             return fn.trace(self.state, self.cache, batch, self.rng).lower(**kw)
         if key[0] == "rules":
             _, S, N = key

@@ -106,9 +106,10 @@ class StepBatch:
     stops: StopBatch
 
 
-def empty(key: ProgramKey, pages_per_seq: int) -> StepBatch:
+def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
     """An all-padding StepBatch of `key`'s shape (every row writes to the trash
-    page; no live sequence). Also the template `build_step_batch` fills."""
+    page; no live sequence; a verify key's k = `num_spec`). Also the
+    template `build_step_batch` fills."""
     T, S = key.tokens, key.seqs
     f32 = lambda v: np.full(S, v, np.float32)  # noqa: E731
     i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
@@ -122,7 +123,7 @@ def empty(key: ProgramKey, pages_per_seq: int) -> StepBatch:
                      cu_q_lens=i32(S + 1), kv_lens=i32(S),
                      block_tables=np.zeros((S, pages_per_seq), np.int32),
                      num_seqs=np.asarray(0, np.int32),
-                     logits_indices=i32(T if key.kind == "verify" else S),
+                     logits_indices=i32(S * (num_spec + 1) if key.kind == "verify" else S),
                      num_output=i32(S), num_steps=np.asarray(1, np.int32),
                      sampling=sampling, stops=stops)
 
@@ -137,23 +138,22 @@ def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
     reserved for every position this call writes). With `num_steps` > 1
     every sequence brings one row and its block table already covers the
     positions of the tokens it may still generate, up to num_steps. A
-    sequence with `spec_tokens` (k proposals) brings its last token and
-    them (num_tokens == 1 + k): the step is a verify step. This is the
+    sequence with `spec_tokens` (k proposals) brings them after its last
+    known token (num_tokens counts them): the step is a verify step. This is the
     only place SamplingParams fields are copied into arrays."""
     n_tok = sum(sc.num_tokens for sc in scheduled)
     spec = [len(getattr(sc, "spec_tokens", ()) or ()) for sc in scheduled]
-    decode = all(sc.num_tokens == 1 + k for sc, k in zip(scheduled, spec))
-    if (num_steps > 1 or any(spec)) and not decode:
-        raise ValueError("num_steps > 1 and proposals need every sequence to bring exactly "
-                         "one known token")
+    decode = all(sc.num_tokens == 1 for sc in scheduled)
+    if num_steps > 1 and not decode:
+        raise ValueError("num_steps > 1 needs every sequence to bring exactly one token")
     if any(spec) and num_steps > 1:
         raise ValueError("a verify step runs one step")
-    key = (buckets.verify_key(len(scheduled)) if any(spec)
+    key = (buckets.verify_key(n_tok, len(scheduled)) if any(spec)
            else buckets.decode_key(len(scheduled)) if decode
            else buckets.mixed_key(n_tok, len(scheduled)))
     K1 = buckets.num_spec + 1
     W = buckets.pages_per_seq
-    b = empty(key, W)
+    b = empty(key, W, buckets.num_spec)
     sp, st = b.sampling, b.stops
     row = 0
     for i, sc in enumerate(scheduled):

@@ -9,8 +9,8 @@ past k_s. The target samples every one of those rows with the request's
 own sampling options and seed stream (row j is output token num_output +
 j), then `num_accepted` keeps the longest prefix of proposals equal to the
 target's draws; the draw after that prefix is the target's own token. The
-sequence gains accepted + 1 tokens, the first accepted + 1 rows of its
-output; K/V written for rejected rows is overwritten later.
+sequence gains the accepted proposals and that token (accepted + 1
+tokens); K/V written for rejected rows is overwritten later.
 
 Proposals are deterministic (n-gram lookup, a greedy draft), a point mass
 q = 1{x}, for which this is exactly speculative rejection sampling:
@@ -57,10 +57,13 @@ def verify_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, num_s
     proposals = batch.token_ids[jnp.minimum(idx[:, :-1] + 1, T - 1)]  # [S, k]
     draws = out.token_ids.reshape(S, K1)
     accepted = num_accepted(proposals, k_s, draws[:, :-1])
+    # Output j: proposal j while accepted, then the target's own draw.
+    taken = jnp.arange(num_spec)[None, :] < accepted[:, None]
+    tokens = draws.at[:, :-1].set(jnp.where(taken, proposals, draws[:, :-1]))
     live = jnp.arange(S) < batch.num_seqs
     by_row = lambda x: jnp.swapaxes(x.reshape(S, K1, *x.shape[1:]), 0, 1)  # noqa: E731
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    return StepOutput(by_row(out.token_ids), by_row(out.logprob), by_row(out.top_ids),
+    return StepOutput(tokens.T, by_row(out.logprob), by_row(out.top_ids),
                       by_row(out.top_logprobs), by_row(finite), jnp.int32(K1),
                       logits.reshape(S, K1, -1)[:, 0],
                       jnp.where(live, accepted + 1, 0).astype(jnp.int32)), cache

@@ -51,6 +51,12 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later) "
                                                       "when the page pool ran dry.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified (a "
+                                                             "sequence's proposals in one step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Speculative tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Speculative tokens the target accepted.")
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.",
                          _LATENCY)
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens (a "
@@ -61,7 +67,7 @@ class ServerMetrics:
                                 m + ["finished_reason"], registry=r)
         self._errors = Counter("jaxkv:request_errors", "Requests refused or failed, by reason.",
                                m + ["reason"], registry=r)
-        self._seen = dict(queries=0, hits=0, preemptions=0)
+        self._seen = dict(queries=0, hits=0, preemptions=0, drafts=0, proposed=0, accepted=0)
 
     def error(self, reason: str) -> None:
         self._errors.labels(self.model_name, reason).inc()
@@ -75,9 +81,13 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(bm.num_used_pages / (bm.num_pages - 1))
+        spec = engine.spec_stats
         for key, now, metric in (("queries", bm.prefix_query_tokens, self.prefix_queries),
                                  ("hits", bm.prefix_hit_tokens, self.prefix_hits),
-                                 ("preemptions", sched.num_preemptions, self.preemptions)):
+                                 ("preemptions", sched.num_preemptions, self.preemptions),
+                                 ("drafts", spec.drafts, self.spec_drafts),
+                                 ("proposed", spec.proposed, self.spec_draft_tokens),
+                                 ("accepted", spec.accepted, self.spec_accepted)):
             if now > self._seen[key]:
                 metric.inc(now - self._seen[key])
             self._seen[key] = now
