@@ -269,13 +269,18 @@ class SpeculativeConfig:
     sequence's own earlier tokens, the tokens that followed proposed.
     method "draft_model": a smaller model (`model`, any path jaxkv loads,
     same vocabulary) proposes greedily. num_speculative_tokens: k, the most
-    proposals a sequence brings to one step (static: one program per k)."""
+    proposals a sequence brings to one step (static: one program per k).
+    adaptive: speculate only in steps where it is expected to pay, from the
+    measured cost of verifying and the acceptance so far
+    (`jaxkv.core.spec_decode.SpecGate`); False: whenever there are
+    proposals."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
+    adaptive: bool = True
 
     METHODS = ("ngram", "draft_model")
     MAX_TOKENS = 16
@@ -319,4 +324,8 @@ class SpeculativeConfig:
                              "required with method 'draft_model'")
         if method == "ngram" and model is not None:
             raise ValueError("speculative_config.model: only with method 'draft_model'")
-        return cls(method, k, hi, lo, model)
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive: must be true or false, got "
+                             f"{adaptive!r}")
+        return cls(method, k, hi, lo, model, adaptive)

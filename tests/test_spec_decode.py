@@ -24,7 +24,8 @@ from tests.compile_count import count_compiles
 CFG = ModelConfig(architecture="llama", vocab_size=211, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
                   max_position_embeddings=512, eos_token_ids=())
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# adaptive off: every step with proposals verifies them (the strictest test).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,8 @@ def test_speculative_config_is_checked():
                       ({"method": "ngram", "k": 2}, "unknown"),
                       ({"method": "draft_model"}, "model"),
                       ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2},
-                       "prompt_lookup_min")):
+                       "prompt_lookup_min"),
+                      ({"method": "ngram", "adaptive": "yes"}, "adaptive")):
         with pytest.raises(ValueError, match=name):
             EngineConfig(speculative_config=bad)
 
@@ -135,7 +137,8 @@ def test_target_as_its_own_draft_accepts_everything(model):
     prompts = _prompts(32, seed=1)
     greedy = [dataclasses.replace(_params(0), max_tokens=24) for _ in prompts]
     outs = {}
-    for spec in (None, {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}):
+    for spec in (None, {"method": "draft_model", "model": "self", "num_speculative_tokens": 3,
+                                  "adaptive": False}):
         eng = LLMEngine(model, None, EngineConfig(
             warmup=False, num_pages=40, page_size=8, max_num_seqs=16, max_num_batched_tokens=64,
             speculative_config=spec), draft_model=model if spec else None)
@@ -157,7 +160,7 @@ def test_random_draft_is_lossless_at_low_acceptance(model):
     prompts = _prompts(32, seed=2)
     _, plain = _run(model, prompts, None)
     eng, spec = _run(model, prompts, {"method": "draft_model", "model": "tiny",
-                                      "num_speculative_tokens": 3}, draft=draft)
+                                      "num_speculative_tokens": 3, "adaptive": False}, draft=draft)
     _pressure(eng)
     m = eng.speculative_metrics()
     assert m["proposed"] > 50 and m["acceptance_rate"] < 0.3, m
@@ -217,7 +220,8 @@ def test_sampled_tokens_follow_the_targets_distribution(monkeypatch):
     proposal through fails the same test."""
     model = Llama.random_init(SMALL, seed=4)
     N = 1200
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "adaptive": False}
     off, _ = _first_tokens(model, None, range(N, 2 * N))
     on, m = _first_tokens(model, spec, range(N))
     assert m["proposed"] > N, m
@@ -238,8 +242,8 @@ def test_sampled_tokens_follow_the_targets_distribution(monkeypatch):
 
 def test_after_warm_up_two_hundred_requests_with_speculation_compile_nothing(model):
     draft = Llama.random_init(dataclasses.replace(CFG, num_layers=1), seed=2)
-    for spec, dm in ((NGRAM, None), ({"method": "draft_model", "model": "d",
-                                      "num_speculative_tokens": 2}, draft)):
+    for spec, dm in ((dict(NGRAM, adaptive=True), None),
+                     ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2}, draft)):
         eng = LLMEngine(model, None, EngineConfig(num_pages=32, page_size=8, max_num_seqs=8,
                                                   max_num_batched_tokens=32,
                                                   speculative_config=spec), draft_model=dm)
@@ -255,3 +259,21 @@ def test_after_warm_up_two_hundred_requests_with_speculation_compile_nothing(mod
         assert eng.speculative_metrics()["steps"] > 0
         assert eng.scheduler.num_preemptions > 0
         assert compiles == [], f"{spec['method']}: {len(compiles)} XLA compiles after warm-up"
+
+
+def test_gate_speculates_where_the_measured_costs_say_it_pays():
+    from types import SimpleNamespace as NS
+
+    from jaxkv.core.spec_decode import SpecGate
+
+    gate = SpecGate(probe_every=3, smoothing=1.0)
+    hit, miss = NS(spec_accepted=40, spec_proposed=40), NS(spec_accepted=0, spec_proposed=40)
+    assert gate.allow([(miss, 4)], 1, "decode")  # nothing measured yet: try
+    gate.observe("decode", False, 1, 0.040, 1)  # plain: 40 ms a token
+    gate.observe("decode", True, 1, 0.080, 1, proposed=4, accepted=1)  # verify: 80 ms
+    # 1 + 4 expected tokens (rate ~1) in 80 ms beat 1 in 40 ms; ~0.05 of one does not
+    assert gate.allow([(hit, 4)], 1, "decode")
+    assert [gate.allow([(miss, 4)], 1, "decode") for _ in range(4)] == [False] * 3 + [True]
+    assert gate.alpha == 0.25
+    # another sequence bucket has its own costs (unmeasured: try)
+    assert gate.allow([(miss, 4)], 16, "decode")

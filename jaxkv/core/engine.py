@@ -31,9 +31,9 @@ from jaxkv.core.output_processor import OutputProcessor
 from jaxkv.core.outputs import RequestOutput
 from jaxkv.core.intake import RequestIntake
 from jaxkv.core.sampling_params import SamplingParams
-from jaxkv.core.scheduler import Scheduler, SchedulerOutput
+from jaxkv.core.scheduler import Scheduler, SchedulerOutput, step_kind
 from jaxkv.core.sequence import Sequence
-from jaxkv.core.spec_decode import SpecStats, make_proposer
+from jaxkv.core.spec_decode import SpecGate, SpecStats, make_proposer
 from jaxkv.core.structured import Grammars
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
@@ -79,7 +79,9 @@ class LLMEngine(RequestIntake):
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_num_steps=1 if self.draft else config.num_decode_steps,
-                                   proposer=self.proposer, num_spec=buckets.num_spec)
+                                   proposer=self.proposer, num_spec=buckets.num_spec,
+                                   gate=SpecGate() if self.proposer is not None
+                                   and config.speculative.adaptive else None)
         cache = create_cache(self.model_config, self.cache_config,
                              self.sharding.cache_sharding() if self.sharding else None)
         self.runner = Runner(model, cache, buckets, self.attention,
@@ -139,7 +141,9 @@ class LLMEngine(RequestIntake):
         t0 = time.perf_counter()
         outputs = [self._output(s) for s in self._errors]
         self._errors.clear()
+        p0 = self.scheduler.propose_seconds
         sched = self.scheduler.schedule()
+        self._propose_step_seconds = self.scheduler.propose_seconds - p0
         if not sched.scheduled:
             if self.scheduler.has_unfinished() and not outputs:
                 raise RuntimeError("scheduler made no progress: the page pool is too small "
@@ -170,8 +174,14 @@ class LLMEngine(RequestIntake):
         plain = [sc for sc in sched.scheduled if id(sc) not in {id(x) for x in scored}]
         touched: dict[int, Sequence] = {}
         if plain:
+            t0 = time.perf_counter()
             res, stuck = execute(self.runner, plain, sched.num_steps, V, mirror)
-            self._accept(plain, res, stuck, touched)
+            seconds = time.perf_counter() - t0 + self._propose_step_seconds
+            counted = self._accept(plain, res, stuck, touched)
+            if self.scheduler.gate is not None:
+                self.scheduler.gate.observe(step_kind(plain), counted is not None, len(plain),
+                                            seconds, len(res.tokens) if counted is None else 1,
+                                            *(counted or ()))
         for sc in scored:  # prompt chunks with prompt log-probabilities
             tgt, top_ids, top_lps, res, stuck = execute_scored(self.runner, sc, V, mirror)
             self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_tokens, tgt, top_ids, top_lps)
@@ -179,9 +189,11 @@ class LLMEngine(RequestIntake):
         self.stats["steps"] += 1
         return [self._output(p) for p in touched.values()]
 
-    def _accept(self, scheduled, res, stuck: list[int], touched: dict) -> None:
-        """Hand each sequence's sampled tokens to the output processor."""
-        if self.spec_stats.record(scheduled, res):
+    def _accept(self, scheduled, res, stuck: list[int], touched: dict):
+        """Hand each sequence's sampled tokens to the output processor;
+        returns (proposed, accepted) of a verify step, else None."""
+        counted = self.spec_stats.record(scheduled, res)
+        if counted is not None:
             self.stats["decode_steps"] += 1
             if self.spec_stats.steps % 100 == 0:
                 log.info("jaxkv: speculative decoding: %s", self.speculative_metrics())
@@ -220,6 +232,7 @@ class LLMEngine(RequestIntake):
             if not s.finished:  # slots reserved for rejected proposals go back
                 self.bm.trim(s.request_id, s.num_tokens)
             touched[id(s.parent)] = s.parent
+        return counted
 
     def _computed(self, s: Sequence, num_computed: int) -> None:
         """Record K/V written up to num_computed; free pages behind the window."""

@@ -66,6 +66,11 @@ class ScheduledSeq:
         return self.known_end == self.seq.num_tokens
 
 
+def step_kind(scheduled) -> str:
+    """"decode" when every sequence brings one known token, else "mixed"."""
+    return "decode" if all(sc.known_end - sc.start == 1 for sc in scheduled) else "mixed"
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
@@ -81,7 +86,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_num_steps: int = 1, proposer=None, num_spec: int = 0):
+                 max_num_steps: int = 1, proposer=None, num_spec: int = 0, gate=None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -90,6 +95,8 @@ class Scheduler:
         self.proposer = proposer
         self.num_spec = num_spec
         self.propose_seconds = 0.0  # in the proposer's fill (a draft model's runs)
+        self.gate = gate  # jaxkv.core.spec_decode.SpecGate: speculate where it pays
+        self._gate_passed = False
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -122,13 +129,19 @@ class Scheduler:
         return self.bm.num_computed_tokens(seq.request_id)
 
     def schedule(self) -> SchedulerOutput:
+        self._gate_passed = False
         n = self._decode_steps()
         out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
         for sc in out.scheduled:
             sc.block_table = self.bm.block_table(sc.seq.request_id)
         drafting = [sc for sc in out.scheduled if sc.num_spec]
-        if drafting and not all(can_speculate(sc.seq) for sc in out.scheduled):
-            for sc in drafting:  # a step the host re-samples: no proposals (slots trimmed later)
+        # No proposals in a step the host re-samples, or where the gate
+        # expects no gain (their reserved slots are trimmed after the step).
+        if drafting and (not all(can_speculate(sc.seq) for sc in out.scheduled) or (
+                not self._gate_passed and self.gate is not None
+                and not self.gate.allow([(sc.seq, sc.num_spec) for sc in drafting],
+                                        len(out.scheduled), step_kind(out.scheduled)))):
+            for sc in drafting:
                 sc.num_tokens -= sc.num_spec
                 sc.num_spec = 0
             drafting = []
@@ -162,7 +175,9 @@ class Scheduler:
             return 1
         if not all(can_speculate(s) for s in self.running):
             return 1
-        if any(self._proposals(s, self.num_spec + 1) for s in self.running):
+        drafts = [(s, k) for s in self.running if (k := self._proposals(s, self.num_spec + 1))]
+        if drafts and (self.gate is None or self.gate.allow(drafts, len(self.running), "decode")):
+            self._gate_passed = True
             return 1  # a verify step instead
         return self.max_num_steps  # fixed: one program; the loop ends early
 

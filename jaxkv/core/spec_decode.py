@@ -95,6 +95,59 @@ def make_proposer(config, engine, buckets, draft_model=None):
     return draft, draft
 
 
+class SpecGate:
+    """Speculate in a step only where it is expected to pay. Verifying k
+    proposals costs more than a plain step by a factor that depends on the
+    hardware (near 1 on an accelerator, 2x or more for a few rows on a
+    CPU, whose small matrix products run far below their one-row speed),
+    so the gate measures it: the wall time per model call of plain and of
+    speculating steps, kept per kind (decode-only or with prefill) and
+    sequence bucket, and each sequence's acceptance rate (shrunk toward the
+    engine's). A step speculates when its expected tokens per second beat
+    plain decoding's; every `probe_every` refusals it speculates anyway, so
+    costs and acceptance stay current (a sequence may start copying)."""
+
+    def __init__(self, probe_every: int = 16, smoothing: float = 0.2):
+        self.probe_every = probe_every
+        self.smoothing = smoothing
+        self.seconds: dict[tuple[str, bool, int], float] = {}  # (kind, spec, S) -> per call
+        self.alpha = 0.5  # the engine's acceptance rate per proposal
+        self.refused = 0
+
+    @staticmethod
+    def _key(kind: str, spec: bool, num_seqs: int) -> tuple[str, bool, int]:
+        return kind, spec, 1 << max(num_seqs - 1, 0).bit_length()
+
+    def expected_accepted(self, seq, k: int) -> float:
+        """Expected accepted proposals of k, each accepted with the
+        sequence's rate given all before it were."""
+        a = (seq.spec_accepted + 4 * self.alpha) / (seq.spec_proposed + 4)
+        return sum(a ** j for j in range(1, k + 1))
+
+    def allow(self, drafts, num_seqs: int, kind: str) -> bool:
+        """drafts: (sequence, k) of the step's drafting sequences."""
+        plain = self.seconds.get(self._key(kind, False, num_seqs))
+        spec = self.seconds.get(self._key(kind, True, num_seqs))
+        if plain is None or spec is None or self.refused >= self.probe_every:
+            self.refused = 0
+            return True
+        gain = num_seqs + sum(self.expected_accepted(s, k) for s, k in drafts)
+        if gain / spec > num_seqs / plain:
+            return True
+        self.refused += 1
+        return False
+
+    def observe(self, kind: str, spec: bool, num_seqs: int, seconds: float, calls: int,
+                proposed: int = 0, accepted: int = 0) -> None:
+        """A step ran: its wall time (with proposing) and model calls."""
+        key, w = self._key(kind, spec, num_seqs), self.smoothing
+        per_call = seconds / max(calls, 1)
+        old = self.seconds.get(key)
+        self.seconds[key] = per_call if old is None else (1 - w) * old + w * per_call
+        if proposed:
+            self.alpha = (1 - w) * self.alpha + w * accepted / proposed
+
+
 @dataclasses.dataclass
 class SpecStats:
     """Aggregate figures: steps that verified proposals, sequences in them
@@ -114,21 +167,23 @@ class SpecStats:
         """Tokens a drafting sequence gained per step: accepted + the target's own."""
         return 1 + self.accepted / self.drafts if self.drafts else 0.0
 
-    def record(self, scheduled, res) -> bool:
-        """Count a step's proposals and acceptances (per sequence too);
-        False when the step verified nothing."""
+    def record(self, scheduled, res) -> tuple[int, int] | None:
+        """Count a step's proposals and acceptances (per sequence too):
+        (proposed, accepted), or None when the step verified nothing."""
         drafts = [(i, sc) for i, sc in enumerate(scheduled) if sc.spec_tokens]
         if not drafts:
-            return False
+            return None
         self.steps += 1
+        proposed = accepted = 0
         for i, sc in drafts:
             k, a = len(sc.spec_tokens), int(res.counts[i]) - 1
-            self.drafts += 1
-            self.proposed += k
-            self.accepted += a
+            proposed, accepted = proposed + k, accepted + a
             sc.seq.spec_proposed += k
             sc.seq.spec_accepted += a
-        return True
+        self.drafts += len(drafts)
+        self.proposed += proposed
+        self.accepted += accepted
+        return proposed, accepted
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
