@@ -45,7 +45,8 @@ class Sizes:
     hf_decode_batches: tuple[int, ...] = (1, 16)  # HF only where a ratio needs it
     decode_prompt: int = 64  # P
     decode_steps: int = 32  # N
-    prefill_lens: tuple[int, ...] = (256, 1024)
+    prefill_lens: tuple[int, ...] = (256, 1024, 4096)  # one step each (budget >= n)
+    prefill_chunked: tuple[int, ...] = (4096,)  # in chunks of the default token budget
     e2e_requests: int = 64
     e2e_prompt: tuple[int, int] = (16, 128)
     e2e_output: tuple[int, int] = (8, 40)
@@ -54,7 +55,7 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(decode_steps=8, prefill_lens=(256,), e2e_requests=16, e2e_output=(4, 16),
+QUICK = Sizes(decode_steps=8, prefill_lens=(256,), prefill_chunked=(), e2e_requests=16, e2e_output=(4, 16),
               bandwidth_bytes=256 << 20)
 
 

@@ -36,27 +36,39 @@ class JaxkvBench:
     DECODE_MARGIN = 64
 
     def __init__(self, model: str, sizes, meter: CompileMeter, quantize: str | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, *, share: "JaxkvBench | None" = None,
+                 max_num_batched_tokens: int | None = None):
+        """`max_num_batched_tokens`: an engine for lone prompts (one
+        sequence a step) with this token budget instead of the default;
+        `share`: reuse that bench's weights and tokenizer, not a new load."""
         import jax
-        import jax.numpy as jnp
 
         from bench_common import e2e_lengths
         from jaxkv import LLMEngine
+        from jaxkv.config import EngineConfig
 
         self.sizes = sizes
         self.meter = meter
         e2e_p, e2e_o = e2e_lengths(sizes)
         ps = 16
         pages = lambda n: -(-n // ps)  # noqa: E731
+        longest = max(pages(n + 1) for n in (1, *sizes.prefill_lens, *sizes.prefill_chunked))
         need = max(max(sizes.decode_batches) * pages(sizes.decode_prompt + sizes.decode_steps
                                                      + self.DECODE_MARGIN),
-                   sum(pages(p + o) for p, o in zip(e2e_p, e2e_o)),
-                   max((pages(n + 1) for n in sizes.prefill_lens), default=1))
+                   sum(pages(p + o) for p, o in zip(e2e_p, e2e_o)), longest)
+        kw = dict(page_size=ps, num_pages=need + 2, quantize=quantize,
+                  max_num_seqs=max(64, *sizes.decode_batches),
+                  tensor_parallel_size=tensor_parallel_size)
+        if max_num_batched_tokens is not None:
+            kw.update(num_pages=longest + 2, max_num_seqs=1,
+                      max_num_batched_tokens=max_num_batched_tokens)
         s0, n0, h0 = meter.snapshot()
-        t, self.engine = _timed(lambda: LLMEngine.from_pretrained(
-            model, page_size=ps, num_pages=need + 2, quantize=quantize,
-            max_num_seqs=max(64, *sizes.decode_batches),
-            tensor_parallel_size=tensor_parallel_size))
+        if share is None:
+            t, self.engine = _timed(lambda: LLMEngine.from_pretrained(model, **kw))
+        else:
+            from flax import nnx
+            module = nnx.merge(share.runner.graphdef, share.runner.state)
+            t, self.engine = _timed(lambda: LLMEngine(module, share.tokenizer, EngineConfig(**kw)))
         s1, n1, h1 = meter.snapshot()
         report = self.engine.warmup_report or dict(programs=0, seconds=0.0)
         self.warm_up = dict(new_programs=report["programs"], wall_s=report["seconds"],
@@ -66,17 +78,17 @@ class JaxkvBench:
         self.config = self.engine.model_config
         self.stream = prompt_stream(self.tokenizer, self.config.vocab_size,
                                     max([sizes.decode_prompt, *sizes.prefill_lens,
-                                         sizes.e2e_prompt[1]]))
+                                         *sizes.prefill_chunked, sizes.e2e_prompt[1]]))
         self._salts = sorted(set(self.stream))
         self._submissions = 0
-        # Bytes a batch-1 step reads (w8a8 keeps float weights for small steps
-        # beside int8 ones for large: count only the float ones).
-        self.weight_bytes = sum(
-            x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(self.runner.state)
-            if "w8" not in jax.tree_util.keystr(path))
-        if not self.config.tie_word_embeddings:  # embedding rows are gathered, not read whole
-            self.weight_bytes -= (self.config.vocab_size * self.config.hidden_size
-                                  * jnp.dtype(self.engine.config.dtype).itemsize)
+        # Bytes a batch-1 step reads: every weight, but the embedding table
+        # only where it is also the head (tied, no separate lm_head); else
+        # its rows are gathered, not read whole.
+        paths = [(jax.tree_util.keystr(p), x)
+                 for p, x in jax.tree_util.tree_leaves_with_path(self.runner.state)]
+        self.weight_bytes = sum(x.nbytes for _, x in paths)
+        if any("lm_head" in k for k, _ in paths):
+            self.weight_bytes -= sum(x.nbytes for k, x in paths if "embed" in k)
         cache = self.runner.cache
         self.kv_bytes_per_token = cache.nbytes() // (cache.num_pages * cache.page_size)
 

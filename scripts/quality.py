@@ -46,7 +46,7 @@ def main(argv=None):
     else:
         models = {q or "float32": Llama.from_params(config, params, quantize=q)
                   for q in (None, "int8", "w8a8")}
-        # 16 sequences per step, so batched decode takes w8a8's int8 path.
+        # 16 sequences per step, as a batched run decodes.
         runs = {k: greedy_outputs(m, tok, a.prompts, a.tokens, max_num_seqs=16)
                 for k, m in models.items()}
         ll = {k: mean_loglik(m, tok) for k, m in models.items()}

@@ -14,16 +14,19 @@ from tests.model_utils import make_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench  # noqa: E402  (scripts/bench.py)
+import bench_plot  # noqa: E402
 
 TINY = bench.Sizes(decode_batches=(1, 4), hf_decode_batches=(1, 4), decode_prompt=12,
-                   decode_steps=3, prefill_lens=(40,), e2e_requests=5, e2e_prompt=(3, 30),
-                   e2e_output=(2, 6), sequential_runs=2, bandwidth_bytes=8 << 20)
+                   decode_steps=3, prefill_lens=(40,), prefill_chunked=(600,), e2e_requests=5,
+                   e2e_prompt=(3, 30), e2e_output=(2, 6), sequential_runs=2,
+                   bandwidth_bytes=8 << 20)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    _, path = make_hf_model("llama", tmp_path_factory.mktemp("tiny"), max_position_embeddings=512)
-    return bench.run_benchmarks(str(path), peer="hf", sizes=TINY, runs=2, log=lambda m: None)
+    _, path = make_hf_model("llama", tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
+    return bench.run_benchmarks(str(path), peer="hf", sizes=TINY, runs=2,
+                                also_quantize=("w8a8",), log=lambda m: None)
 
 
 def _check_entry(s, runs=2):
@@ -48,10 +51,22 @@ def test_figures_come_from_the_measured_runs(results):
         # weights + K/V of B sequences holding at least the prompt
         assert j["bytes_per_step"] > (results["model"]["weight_bytes"] + B * TINY.decode_prompt
                                       * results["model"]["kv_bytes_per_token"])
+    for key, B in (("batch1", 1), ("batch4", 4)):  # the w8a8 engine beside the others
+        e = results["decode"][key]
+        v = e["variants"]["w8a8"]
+        _check_entry(v)
+        assert min(v["runs_tokens"]) >= B * TINY.decode_steps
+        assert v["ratio_vs_jaxkv"] == pytest.approx(v["tok_per_s"] / e["jaxkv"]["tok_per_s"])
+        assert v["ratio"] == pytest.approx(v["tok_per_s"] / e["hf"]["tok_per_s"])
     p = results["prefill"]["tokens40"]
     _check_entry(p["jaxkv"])
     assert p["jaxkv"]["runs_tokens"] == [40, 40]
+    assert p["steps"] == 1 and p["token_budget"] >= 40
     assert p["ratio"] == pytest.approx(p["jaxkv"]["tok_per_s"] / p["hf"]["tok_per_s"])
+    c = results["prefill"]["tokens600_chunked"]  # the default engine: 512-token chunks
+    _check_entry(c["jaxkv"])
+    assert c["jaxkv"]["runs_tokens"] == [600, 600] and (c["steps"], c["token_budget"]) == (2, 512)
+    assert c["ratio"] == pytest.approx(c["jaxkv"]["tok_per_s"] / c["hf"]["tok_per_s"])
     t = results["ttft"]["prompt40"]
     assert t["ratio"] == pytest.approx(t["hf"]["ms"] / t["jaxkv"]["ms"])
 
@@ -81,13 +96,30 @@ def test_warm_up_compiles_everything_the_timed_runs_need(results):
 
 def test_report_and_json(results, tmp_path):
     text = bench.format_report(results)
-    assert "| jaxkv  | decode" in text and "| hf     | decode" in text
+    assert "| jaxkv      | decode" in text and "| hf         | decode" in text
+    assert "| jaxkv w8a8 | decode" in text and "prefill 600 in 2 chunks of 512" in text
     assert "e2e batched" in text and "WARNING" not in text
     out = tmp_path / "r.json"
     out.write_text(json.dumps(results, default=float))
     back = json.loads(out.read_text())
     assert back["decode"]["batch4"]["hf"]["tok_per_s"] > 0
     assert {"jax", "cpu", "date", "hf_torch"} <= back["meta"].keys()
+
+
+def test_plot_draws_every_figure(results, tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    figs = bench_plot.figures(results)
+    labels = [label for label, _ in figs]
+    assert labels == ["decode\nbatch 1", "decode\nbatch 4", "prefill 40",
+                      "prefill 600\n2 x 512", "e2e 5\nrequests"]
+    assert figs[0][1] == {"jaxkv": results["decode"]["batch1"]["jaxkv"]["tok_per_s"],
+                          "jaxkv w8a8": results["decode"]["batch1"]["variants"]["w8a8"]["tok_per_s"],
+                          "hf": results["decode"]["batch1"]["hf"]["tok_per_s"]}
+    path = bench_plot.write_plot(results, tmp_path / "r.png")
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] >= 800
 
 
 def test_goals_follow_the_numbers(results):
@@ -98,8 +130,11 @@ def test_goals_follow_the_numbers(results):
     res["decode"]["batch1"]["jaxkv"]["tok_per_s"] = 0.9 * limit
     res["e2e"]["num_requests"] = 64
     res["e2e"]["batched"]["jaxkv"]["tok_per_s"] = 299.0
-    res["prefill"]["tokens256"] = dict(res["prefill"]["tokens40"], ratio=1.3)
-    res["prefill"]["tokens256"]["jaxkv"] = dict(res["prefill"]["tokens40"]["jaxkv"],
+    res["prefill"] = dict(tokens256=dict(res["prefill"]["tokens40"], prompt_tokens=256,
+                                         ratio=1.3),
+                          tokens4096_chunked=dict(res["prefill"]["tokens600_chunked"],
+                                                  prompt_tokens=4096, steps=8, ratio=0.9))
+    res["prefill"]["tokens256"]["jaxkv"] = dict(res["prefill"]["tokens256"]["jaxkv"],
                                                 tok_per_s=330.0)
     got = {g["name"]: (g["met"], round(g["value"], 6)) for g in bench.evaluate_goals(res)}
     assert got == {
@@ -109,6 +144,7 @@ def test_goals_follow_the_numbers(results):
         "e2e 64 mixed requests, output tok/s": (False, 299.0),
         "prefill 256 vs llama.cpp": (True, round(330 / 160, 6)),
         "prefill 256 vs HF": (True, 1.3),
+        "prefill 4096 in 8 chunks of 512 vs HF": (False, 0.9),
     }
     res["decode"]["batch1"]["jaxkv"]["tok_per_s"] = 0.8 * limit
     g = [g for g in bench.evaluate_goals(res) if "bandwidth" in g["name"]][0]
