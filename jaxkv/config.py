@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from jaxkv.units import parse_size
 from pallas_kernels.ragged_paged_attention import BACKENDS as ATTENTION_BACKENDS
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -130,22 +131,6 @@ class CacheConfig:
             raise ValueError(f"page_size: must be positive, got {self.page_size}")
         if self.kv_dtype not in ("float32", "bfloat16", "float16", "int8"):
             raise ValueError(f"kv_dtype: unsupported {self.kv_dtype!r}")
-
-
-_SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-               "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-
-
-def parse_size(text: str) -> int:
-    """'24GB', '512MiB', '64 MB', '1e9' -> bytes (ValueError if not a size)."""
-    t = str(text).strip().upper().replace(" ", "")
-    try:
-        for u, m in _SIZE_UNITS.items():
-            if t.endswith(u):
-                return int(float(t[:-len(u)]) * m)
-        return int(float(t))
-    except ValueError:
-        raise ValueError(f"not a size in bytes: {text!r} (e.g. 24GB, 512MiB)") from None
 
 
 def _opt(default, help: str, **meta):

@@ -12,14 +12,14 @@ import json
 import typing
 from typing import Any, Mapping
 
-from jaxkv.config import parse_size as config_parse_size
+from jaxkv.units import parse_size as units_parse_size
 
 
 def parse_size(text: str) -> int:
-    """'24GB', '512MiB', '1e9' -> bytes (`jaxkv.config.parse_size`, as an
+    """'24GB', '512MiB', '1e9' -> bytes (`jaxkv.units.parse_size`, as an
     argparse type)."""
     try:
-        return config_parse_size(text)
+        return units_parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

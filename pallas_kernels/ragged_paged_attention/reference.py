@@ -43,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import dense
+from pallas_kernels.ragged_paged_attention.dense import dense_block, dense_prefill, use_dense
 
 _MIN_PREFILL_BLOCK = 16
 _MAX_PREFILL_BLOCK = 128
@@ -290,8 +290,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         return _decode_attention(*args, **kw)
 
     def prefill(args):
-        if dense.use_dense(T, S):  # long chunks: dense causal blocks, decodes apart
-            out, served = dense.dense_prefill(*args, block_q=dense.dense_block(T, S), **kw)
+        if use_dense(T, S):  # long chunks: dense causal blocks, decodes apart
+            out, served = dense_prefill(*args, block_q=dense_block(T, S), **kw)
             q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
             dec = _decode_attention(q, k_pages, v_pages, jnp.where(q_lens == 1, kv_lens, 0),
                                     block_tables, cu_q_lens, num_seqs, **kw)
