@@ -26,4 +26,18 @@ def load_model(model: str, *, dtype: str = "float32", quantize: str | None = Non
     # checkpoint and the module are never both whole in memory (SmolLM2's
     # peak RSS while loading: 1.55 GB -> about one copy of the weights).
     module = Llama(config, lambda name, shape: jnp.asarray(params.pop(name), dt, copy=False), quantize)
+    _release_freed_memory()
     return module, tokenizer
+
+
+def _release_freed_memory() -> None:
+    """Give the host memory freed while loading (the checkpoint's copies,
+    fused-weight temporaries) back to the OS: glibc keeps freed blocks in
+    its heap otherwise (measured: ~250 MB of SmolLM2's load)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -168,3 +168,26 @@ def test_kv_cache_memory_takes_units():
         EngineConfig(kv_cache_memory="lots")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         EngineConfig(kv_cache_memory="0MB")
+
+
+@pytest.mark.parametrize("extra,seqs,model_len", [
+    ([], 1, len("héllo".encode()) + 256 + 10),  # the pool for this one request
+    (["--n", "3"], 3, len("héllo".encode()) + 256 + 10),
+    (["--max-model-len", "900"], 1, 900),
+    (["--kv-cache-memory", "64MB"], 64, None),  # a budget given: the engine's defaults
+])
+def test_generate_sizes_the_default_pool_for_its_request(monkeypatch, extra, seqs, model_len):
+    from jaxkv.config import EngineConfig
+    from jaxkv.entrypoints import cli
+
+    seen = {}
+
+    def make_engine(a):
+        seen.update(cli.values(a, EngineConfig, prefix=cli.ENGINE))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "_make_engine", make_engine)
+    a = cli.build_parser().parse_args(["generate", "héllo", "--max-tokens", "10", *extra])
+    with pytest.raises(SystemExit):
+        a.func(a)
+    assert (seen["max_num_seqs"], seen["max_model_len"]) == (seqs, model_len)

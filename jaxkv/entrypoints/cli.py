@@ -105,6 +105,12 @@ def _chat_prompt(engine, messages):
 
 
 def cmd_generate(a) -> int:
+    if a.engine_kv_cache_memory is None and a.engine_num_pages is None:
+        # One request: the default KV pool (jaxkv.model.memory) holds its n
+        # sequences of at most prompt bytes + 256 (chat template) + max_tokens.
+        a.engine_max_num_seqs = min(a.engine_max_num_seqs, a.sampling_n)
+        a.engine_max_model_len = a.engine_max_model_len or (
+            len(a.prompt.encode()) + 256 + a.sampling_max_tokens)
     engine = _make_engine(a)
     params = _params(a)
     prompt = a.prompt
