@@ -44,15 +44,18 @@ def cheapest(items):
     return best
 '''
 
+PASSAGE = TEXT[:700]
 TASKS = {  # name: (grounded?, user message)
-    "rewrite": (True, "Rewrite the following passage, keeping every sentence but changing "
-                      "'harbour' to 'port':\n\n" + TEXT[:900]),
-    "fix": (True, "Fix the spelling mistakes in this text and return the corrected text:\n\n"
-                  + TEXT[:900].replace("the ", "teh ").replace("and ", "adn ")),
-    "summarize": (True, "Summarize this passage in a few sentences, reusing its own words:\n\n"
-                        + TEXT[:900]),
-    "code_edit": (True, "Rename the variable `result` to `total` in this Python code and "
-                        "return the whole code:\n\n" + CODE),
+    "rewrite": (True, "Rewrite the following text in the present tense. Reply with the "
+                      "rewritten text only.\n\n" + PASSAGE),
+    "edit": (True, "In the following text, replace the word 'harbour' with 'port'. Reply "
+                   "with the full edited text only.\n\n" + PASSAGE),
+    "fix": (True, "Correct the spelling mistakes in the following text. Reply with the "
+                  "corrected text only.\n\n"
+                  + PASSAGE.replace("the ", "teh ").replace("and ", "adn ")),
+    "summarize": (True, "Summarize the following text in three sentences.\n\n" + PASSAGE),
+    "code_edit": (True, "Rename the variable `result` to `total` in the following Python "
+                        "code. Reply with the full updated code only.\n\n" + CODE),
     "chat_story": (False, "Write a short story about a robot who learns to paint."),
     "chat_explain": (False, "Explain why the sky is blue to a ten year old."),
     "chat_advice": (False, "Give me five tips for staying focused while studying."),
@@ -105,7 +108,8 @@ def bench_ngram(module, tok, a) -> dict:
     engines = {"plain": make_engine(module, tok, None), "ngram": make_engine(module, tok, spec)}
     prompts = {name: chat_ids(tok, text) for name, (_, text) in TASKS.items()}
     for eng in engines.values():  # compile what the timed runs use
-        run(eng, [prompts["rewrite"]], 16)
+        for p in prompts.values():
+            run(eng, [p], 16)
         run(eng, list(prompts.values()), 16)
     rows = {name: {c: [] for c in engines} for name in TASKS}
     same, acc = {}, {name: None for name in TASKS}
