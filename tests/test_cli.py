@@ -92,3 +92,27 @@ def test_generate_and_stream_refuse_a_bad_request_with_exit_2(tmp_path, capsys):
                        "--num-pages", "32", "--page-size", "8", *extra])
         assert rc == 2, extra
         assert "top_p" in capsys.readouterr().err
+
+
+def test_speculative_options(monkeypatch):
+    a = cli.build_parser().parse_args([
+        "generate", "hi", "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'])
+    spec = EngineConfig(**cli.values(a, EngineConfig, prefix=cli.ENGINE)).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max,
+            spec.prompt_lookup_min) == ("ngram", 3, 5, 2)
+    seen = {}
+    monkeypatch.setattr("jaxkv.core.engine.LLMEngine.from_pretrained",
+                        classmethod(lambda cls, model, **kw: seen.update(kw) or
+                                    (_ for _ in ()).throw(SystemExit(0))))
+    a = cli.build_parser().parse_args(["generate", "hi", "--draft-model", "/models/draft"])
+    with pytest.raises(SystemExit):
+        cli._make_engine(a)
+    assert seen["speculative_config"] == {"method": "draft_model", "model": "/models/draft",
+                                          "num_speculative_tokens": 4}
+    a = cli.build_parser().parse_args(["generate", "hi", "--draft-model", "d",
+                                       "--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match="--draft-model"):
+        cli._make_engine(a)
+    with pytest.raises(SystemExit):  # not JSON: argparse names the option
+        cli.build_parser().parse_args(["generate", "hi", "--speculative-config", "{method"])

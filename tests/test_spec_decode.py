@@ -277,3 +277,22 @@ def test_gate_speculates_where_the_measured_costs_say_it_pays():
     assert gate.alpha == 0.25
     # another sequence bucket has its own costs (unmeasured: try)
     assert gate.allow([(miss, 4)], 16, "decode")
+
+
+def test_server_metrics_export_the_speculative_counters():
+    from types import SimpleNamespace as NS
+
+    from jaxkv.core.spec_decode import SpecStats
+    from jaxkv.entrypoints.openai.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny")
+    stats = SpecStats(steps=3, drafts=5, proposed=17, accepted=9)
+    eng = NS(scheduler=NS(running=[], waiting=[], num_preemptions=0),
+             bm=NS(num_used_pages=0, num_pages=9, prefix_query_tokens=0, prefix_hit_tokens=0),
+             spec_stats=stats)
+    m.refresh(eng)
+    stats.proposed, stats.accepted = 20, 11
+    m.refresh(eng)  # counters move by the difference
+    text = m.render().decode()
+    for name, value in (("drafts", 5), ("draft_tokens", 20), ("accepted_tokens", 11)):
+        assert f'jaxkv:spec_decode_num_{name}_total{{model_name="tiny"}} {value}.0' in text, name
