@@ -103,7 +103,7 @@ def median(xs):
 
 
 def bench_ngram(module, tok, a) -> dict:
-    spec = {"method": "ngram", "num_speculative_tokens": a.k,
+    spec = {"method": "ngram", "num_speculative_tokens": a.k, "adaptive": a.adaptive,
             "prompt_lookup_max": a.lookup_max, "prompt_lookup_min": a.lookup_min}
     engines = {"plain": make_engine(module, tok, None), "ngram": make_engine(module, tok, spec)}
     prompts = {name: chat_ids(tok, text) for name, (_, text) in TASKS.items()}
@@ -157,7 +157,8 @@ def bench_draft_sweep(module, tok, a) -> dict:
     for layers in a.draft_layers:
         draft = module if layers == cfg.num_layers else Llama.random_init(
             dataclasses.replace(cfg, num_layers=layers), seed=0)
-        spec = {"method": "draft_model", "model": "sweep", "num_speculative_tokens": a.k}
+        spec = {"method": "draft_model", "model": "sweep", "num_speculative_tokens": a.k,
+                "adaptive": False}
         eng = make_engine(module, tok, spec, draft=draft)
         run(eng, [prompt], 8)
         rates, m = [], None
@@ -179,7 +180,8 @@ def bench_draft_sweep(module, tok, a) -> dict:
 
 def report(res: dict) -> str:
     lines = [f"jaxkv speculative decoding, {res['date']}, {res['cpu']} ({res['cores']} cores), "
-             f"k={res['k']}, {res['runs']} runs, max_tokens {res['max_tokens']}", "",
+             f"weights {res['quantize'] or 'float32'}, k={res['k']}, {res['runs']} runs, "
+             f"max_tokens {res['max_tokens']}", "",
              "| task | grounded | plain tok/s | n-gram tok/s | speedup | mean accepted length "
              "| identical |", "|---|---|---:|---:|---:|---:|---|"]
     for name, t in res["ngram"]["tasks"].items():
@@ -208,9 +210,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="speculative_config's adaptive gate")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--quantize", default=None, choices=("int8", "w8a8"),
+                   help="weights as the engine's --quantize")
     p.add_argument("--draft-sweep", action="store_true")
     p.add_argument("--draft-layers", type=int, nargs="+", default=[1, 4, 8, 30])
     p.add_argument("--json", default=None)
@@ -220,9 +226,9 @@ def main(argv=None) -> int:
     from jaxkv.paths import enable_compilation_cache
 
     enable_compilation_cache()
-    module, tok = load_model(a.model)
+    module, tok = load_model(a.model, quantize=a.quantize)
     res = dict(date=time.strftime("%Y-%m-%d"), cpu=_cpu_name(), cores=_num_cores(), k=a.k,
-               runs=a.runs, max_tokens=a.max_tokens, model=a.model)
+               runs=a.runs, max_tokens=a.max_tokens, model=a.model, quantize=a.quantize)
     res["ngram"] = bench_ngram(module, tok, a)
     if a.draft_sweep:
         res["draft_sweep"] = bench_draft_sweep(module, tok, a)
