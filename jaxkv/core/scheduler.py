@@ -231,6 +231,9 @@ class Scheduler:
                 continue
             start = self.computed(seq)
             k = self._proposals(seq, budget) if seq.num_tokens - start == 1 else 0
+            if k and not self.bm.can_append_slots(
+                    seq.request_id, max(0, start + 1 + k - self.bm.num_tokens(seq.request_id))):
+                k = 0  # proposals never preempt anyone
             n = min(seq.prefill_target - start, budget, _chunk_cap(seq, start)) + k
             if not self._grow(seq, start + n, out):
                 continue
