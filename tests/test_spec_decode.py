@@ -296,3 +296,48 @@ def test_server_metrics_export_the_speculative_counters():
     text = m.render().decode()
     for name, value in (("drafts", 5), ("draft_tokens", 20), ("accepted_tokens", 11)):
         assert f'jaxkv:spec_decode_num_{name}_total{{model_name="tiny"}} {value}.0' in text, name
+
+
+TP_SCRIPT = """
+import json, sys
+import numpy as np
+from jaxkv.config import EngineConfig, ModelConfig
+from jaxkv.core.engine import LLMEngine
+from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.model.llama import Llama
+cfg = ModelConfig(architecture="llama", vocab_size=212, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
+                  max_position_embeddings=512, eos_token_ids=())
+model = Llama.random_init(cfg, seed=1)
+rng = np.random.default_rng(0)
+prompts = [[int(t) for t in rng.integers(0, 212, 5)] * 4 for _ in range(8)]
+spec = json.loads(sys.argv[2])
+eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=40, page_size=8, max_num_seqs=8,
+                max_num_batched_tokens=64, tensor_parallel_size=int(sys.argv[1]),
+                speculative_config=spec))
+ids = [eng.add_request(p, SamplingParams(max_tokens=16, temperature=0.8 * (i % 2), seed=i))
+       for i, p in enumerate(prompts)]
+out = eng.run_to_completion()
+print(json.dumps(dict(tokens=[out[i].outputs[0].token_ids for i in ids],
+                      accepted=eng.speculative_metrics().get("accepted", 0))))
+"""
+
+
+def test_ngram_under_tensor_parallel_matches_one_device():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+    def run(tp, spec):
+        out = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(tp), json.dumps(spec)],
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    one = run(1, None)
+    two = run(2, dict(NGRAM, num_speculative_tokens=3))
+    assert two["accepted"] > 0
+    assert two["tokens"] == one["tokens"]
