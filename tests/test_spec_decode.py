@@ -275,6 +275,8 @@ def test_gate_speculates_where_the_measured_costs_say_it_pays():
     assert gate.allow([(hit, 4)], 1, "decode")
     assert [gate.allow([(miss, 4)], 1, "decode") for _ in range(4)] == [False] * 3 + [True]
     assert gate.alpha == 0.25
+    gate.observe("decode", True, 1, float("nan"), 1, proposed=4, accepted=4)  # it compiled
+    assert gate.seconds[("decode", True, 1)] == 0.080 and gate.alpha == 1.0
     # another sequence bucket has its own costs (unmeasured: try)
     assert gate.allow([(miss, 4)], 16, "decode")
 

@@ -141,9 +141,11 @@ class LLMEngine(RequestIntake):
         t0 = time.perf_counter()
         outputs = [self._output(s) for s in self._errors]
         self._errors.clear()
-        p0 = self.scheduler.propose_seconds
+        p0, programs = self.scheduler.propose_seconds, self._num_programs()
         sched = self.scheduler.schedule()
         self._propose_step_seconds = self.scheduler.propose_seconds - p0
+        if self._num_programs() != programs:  # the draft compiled: not a cost to learn from
+            self._propose_step_seconds = float("nan")
         if not sched.scheduled:
             if self.scheduler.has_unfinished() and not outputs:
                 raise RuntimeError("scheduler made no progress: the page pool is too small "
@@ -152,6 +154,11 @@ class LLMEngine(RequestIntake):
         outputs += self._run(sched)
         self.stats["step_seconds"] += time.perf_counter() - t0
         return outputs
+
+    def _num_programs(self) -> int:
+        """Programs compiled so far (the draft's too): a step that compiled
+        one says nothing about what a step costs."""
+        return len(self.runner.compiled) + (len(self.draft.runner.compiled) if self.draft else 0)
 
     def speculative_metrics(self) -> dict:
         """Speculative decoding so far ({} when off): verify steps, drafts,
@@ -174,12 +181,15 @@ class LLMEngine(RequestIntake):
         plain = [sc for sc in sched.scheduled if id(sc) not in {id(x) for x in scored}]
         touched: dict[int, Sequence] = {}
         if plain:
-            t0 = time.perf_counter()
+            t0, programs = time.perf_counter(), self._num_programs()
             res, stuck = execute(self.runner, plain, sched.num_steps, V, mirror)
             seconds = time.perf_counter() - t0 + self._propose_step_seconds
             counted = self._accept(plain, res, stuck, touched)
-            if self.scheduler.gate is not None:
-                self.scheduler.gate.observe(step_kind(plain), counted is not None, len(plain),
+            gate = self.scheduler.gate
+            if gate is not None:
+                if self._num_programs() != programs:  # a compile ran inside: no cost figure
+                    seconds = float("nan")
+                gate.observe(step_kind(plain), counted is not None, len(plain),
                                             seconds, len(res.tokens) if counted is None else 1,
                                             *(counted or ()))
         for sc in scored:  # prompt chunks with prompt log-probabilities

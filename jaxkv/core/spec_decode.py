@@ -107,7 +107,7 @@ class SpecGate:
     plain decoding's; every `probe_every` refusals it speculates anyway, so
     costs and acceptance stay current (a sequence may start copying)."""
 
-    def __init__(self, probe_every: int = 16, smoothing: float = 0.2):
+    def __init__(self, probe_every: int = 8, smoothing: float = 0.2):
         self.probe_every = probe_every
         self.smoothing = smoothing
         self.seconds: dict[tuple[str, bool, int], float] = {}  # (kind, spec, S) -> per call
@@ -143,7 +143,8 @@ class SpecGate:
         key, w = self._key(kind, spec, num_seqs), self.smoothing
         per_call = seconds / max(calls, 1)
         old = self.seconds.get(key)
-        self.seconds[key] = per_call if old is None else (1 - w) * old + w * per_call
+        if per_call == per_call:  # not NaN (a step that compiled says nothing of costs)
+            self.seconds[key] = per_call if old is None else (1 - w) * old + w * per_call
         if proposed:
             self.alpha = (1 - w) * self.alpha + w * accepted / proposed
 
