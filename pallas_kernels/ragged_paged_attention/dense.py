@@ -64,10 +64,10 @@ def _chunk(k_pages, v_pages, k_scale, v_scale, table, j, chunk_pages):
 
 
 def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                  block_q, key_chunk=None, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
+                  block_q, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                   v_scale=None, num_sink_tokens=0):
     """Attention of the rows of every sequence with q_len > 1, by dense
-    causal blocks of `block_q` rows against chunks of `key_chunk` keys. q [T, H, D]; k_pages, v_pages [KVH, P,
+    causal blocks of `block_q` rows. q [T, H, D]; k_pages, v_pages [KVH, P,
     page_size, D]; kv_lens [S]; block_tables [S, W]; cu_q_lens [S + 1];
     num_seqs [] -> (out [T, H, D] float32, served [T] bool: the rows this
     path computed; every other row of out is zero)."""
@@ -87,8 +87,7 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
     # Key chunks of whole pages (at least one), by default block_q keys
     # within [256, 512]: long enough for a fast product, short enough that
     # the diagonal chunk wastes little.
-    key_chunk = key_chunk or min(max(bq, 256), _MAX_KEY_CHUNK)
-    chunk_pages = max(1, key_chunk // page_size)
+    chunk_pages = max(1, min(max(bq, 256), _MAX_KEY_CHUNK) // page_size)
     chunk = chunk_pages * page_size
     num_chunk_pages = -(-W // chunk_pages) * chunk_pages
     tables = jnp.pad(block_tables, ((0, 0), (0, num_chunk_pages - W)))
