@@ -277,8 +277,11 @@ def test_gate_speculates_where_the_measured_costs_say_it_pays():
     assert gate.alpha == 0.25
     gate.observe("decode", True, 1, float("nan"), 1, proposed=4, accepted=4)  # it compiled
     assert gate.seconds[("decode", True, 1)] == 0.080 and gate.alpha == 1.0
-    # another sequence bucket has its own costs (unmeasured: try)
+    # another sequence bucket has its own costs (unmeasured: try); a step with
+    # prefill chunks goes by the decode-only costs and never explores
+    assert not gate.allow([(hit, 4)], 16, "mixed")
     assert gate.allow([(miss, 4)], 16, "decode")
+    assert gate.allow([(hit, 4)], 1, "mixed")
 
 
 def test_server_metrics_export_the_speculative_counters():

@@ -125,9 +125,15 @@ class SpecGate:
         return sum(a ** j for j in range(1, k + 1))
 
     def allow(self, drafts, num_seqs: int, kind: str) -> bool:
-        """drafts: (sequence, k) of the step's drafting sequences."""
-        plain = self.seconds.get(self._key(kind, False, num_seqs))
-        spec = self.seconds.get(self._key(kind, True, num_seqs))
+        """drafts: (sequence, k) of the step's drafting sequences. A step
+        with prefill chunks ("mixed") decides from the decode-only costs of
+        its sequence bucket (its chunks cost the same either way, and its
+        own cost varies with them) and does not speculate before those are
+        measured."""
+        plain = self.seconds.get(self._key("decode", False, num_seqs))
+        spec = self.seconds.get(self._key("decode", True, num_seqs))
+        if kind == "mixed" and (plain is None or spec is None):
+            return False
         if plain is None or spec is None or self.refused >= self.probe_every:
             self.refused = 0
             return True
