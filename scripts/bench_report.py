@@ -137,8 +137,8 @@ def format_report(res: dict[str, Any]) -> str:
                          f"{j['ms_median']:.0f} ms, p90 {j['ms_p90']:.0f} ms, "
                          f"max {j['ms_max']:.0f} ms")
         else:
-            n = key.replace("prompt", "").replace("_chunked", "")
-            notes.append(f"time to first token, {n}-token prompt"
+            length = key.replace("prompt", "").replace("_chunked", "")
+            notes.append(f"time to first token, {length}-token prompt"
                          f"{' in chunks' if key.endswith('_chunked') else ''}: jaxkv "
                          f"{t['jaxkv']['ms']:.0f} ms" + (f", hf {t['hf']['ms']:.0f} ms"
                                                           if "hf" in t else ""))
