@@ -98,7 +98,10 @@ def test_any_batch_file_gets_one_record_per_line(eng, tmp_path, lines):
 def _cli(tiny, inp, out):
     return [sys.executable, "-m", "jaxkv", "batch", str(inp), str(out), "--model", str(tiny),
             "--quiet", "--max-tokens", "12", "--no-warmup", "--num-pages", "128",
-            "--page-size", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+            "--page-size", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+            # one decode step per call: records come out one by one, so the
+            # kill lands mid-run even when the machine is fast
+            "--num-decode-steps", "1"]
 
 
 def test_killed_job_resumes_to_the_same_records(tiny, tmp_path):

@@ -242,8 +242,8 @@ def test_sampled_tokens_follow_the_targets_distribution(monkeypatch):
 
 def test_after_warm_up_two_hundred_requests_with_speculation_compile_nothing(model):
     draft = Llama.random_init(dataclasses.replace(CFG, num_layers=1), seed=2)
-    for spec, dm in ((dict(NGRAM, adaptive=True), None),
-                     ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2}, draft)):
+    for spec, dm in ((NGRAM, None), ({"method": "draft_model", "model": "d",
+                                      "num_speculative_tokens": 2, "adaptive": False}, draft)):
         eng = LLMEngine(model, None, EngineConfig(num_pages=32, page_size=8, max_num_seqs=8,
                                                   max_num_batched_tokens=32,
                                                   speculative_config=spec), draft_model=dm)
