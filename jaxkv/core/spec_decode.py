@@ -110,7 +110,7 @@ class SpecGate:
     def __init__(self, probe_every: int = 8, smoothing: float = 0.2):
         self.probe_every = probe_every
         self.smoothing = smoothing
-        self.seconds: dict[tuple[str, bool, int], float] = {}  # (kind, spec, S) -> per call
+        self.seconds: dict[tuple[str, bool, int], float] = {}  # ("decode", spec, S) -> per call
         self.alpha = 0.5  # the engine's acceptance rate per proposal
         self.refused = 0
 
@@ -145,11 +145,13 @@ class SpecGate:
 
     def observe(self, kind: str, spec: bool, num_seqs: int, seconds: float, calls: int,
                 proposed: int = 0, accepted: int = 0) -> None:
-        """A step ran: its wall time (with proposing) and model calls."""
+        """A step ran: its wall time (with proposing) and model calls. Only
+        decode-only steps teach costs (`allow` reads no other), and not one
+        that compiled (NaN seconds)."""
         key, w = self._key(kind, spec, num_seqs), self.smoothing
         per_call = seconds / max(calls, 1)
         old = self.seconds.get(key)
-        if per_call == per_call:  # not NaN (a step that compiled says nothing of costs)
+        if kind == "decode" and per_call == per_call:
             self.seconds[key] = per_call if old is None else (1 - w) * old + w * per_call
         if proposed:
             self.alpha = (1 - w) * self.alpha + w * accepted / proposed
