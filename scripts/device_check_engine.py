@@ -19,6 +19,9 @@ queued on the device; then a jax.profiler trace of a few steps
 (DIR/profile_trace): busy = union of the GPU stream events, idle = the rest
 of the traced span. HBM fraction: (weight + live K/V bytes) per model decode
 step / its runner time / 4.8e12 B/s (H200 datasheet; CPU: nominal 50 GB/s).
+Then overlapped scheduling on the same engine, one model call per step:
+wall per step and traced device idle per step, synchronous and overlapped
+(`async_scheduling`).
 """
 
 from __future__ import annotations
@@ -222,7 +225,8 @@ def part_profile(a, log):
     shape = lib.TINY_THROUGHPUT_SHAPE if a.smoke else lib.LLAMA_1B_SHAPE
     S, P = (4, 32) if a.smoke else (64, 1024)
     n_warm, n_timed, n_traced, K = (1, 3, 2, 8) if a.smoke else (2, 10, 4, 8)
-    max_tokens = (n_warm + n_timed + n_traced + 2) * K + 16
+    n_overlap = (3, 2) if a.smoke else (24, 8)  # timed, traced single-call steps per mode
+    max_tokens = (n_warm + n_timed + n_traced + 2) * K + 2 * (sum(n_overlap) + 4) + 16
     eng = LLMEngine(random_llama(shape, jnp.bfloat16), None, EngineConfig(
         dtype="bfloat16", max_num_seqs=S, max_num_batched_tokens=64 if a.smoke else 2048,
         num_pages=S * -(-(P + max_tokens) // 16) + 2, max_model_len=P + max_tokens,
@@ -253,6 +257,7 @@ def part_profile(a, log):
             trace = lib.device_busy(trace_dir, n_traced)
     except Exception as e:
         trace = dict(parsed=False, reason=f"{type(e).__name__}: {e}")
+    overlap = overlap_rows(eng, *n_overlap, Path(a.out), deadline)
     if any(s.finished for s in seqs):
         raise RuntimeError("a sequence finished inside the measured window")
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.runner.state))
@@ -272,13 +277,50 @@ def part_profile(a, log):
                  bytes_per_decode_step=step_bytes, decode_step_ms_runner=1e3 * t_dev,
                  decode_step_ms_wall=1e3 * t_wall, peak_bytes_per_s=peak, peak_label=label,
                  hbm_fraction_runner=step_bytes / t_dev / peak,
-                 hbm_fraction_wall=step_bytes / t_wall / peak)
+                 hbm_fraction_wall=step_bytes / t_wall / peak, overlap=overlap)
     idle = (f"device idle {trace['idle_per_engine_step_ms']:.2f} ms/step (trace)"
             if trace.get("parsed") else f"trace not parsed: {trace['reason'][:70]}")
     entry["summary"] = (f"batch {S} decode step {1e3 * t_dev:.2f} ms = "
                         f"{entry['hbm_fraction_runner']:.1%} of {label}; host gap "
-                        f"{1e3 * gap / n_timed:.2f} ms per engine step; {idle}")
+                        f"{1e3 * gap / n_timed:.2f} ms per engine step; {idle}; one call per "
+                        "step: " + ", ".join(f"{r['mode']} {r['wall_per_step_ms']:.2f} ms/step"
+                                             + (f" (idle {r['idle_per_step_ms']:.2f})"
+                                                if r.get("idle_per_step_ms") is not None else "")
+                                             for r in overlap))
     return entry
+
+
+def overlap_rows(eng, n_timed, n_traced, out_dir, deadline) -> list[dict]:
+    """Synchronous vs overlapped scheduling on `eng` (its sequences all
+    decoding), one model call per step: wall per engine step, and device
+    idle per step from a trace (DIR/profile_trace_sync, _async)."""
+    import jax
+
+    eng.scheduler.max_num_steps = 1  # the compiled loop runs one call per step
+    rows = []
+    for mode in ("sync", "async"):
+        eng.async_scheduling = mode == "async"
+        for _ in range(3):  # a step in flight before the timing starts
+            eng.step()
+        t0 = time.perf_counter()
+        for _ in range(n_timed):
+            eng.step()
+        row = dict(mode=mode, wall_per_step_ms=1e3 * (time.perf_counter() - t0) / n_timed)
+        trace_dir = out_dir / f"profile_trace_{mode}"
+        try:
+            if time.monotonic() > deadline:
+                raise TimeoutError("budget spent")
+            with jax.profiler.trace(str(trace_dir)):
+                for _ in range(n_traced):
+                    eng.step()
+            tr = lib.device_busy(trace_dir, n_traced)
+        except Exception as e:
+            tr = dict(parsed=False, reason=f"{type(e).__name__}: {e}")
+        row.update(trace=tr, idle_per_step_ms=tr.get("idle_per_engine_step_ms"))
+        rows.append(row)
+    eng.async_scheduling = False
+    eng.step()  # read the step left in flight
+    return rows
 
 
 def main(argv=None):

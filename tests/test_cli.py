@@ -116,3 +116,11 @@ def test_speculative_options(monkeypatch):
         cli._make_engine(a)
     with pytest.raises(SystemExit):  # not JSON: argparse names the option
         cli.build_parser().parse_args(["generate", "hi", "--speculative-config", "{method"])
+
+
+def test_async_scheduling_option():
+    for flags, want in (([], None), (["--async-scheduling"], True),
+                        (["--no-async-scheduling"], False)):
+        a = cli.build_parser().parse_args(["generate", "hi", *flags])
+        assert EngineConfig(**cli.values(a, EngineConfig, prefix=cli.ENGINE)).async_scheduling \
+            is want

@@ -24,8 +24,10 @@ def scheduled(tokens, start, table, params=SamplingParams(temperature=0.0)):
     """A stand-in for the scheduler's ScheduledSeq: `tokens` from `start` on."""
     seq = types.SimpleNamespace(all_token_ids=[0] * start + list(tokens), output_token_ids=[],
                                 prompt_token_ids=[0] * start + list(tokens), params=params,
-                                seed=0, stop=StopRule((), 0, 100), num_tokens=start + len(tokens))
-    return types.SimpleNamespace(seq=seq, start=start, num_tokens=len(tokens), block_table=table)
+                                seed=0, stop=StopRule((), 0, 100), num_tokens=start + len(tokens),
+                                ahead=0)
+    return types.SimpleNamespace(seq=seq, start=start, num_tokens=len(tokens), block_table=table,
+                                 prev_row=-1)
 
 
 def test_step_updates_cache_in_place():

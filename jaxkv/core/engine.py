@@ -13,7 +13,12 @@ A refused request never disturbs the others.
 
 One step path: the scheduler says what runs (and how many decode steps),
 `jaxkv.worker.execute` packs and runs it, the output processor turns
-tokens into outputs.
+tokens into outputs. With overlapped scheduling (`async_scheduling`) a
+step is dispatched and left in flight; the next `step()` plans and
+dispatches the one after it, then reads the first one's tokens, so the
+host's work runs while the device computes. Outputs then arrive one
+`step()` later, and are the same tokens: a sequence that finished in the
+step read is dropped from the one in flight, its extra token discarded.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from jaxkv.core.block_manager import BlockManager
 from jaxkv.core.output_processor import OutputProcessor
 from jaxkv.core.outputs import RequestOutput
 from jaxkv.core.intake import RequestIntake
+from jaxkv.core.overlap import InFlight, Overlap, overlap_default
 from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.core.scheduler import Scheduler, SchedulerOutput, step_kind
 from jaxkv.core.sequence import Sequence
@@ -47,9 +53,10 @@ from jaxkv.worker.buckets import Buckets
 log = logging.getLogger("jaxkv")
 
 
-class LLMEngine(RequestIntake):
+class LLMEngine(RequestIntake, Overlap):
     """The engine: `add_request` / `check_request` / `abort` (the request
-    side, `jaxkv.core.intake`), `step`, `run_to_completion`."""
+    side, `jaxkv.core.intake`), `step` (overlapped: `jaxkv.core.overlap`),
+    `run_to_completion`."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None,
                  draft_model=None):
@@ -94,9 +101,12 @@ class LLMEngine(RequestIntake):
         self._errors: list[Sequence] = []
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        # decode_steps: model calls; partial_prefills: chunks short of the prompt's end.
+        self.async_scheduling = overlap_default(config) and self.proposer is None
+        self._inflight: InFlight | None = None
+        # decode_steps: model calls; partial_prefills: chunks short of the prompt's end;
+        # overlapped_steps: steps dispatched while the one before was in flight.
         self.stats = dict(steps=0, decode_steps=0, prompt_tokens_computed=0, generated_tokens=0,
-                          partial_prefills=0, step_seconds=0.0)
+                          partial_prefills=0, step_seconds=0.0, overlapped_steps=0)
         log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
                  "on %d); max_model_len %d; up to %d sequences at full length", num_pages,
                  config.page_size, pool_tokens, kv_dtype, shard_nbytes(self.runner.cache)
@@ -137,10 +147,29 @@ class LLMEngine(RequestIntake):
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that produced
-        tokens or finished."""
+        tokens or finished. With overlapped scheduling the step run is left
+        in flight and the previous one's outputs are returned."""
         t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats["step_seconds"] += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._output(s) for s in self._errors]
         self._errors.clear()
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            if self._overlaps():
+                sched = self.scheduler.schedule(lookahead=True)
+                if sched.needs_preemption:  # its reservations stay for the plan below
+                    self.runner.copy_pages(sched.copies)
+                elif sched.scheduled:
+                    self._inflight = self._dispatch(sched, prev)
+                    self.stats["overlapped_steps"] += 1
+            outputs += self._resolve(prev)
+            if self._inflight is not None:
+                return outputs
         p0, programs = self.scheduler.propose_seconds, self._num_programs()
         sched = self.scheduler.schedule()
         self._propose_step_seconds = self.scheduler.propose_seconds - p0
@@ -151,8 +180,10 @@ class LLMEngine(RequestIntake):
                 raise RuntimeError("scheduler made no progress: the page pool is too small "
                                    "for any waiting request")
             return outputs
-        outputs += self._run(sched)
-        self.stats["step_seconds"] += time.perf_counter() - t0
+        if self._overlaps():
+            self._inflight = self._dispatch(sched, None)
+        else:
+            outputs += self._run(sched)
         return outputs
 
     def _num_programs(self) -> int:
@@ -211,6 +242,8 @@ class LLMEngine(RequestIntake):
             self.stats["decode_steps"] += len(res.tokens)
         for i, sc in enumerate(scheduled):
             s = sc.seq
+            if s.finished:  # finished (or aborted) while this step was in flight
+                continue
             if not sc.completes:  # a prefill chunk short of the prompt's end
                 self.stats["prompt_tokens_computed"] += sc.num_tokens
                 self.stats["partial_prefills"] += 1
@@ -240,7 +273,7 @@ class LLMEngine(RequestIntake):
             elif res.counts[i] > 1:  # every token but the newest has its K/V written
                 self._computed(s, s.num_tokens - 1)
             if not s.finished:  # slots reserved for rejected proposals go back
-                self.bm.trim(s.request_id, s.num_tokens)
+                self.bm.trim(s.request_id, s.planned_tokens)
             touched[id(s.parent)] = s.parent
         return counted
 

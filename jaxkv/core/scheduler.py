@@ -16,6 +16,15 @@ step; a decode-only step with proposals runs as one verify step instead
 of the multi-step loop. A step in which some sequence needs the host
 between tokens (penalties, token rules) carries no proposals.
 
+With overlapped scheduling the engine plans step N+1 while step N runs
+(`schedule(lookahead=True)`): a sequence in step N counts the tokens N
+will sample (`Sequence.ahead`) and the K/V it will write
+(`inflight_end`), and decodes from there; such a plan never preempts (a
+sequence that does not fit waits for a step planned after N is read)
+and leaves out sequences whose step N may be their last token. Where it
+would have to preempt, the plan says so (`needs_preemption`) and the
+engine reads step N first, then plans again with preemption.
+
 When the page pool runs dry, the most recently admitted running sequence is
 preempted by recompute: its pages are freed and it goes back to the front
 of the queue (its prompt and the tokens generated so far are prefilled
@@ -53,6 +62,7 @@ class ScheduledSeq:
     block_table: list[int] = dataclasses.field(default_factory=list)  # after this step's growth
     num_spec: int = 0  # rows reserved for proposals (the proposer fills spec_tokens)
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposals, rows 1..k
+    prev_row: int = -1  # >= 0: its one row's token comes from this row of the step before
 
     @property
     def known_end(self) -> int:
@@ -77,6 +87,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]]  # copy-on-write page pairs to apply first
     preempted: list[Sequence]
     num_steps: int = 1  # decode steps in this call (> 1: every sequence decodes)
+    needs_preemption: bool = False  # a lookahead plan that could not grow a sequence
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +111,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self._lookahead = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -125,10 +137,14 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def computed(self, seq: Sequence) -> int:
-        """Tokens of a running sequence whose K/V is in the cache."""
-        return self.bm.num_computed_tokens(seq.request_id)
+        """Tokens of a running sequence whose K/V is in the cache, or will
+        be once the steps in flight ran."""
+        return max(self.bm.num_computed_tokens(seq.request_id), seq.inflight_end)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: bool = False) -> SchedulerOutput:
+        """The next step; with `lookahead`, planned while a step is in
+        flight (no preemption, no sequence at its last token)."""
+        self._lookahead = lookahead
         self._gate_passed = False
         n = self._decode_steps()
         out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
@@ -157,7 +173,7 @@ class Scheduler:
         if not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
             return False
         return len(self.running) <= self.max_num_batched_tokens and all(
-            s.num_tokens - self.computed(s) == 1 for s in self.running)
+            s.planned_tokens - self.computed(s) == 1 for s in self.running)
 
     def _proposals(self, seq: Sequence, budget: int) -> int:
         """Proposals a decoding sequence may bring within `budget` rows
@@ -202,6 +218,9 @@ class Scheduler:
                 out.copies.extend(self.bm.append_slots(seq.request_id, need))
                 return True
             except OutOfPages:
+                if self._lookahead:  # planned ahead: preempting waits for a plain plan
+                    out.needs_preemption = True
+                    return False
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
@@ -213,6 +232,8 @@ class Scheduler:
         preempt the newest."""
         out = SchedulerOutput([], [], [], num_steps=num_steps)
         for seq in list(self.running):
+            if self._lookahead and seq.tokens_left <= 0:
+                continue
             n = max(1, min(num_steps, seq.tokens_left))
             start = self.computed(seq) if seq in self.running else 0
             if seq in self.running and self._grow(seq, start + n, out):
@@ -222,15 +243,16 @@ class Scheduler:
     def _schedule_step(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], [])
         budget = self.max_num_batched_tokens
-        decodes = [s for s in self.running if s.num_tokens - self.computed(s) == 1]
-        prefills = [s for s in self.running if s.num_tokens - self.computed(s) > 1]
+        decodes = [s for s in self.running if s.planned_tokens - self.computed(s) == 1
+                   and not (self._lookahead and s.tokens_left <= 0)]
+        prefills = [s for s in self.running if s.planned_tokens - self.computed(s) > 1]
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq not in self.running:  # preempted while making room for another
                 continue
             start = self.computed(seq)
-            k = self._proposals(seq, budget) if seq.num_tokens - start == 1 else 0
+            k = self._proposals(seq, budget) if seq.planned_tokens - start == 1 else 0
             if k and not self.bm.can_append_slots(
                     seq.request_id, max(0, start + 1 + k - self.bm.num_tokens(seq.request_id))):
                 k = 0  # proposals never preempt anyone

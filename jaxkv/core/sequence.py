@@ -57,6 +57,12 @@ class Sequence:
         self.sent_text = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
+        # Overlapped scheduling: tokens sampled by dispatched steps the host
+        # has not read yet, how many dispatched steps hold this sequence, and
+        # the position after the last K/V they write (0: none in flight).
+        self.ahead = 0
+        self.inflight = 0
+        self.inflight_end = 0
         self.spec_proposed = 0  # speculative tokens proposed / accepted for it
         self.spec_accepted = 0
         self.t_arrival = time.perf_counter()
@@ -80,7 +86,14 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens on the host (prompt and output read so far)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens once the steps in flight are read (`num_tokens` + `ahead`):
+        what the scheduler plans the next step from."""
+        return self.num_tokens + self.ahead
 
     def scores_prompt(self, start: int) -> bool:
         """Whether a chunk from `start` still has prompt log-probabilities to
@@ -91,12 +104,12 @@ class Sequence:
     @property
     def prefill_target(self) -> int:
         """Tokens to compute before this sequence samples (or forks)."""
-        return self.num_tokens - 1 if self.fork_pending else self.num_tokens
+        return self.planned_tokens - 1 if self.fork_pending else self.planned_tokens
 
     @property
     def tokens_left(self) -> int:
-        """Output tokens it may still generate."""
-        return self.stop.tokens_left(len(self.output_token_ids))
+        """Output tokens it may still generate (beyond those in flight)."""
+        return self.stop.tokens_left(len(self.output_token_ids) + self.ahead)
 
     @property
     def finished(self) -> bool:

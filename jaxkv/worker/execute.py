@@ -2,6 +2,7 @@
 penalties, token rules), pick the program, run it.
 
     execute(runner, scheduled, num_steps, vocab_size) -> (StepResult, stuck rows)
+    dispatch(runner, scheduled, num_steps, vocab_size) -> (Pending, stuck rows)   runner.fetch it
     execute_scored(runner, sc, vocab_size) -> (target_lps, top_ids, top_lps, StepResult, stuck)
 
 `execute_scored` runs one sequence's prompt chunk with logits at every row
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxkv.worker.runner import Runner, StepResult
+from jaxkv.worker.runner import Pending, Runner, StepResult
 from jaxkv.worker.step_batch import build_penalty_batch, build_rules_batch, build_step_batch
 
 
@@ -22,12 +23,19 @@ def execute(runner: Runner, scheduled: Sequence[Any], num_steps: int,
             vocab_size: int, mirror=None) -> tuple[StepResult, list[int]]:
     """`mirror(batch, key)`, when given, runs the same batch first (a draft
     model writing its own cache)."""
+    pending, stuck = dispatch(runner, scheduled, num_steps, vocab_size, mirror)
+    return runner.fetch(pending), stuck
+
+
+def dispatch(runner: Runner, scheduled: Sequence[Any], num_steps: int,
+             vocab_size: int, mirror=None) -> tuple[Pending, list[int]]:
+    """`execute` without waiting for the device."""
     batch, key = build_step_batch(scheduled, num_steps, runner.page_size, runner.buckets)
     if mirror is not None:
         mirror(batch, key)
     penalties = build_penalty_batch(scheduled, key.seqs, runner.buckets)
     rules, stuck = build_rules_batch(scheduled, key.seqs, vocab_size)
-    return runner.step(batch, key, len(scheduled), penalties, rules), stuck
+    return runner.dispatch(batch, key, len(scheduled), penalties, rules), stuck
 
 
 def execute_scored(runner: Runner, sc: Any, vocab_size: int, mirror=None):

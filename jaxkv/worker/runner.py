@@ -2,6 +2,7 @@
 and the compiled step programs.
 
     runner.step(batch, key[, penalties, rules]) -> StepResult (numpy)   one call per step
+    runner.dispatch(...) -> Pending; runner.fetch(pending) -> StepResult  the same, split
     runner.warm_up()                                            compile every program
     runner.copy_pages(pairs)                                    copy-on-write
     runner.follow()                                             processes 1..n-1
@@ -17,7 +18,11 @@ program is compiled once per Runner and `compiled` lists them.
 Under a `jaxkv.sharding.ShardingPlan` every program is jitted with its
 shardings: the parameters and the cache as placed, everything else (batch,
 sampler inputs, outputs) replicated, the cache donated and returned with
-the same sharding, so it stays in place on each device. With a
+the same sharding, so it stays in place on each device. `dispatch` only
+enqueues a step (JAX runs it asynchronously), so the host may build and
+dispatch the next step before it `fetch`es this one's tokens; the step
+programs pass each sequence's newest token to the next on the device
+(`last`, see `jaxkv.worker.step`). With a
 `jaxkv.worker.distributed.Channel` (several processes), process 0's step,
 score and copy_pages calls are sent to the other processes first, whose
 `follow()` runs the same calls on their own Runner.
@@ -66,6 +71,16 @@ class StepResult:
     counts: np.ndarray
 
 
+@dataclasses.dataclass
+class Pending:
+    """A dispatched step whose outputs are still on the device."""
+
+    out: Any  # StepOutput
+    fields: tuple  # (tokens, logprobs, top_ids, top_logprobs, finite), re-sampled if need be
+    num_seqs: int
+    t0: float
+
+
 class Runner(Follower):
     def __init__(self, model, cache: KVCache, buckets: Buckets, attention: AttentionSpec, *,
                  max_decode_steps: int = 1, num_top_logprobs: int = 0, seed: int = 0,
@@ -96,12 +111,24 @@ class Runner(Follower):
             self._sh = dict(state=shardings(state), cache=shardings(cache), rep=plan.replicated)
         self.page_size = cache.page_size
         self.buckets = buckets
+        # Each sequence's newest sampled token, by its index in the last step.
+        width = max(k.seqs for k in buckets.programs())
+        if self._sh is None:
+            self.last = jax.device_put(np.zeros(width, np.int32),
+                                       jax.tree_util.tree_leaves(self.cache)[0].sharding)
+        elif isinstance(self.rng, jax.ShapeDtypeStruct):
+            self.last = jax.ShapeDtypeStruct((width,), np.int32, sharding=self._sh["rep"])
+        else:
+            self.last = jax.jit(lambda: jax.numpy.zeros(width, np.int32),
+                                out_shardings=self._sh["rep"])()
         self.attention = attention
         self.max_decode_steps = max_decode_steps
         self.num_top_logprobs = num_top_logprobs
         self._programs: dict[Any, Any] = {}
         self._empty_rules: dict[int, RulesBatch] = {}
-        self.stats = dict(calls=0, seconds=0.0)  # step() calls and their wall time
+        # step() calls, their wall time (dispatch to outputs on the host), and
+        # the part of it the host spent blocked reading them
+        self.stats = dict(calls=0, seconds=0.0, wait_seconds=0.0)
 
     # ------------------------------------------------------------ programs
 
@@ -156,9 +183,9 @@ class Runner(Follower):
             else:
                 fn = functools.partial(step, g, kind=key.kind, **common,
                                        max_steps=self.max_decode_steps if key.loops else 1)
-            fn = self._jit(fn, "scrr", "rc", (1,))
+            fn = self._jit(fn, "scrrr", "rcr", (1, 4))
             batch = empty(key, self.buckets.pages_per_seq, self.buckets.num_spec)
-            return fn.trace(self.state, self.cache, batch, self.rng).lower(**kw)
+            return fn.trace(self.state, self.cache, batch, self.rng, self.last).lower(**kw)
         if key[0] == "rules":
             _, S, N = key
             fn = self._jit(functools.partial(sample_with_rules,
@@ -214,6 +241,14 @@ class Runner(Follower):
         `penalties` or `rules`, every sequence's token is drawn again from
         the last logits with them applied (the engine runs such steps one
         decode step at a time)."""
+        return self.fetch(self.dispatch(batch, key, num_seqs, penalties, rules))
+
+    def dispatch(self, batch: StepBatch, key: ProgramKey, num_seqs: int,
+                 penalties: PenaltyBatch | None = None, rules: RulesBatch | None = None
+                 ) -> Pending:
+        """`step` without waiting for it: the step is enqueued on the device
+        and `fetch` reads its outputs. Steps run in dispatch order (each
+        takes the cache the previous one returns)."""
         self._mirror("step", batch, key, num_seqs, penalties, rules)
         t0 = time.perf_counter()
         first = batch
@@ -222,16 +257,24 @@ class Runner(Follower):
             first = dataclasses.replace(batch, sampling=dataclasses.replace(
                 batch.sampling, temperature=np.zeros(S, np.float32),
                 num_logprobs=np.zeros(S, np.int32)))
-        out, self.cache = self._program(key)(self.state, self.cache, first, self.rng)
+        out, self.cache, self.last = self._program(key)(self.state, self.cache, first, self.rng,
+                                                        self.last)
         out: StepOutput
         fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
         if rules is not None or penalties is not None:
             fields = self._resample(out, batch.sampling, batch.num_output, penalties, rules)
-        n = int(to_host(out.steps))
-        res = StepResult(*(to_host(x)[:n, :num_seqs] for x in fields),
-                         counts=to_host(out.counts)[:num_seqs])
+        return Pending(out, fields, num_seqs, t0)
+
+    def fetch(self, pending: Pending) -> StepResult:
+        """Wait for a dispatched step and read its outputs to the host."""
+        t0 = time.perf_counter()
+        n = int(to_host(pending.out.steps))
+        self.stats["wait_seconds"] += time.perf_counter() - t0
+        S = pending.num_seqs
+        res = StepResult(*(to_host(x)[:n, :S] for x in pending.fields),
+                         counts=to_host(pending.out.counts)[:S])
         self.stats["calls"] += 1
-        self.stats["seconds"] += time.perf_counter() - t0
+        self.stats["seconds"] += time.perf_counter() - pending.t0
         return res
 
     def forward(self, batch: StepBatch, key: ProgramKey) -> None:

@@ -1,6 +1,6 @@
 """The jitted step programs.
 
-    step(graphdef, state, cache, batch, rng) -> (StepOutput, cache)   cache donated
+    step(graphdef, state, cache, batch, rng, last) -> (StepOutput, cache, last)   cache donated
     score_step(graphdef, state, cache, batch, rng, targets) -> (ScoreOutput, cache)
     forward_step(graphdef, state, cache, batch) -> cache    K/V writes only (a draft's mirror)
 
@@ -12,6 +12,12 @@ token the next one's input, and ends early once every live sequence hit
 its stop rule (`jaxkv.worker.stop.check`). Either way the outputs are
 [K, S] with K = 1 or max_steps, and the last call's logits [S, V] stay on
 the device for the penalty sampler.
+
+`last` [R] (R the most sequences any step holds) carries each sequence's
+newest sampled token from one step program to the next on the device:
+a row whose input token the host has not read yet (overlapped
+scheduling, `batch.prev_index`) takes it from there (`take_previous`),
+and the step writes its own newest tokens back (`newest`).
 
 The NNX model is split once (`nnx.split`, by the Runner) and merged inside
 the jitted function; no state crosses calls except the donated cache.
@@ -96,13 +102,37 @@ def forward_step(graphdef, state, cache: KVCache, batch: StepBatch, *, kind: str
     return cache
 
 
+def take_previous(batch: StepBatch, last) -> StepBatch:
+    """Rows with prev_index >= 0 take their input token from `last` [R],
+    the previous step's newest sampled tokens by its sequence index."""
+    prev = batch.prev_index
+    tok = jnp.where(prev >= 0, last[jnp.maximum(prev, 0)], batch.token_ids)
+    return dataclasses.replace(batch, token_ids=tok)
+
+
+def newest(out: StepOutput, width: int):
+    """Each sequence's newest sampled token (row counts - 1 of tokens
+    [K, S]), padded to [width]."""
+    S = out.tokens.shape[1]
+    row = jnp.clip(out.counts - 1, 0, out.tokens.shape[0] - 1)
+    t = jnp.take_along_axis(out.tokens, row[None, :], axis=0)[0]
+    return jnp.zeros(width, jnp.int32).at[:S].set(t)
+
+
 def _stack(outs: SampleOutput):
     return outs.token_ids, outs.logprob, outs.top_ids, outs.top_logprobs
 
 
-def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, kind: str,
+def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *, kind: str,
          max_steps: int, num_top_logprobs: int, attention: AttentionSpec):
-    model = nnx.merge(graphdef, state)
+    out, cache = _step(nnx.merge(graphdef, state), cache, take_previous(batch, last), rng,
+                       kind=kind, max_steps=max_steps, num_top_logprobs=num_top_logprobs,
+                       attention=attention)
+    return out, cache, newest(out, last.shape[0])
+
+
+def _step(model, cache: KVCache, batch: StepBatch, rng, *, kind: str, max_steps: int,
+          num_top_logprobs: int, attention: AttentionSpec):
     if kind == "mixed":  # one step, some rows are prefill chunks
         logits, cache = model(cache, batch, attention, all_decode=False)
         out = sample(logits, batch.sampling, rng, batch.num_output,

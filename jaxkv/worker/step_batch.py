@@ -20,6 +20,10 @@ compiles once per program key (`ProgramKey`: kind, T, S) and never again:
     num_output[S]       tokens s generated before this step (seed stream
                         index, stop rules)
     num_steps[]         decode steps to run (decode programs; 1 otherwise)
+    prev_index[T]       -1, or for a row whose input token is not on the host
+                        yet (overlapped scheduling): the index of its
+                        sequence in the previous step, whose newest sampled
+                        token the program takes on the device
     sampling            SamplingBatch: per-sequence sampling parameters
     stops               StopBatch: per-sequence stop rules (`jaxkv.worker.stop`)
 
@@ -102,6 +106,7 @@ class StepBatch:
     logits_indices: Any
     num_output: Any
     num_steps: Any
+    prev_index: Any
     sampling: SamplingBatch
     stops: StopBatch
 
@@ -125,7 +130,7 @@ def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
                      num_seqs=np.asarray(0, np.int32),
                      logits_indices=i32(S * (num_spec + 1) if key.kind == "verify" else S),
                      num_output=i32(S), num_steps=np.asarray(1, np.int32),
-                     sampling=sampling, stops=stops)
+                     prev_index=np.full(T, -1, np.int32), sampling=sampling, stops=stops)
 
 
 def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
@@ -139,8 +144,11 @@ def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
     every sequence brings one row and its block table already covers the
     positions of the tokens it may still generate, up to num_steps. A
     sequence with `spec_tokens` (k proposals) brings them after its last
-    known token (num_tokens counts them): the step is a verify step. This is the
-    only place SamplingParams fields are copied into arrays."""
+    known token (num_tokens counts them): the step is a verify step. A
+    sequence with `prev_row` >= 0 (overlapped scheduling) brings one row
+    whose token the previous step samples (index `prev_row` there) and
+    has `seq.ahead` tokens on their way to the host. This is the only place
+    SamplingParams fields are copied into arrays."""
     n_tok = sum(sc.num_tokens for sc in scheduled)
     spec = [len(getattr(sc, "spec_tokens", ()) or ()) for sc in scheduled]
     decode = all(sc.num_tokens == 1 for sc in scheduled)
@@ -165,7 +173,13 @@ def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
                              f"(at most {W})")
         pos = np.arange(sc.start, end)
         k = spec[i]
-        b.token_ids[row:row + n - k] = seq.all_token_ids[sc.start:end - k]
+        prev = sc.prev_row
+        if prev >= 0:
+            if n != 1 or k:
+                raise ValueError(f"sequence {i}: a row resolved on the device comes alone")
+            b.prev_index[row] = prev
+        else:
+            b.token_ids[row:row + n - k] = seq.all_token_ids[sc.start:end - k]
         if k:
             if k > buckets.num_spec:
                 raise ValueError(f"sequence {i}: {k} proposals, at most {buckets.num_spec}")
@@ -180,7 +194,7 @@ def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
             b.logits_indices[i * K1:(i + 1) * K1] = row - 1 - k + np.minimum(np.arange(K1), k)
         else:
             b.logits_indices[i] = row - 1
-        b.num_output[i] = len(seq.output_token_ids)
+        b.num_output[i] = len(seq.output_token_ids) + seq.ahead
         p = seq.params
         sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = (
             p.temperature, min(p.top_k, np.iinfo(np.int32).max), p.top_p, p.min_p)

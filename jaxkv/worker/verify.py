@@ -1,6 +1,7 @@
 """Speculative verification in the ragged step.
 
-    verify_step(graphdef, state, cache, batch, rng) -> (StepOutput, cache)   cache donated
+    verify_step(graphdef, state, cache, batch, rng, last) -> (StepOutput, cache, last)
+    (cache and `last` as in `jaxkv.worker.step.step`)
 
 Each sequence of a verify step brings its last token and k_s <= k
 proposals x_1..x_k_s (rows cu_q_lens[s] ..); `batch.logits_indices` [S, k
@@ -28,7 +29,7 @@ from flax import nnx
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache
 from jaxkv.worker.sampler import sample
-from jaxkv.worker.step import StepOutput
+from jaxkv.worker.step import StepOutput, newest, take_previous
 from jaxkv.worker.step_batch import StepBatch
 
 
@@ -41,9 +42,16 @@ def num_accepted(proposals, num_proposed, draws):
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
 
-def verify_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, *, num_spec: int,
-                num_top_logprobs: int, attention: AttentionSpec):
-    model = nnx.merge(graphdef, state)
+def verify_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *,
+                num_spec: int, num_top_logprobs: int, attention: AttentionSpec):
+    out, cache = _verify(nnx.merge(graphdef, state), cache, take_previous(batch, last), rng,
+                         num_spec=num_spec, num_top_logprobs=num_top_logprobs,
+                         attention=attention)
+    return out, cache, newest(out, last.shape[0])
+
+
+def _verify(model, cache: KVCache, batch: StepBatch, rng, *, num_spec: int,
+            num_top_logprobs: int, attention: AttentionSpec):
     logits, cache = model(cache, batch, attention, all_decode=False)  # [S (k+1), V]
     S = batch.kv_lens.shape[0]
     T = batch.token_ids.shape[0]
