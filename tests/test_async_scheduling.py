@@ -226,3 +226,47 @@ def test_tensor_parallel_overlapped_equals_one_device_synchronous():
     one, two = res["1"], res["2"]
     assert two["overlapped"] > 0 and one["overlapped"] == 0
     assert two["tokens"] == one["tokens"]
+
+
+def test_server_streams_with_overlap_equal_offline(tmp_path):
+    """`jaxkv serve` with overlapped scheduling, 6 concurrent streaming
+    `openai` clients (one disconnects early): each finished stream joins to
+    the text of a lone synchronous offline run."""
+    import concurrent.futures
+
+    import openai
+
+    from jaxkv import LLM
+    from jaxkv.entrypoints.openai.server import build_app
+    from tests.serve_utils import ThreadServer
+
+    _, path = make_hf_model("llama", tmp_path)
+    save_tiny_tokenizer(path)
+    opts = dict(num_pages=96, page_size=8, warmup=False, num_decode_steps=2)
+    eng = LLMEngine.from_pretrained(str(path), max_num_seqs=8, async_scheduling=True, **opts)
+    oracle = LLM(str(path), max_num_seqs=1, async_scheduling=False, **opts)
+    prompts = [" ".join(WORDS[i:i + 3 + i % 5]) for i in range(6)]
+    srv = ThreadServer(build_app(eng, ["tiny"]))
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0,
+                               timeout=120)
+
+        def one(i):
+            stream = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=16,
+                                               temperature=0, stream=True)
+            text = ""
+            for n, ch in enumerate(stream):
+                text += ch.choices[0].text
+                if i == 5 and n == 1:  # this client goes away mid-answer
+                    stream.close()
+                    return None
+            return text
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(one, range(6)))
+    finally:
+        srv.stop()
+    assert eng.stats["overlapped_steps"] > 0
+    for i in range(5):
+        ref = oracle.generate(prompts[i], SamplingParams(max_tokens=16, temperature=0))[0]
+        assert got[i] == ref.outputs[0].text, f"prompt {i}"
