@@ -161,8 +161,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "reuse the KV pages of shared prompt prefixes")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     attention_backend: str = _opt(
-        "auto", "auto: the Pallas kernel on TPU/GPU, the jnp reference on CPU; pallas on CPU "
-                "runs the kernels in interpret mode (slow, for testing)",
+        "auto", "auto: the Pallas kernel on TPU/GPU (Triton on GPU), the jnp reference on CPU; "
+                "pallas on CPU runs the kernels in interpret mode (slow, for testing); "
+                "pallas_mosaic_gpu: the Hopper Mosaic GPU kernel (bfloat16/float16 caches)",
         choices=ATTENTION_BACKENDS)
     dtype: str = _opt("float32", "weight and activation dtype",
                       choices=("float32", "bfloat16"))

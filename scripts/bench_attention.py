@@ -1,5 +1,7 @@
-"""Ragged paged attention on a GPU: correctness of the Pallas GPU kernel
-against the reference, decode and prefill-chunk benchmarks side by side with
+"""Ragged paged attention on a GPU: correctness of the Pallas GPU kernels
+(Triton, and the Hopper Mosaic GPU one on the cases it takes: bfloat16, no
+int8 pages) against the reference, decode and prefill-chunk benchmarks of
+both side by side with
 JAX's bundled Pallas paged attention, the reference under XLA and
 jax.nn.dot_product_attention.
 
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.ragged_paged_attention import gpu, reference  # noqa: E402
+from pallas_kernels.ragged_paged_attention import gpu, mosaic_gpu, reference  # noqa: E402
 
 from bench_attention_lib import Report, bench, ragged_batch  # noqa: E402
 
@@ -51,7 +53,6 @@ SMOKE = dict(batches=(1, 2), contexts=(64, 128), heads=4, kv_heads=2, head_dim=6
 
 
 def correctness(report, cfg, interpret):
-    rng = np.random.default_rng(0)
     H, KVH, D, ps = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["page_size"]
     small = cfg is SMOKE
     mixed = ([1, 1, 7, 33, 1, 20], [1, 17, 50, 100, 200, 60]) if small else \
@@ -64,14 +65,18 @@ def correctness(report, cfg, interpret):
              ("decode window", decode, jnp.bfloat16, dict(sliding_window=100), False),
              ("mixed int8", mixed, jnp.bfloat16, {}, True),
              ("decode int8", decode, jnp.bfloat16, {}, True)]
-    for name, (ql, kl), dtype, kw, int8 in cases:
-        item = dict(case=name, dtype=jnp.dtype(dtype).name + ("/int8 pages" if int8 else ""),
+    kernels = [("triton", gpu), ("mosaic_gpu", mosaic_gpu)]
+    runs = [(c, k) for c in cases for k in kernels
+            if k[0] == "triton" or (c[2] == jnp.bfloat16 and not c[4])]
+    for (name, (ql, kl), dtype, kw, int8), (kname, kernel) in runs:
+        item = dict(case=name, kernel=kname,
+                    dtype=jnp.dtype(dtype).name + ("/int8 pages" if int8 else ""),
                     tol=3e-2 if dtype == jnp.bfloat16 else 2e-4)
         try:
-            b = ragged_batch(rng, ql, kl, heads=H, kv_heads=KVH, head_dim=D, page_size=ps,
-                             dtype=dtype, int8=int8)
+            b = ragged_batch(np.random.default_rng(len(name)), ql, kl, heads=H, kv_heads=KVH,
+                             head_dim=D, page_size=ps, dtype=dtype, int8=int8)
             kw = dict(sm_scale=D ** -0.5, **kw)
-            got = gpu.ragged_paged_attention(**b, **kw, interpret=interpret)
+            got = kernel.ragged_paged_attention(**b, **kw, interpret=interpret)
             with jax.default_matmul_precision("highest"):
                 want = reference.ragged_paged_attention(**b, **kw)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
@@ -80,7 +85,7 @@ def correctness(report, cfg, interpret):
                         ok=bool(np.isfinite(err) and err <= item["tol"] * max(1.0, scale)))
         except Exception as e:
             item.update(ok=False, error=f"{type(e).__name__}: {e}")
-            report.data["errors"].append(dict(where=f"correctness {name}",
+            report.data["errors"].append(dict(where=f"correctness {kname} {name}",
                                               error=traceback.format_exc()))
         report.add("correctness", item)
 
@@ -122,6 +127,10 @@ def decode_bench(report, cfg, copy_bw, interpret, deadline):
             impls = {
                 "pallas-gpu (ours)": (jax.jit(functools.partial(
                     gpu.ragged_paged_attention, sm_scale=sm_scale, interpret=interpret)),
+                    (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"],
+                     b["cu_q_lens"], b["num_seqs"])),
+                "pallas-mosaic-gpu (ours)": (jax.jit(functools.partial(
+                    mosaic_gpu.ragged_paged_attention, sm_scale=sm_scale, interpret=interpret)),
                     (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"],
                      b["cu_q_lens"], b["num_seqs"])),
                 "jax pallas paged_attention": (jax.jit(lambda q, k, v, t, l: jax_paged.paged_attention(
@@ -180,6 +189,8 @@ def prefill_bench(report, cfg, interpret, deadline):
     impls = {
         "pallas-gpu (ours)": (jax.jit(functools.partial(
             gpu.ragged_paged_attention, sm_scale=sm_scale, interpret=interpret)), args7),
+        "pallas-mosaic-gpu (ours)": (jax.jit(functools.partial(
+            mosaic_gpu.ragged_paged_attention, sm_scale=sm_scale, interpret=interpret)), args7),
         "reference (XLA)": (jax.jit(functools.partial(
             reference.ragged_paged_attention, sm_scale=sm_scale)), args7),
     }

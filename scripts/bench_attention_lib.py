@@ -39,11 +39,11 @@ class Report:
                  f"device: {d['meta'].get('device')}, jax {d['meta'].get('jax')}", ""]
         if d["copy_bandwidth"]:
             lines += [f"device copy bandwidth: {d['copy_bandwidth']['gb_s']:.0f} GB/s", ""]
-        lines += ["## Correctness (GPU kernel vs reference)", "",
-                  "| case | dtype | max abs err | tol | ok |", "|---|---|---|---|---|"]
+        lines += ["## Correctness (GPU kernels vs reference)", "",
+                  "| kernel | case | dtype | max abs err | tol | ok |", "|---|---|---|---|---|---|"]
         for c in d["correctness"]:
-            lines.append(f"| {c['case']} | {c['dtype']} | {c.get('max_abs_err', float('nan')):.2e} "
-                         f"| {c['tol']:.0e} | {c['ok']} |")
+            lines.append(f"| {c.get('kernel', 'triton')} | {c['case']} | {c['dtype']} | "
+                         f"{c.get('max_abs_err', float('nan')):.2e} | {c['tol']:.0e} | {c['ok']} |")
         lines += ["", "## Decode", "",
                   "| batch | context | impl | median us | GB/s | of copy bw | max err vs ref |",
                   "|---|---|---|---|---|---|---|"]

@@ -1,6 +1,9 @@
 """The whole engine with attention_backend="pallas" (kernels in Pallas
-interpret mode on CPU) gives the same greedy tokens as with the reference."""
+interpret mode on CPU), and "pallas_mosaic_gpu" (the Hopper kernel in the
+Mosaic GPU interpret mode, bfloat16), gives the same greedy tokens as with
+the reference."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,11 +17,11 @@ CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermedi
                   max_position_embeddings=256, eos_token_ids=())
 
 
-def _run(backend, prompts, kv_dtype=None):
-    model = Llama.random_init(CFG, seed=3)
+def _run(backend, prompts, kv_dtype=None, dtype="float32"):
+    model = Llama.random_init(CFG, seed=3, dtype=jnp.dtype(dtype))
     eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=32, page_size=8, max_num_seqs=4,
                                               max_num_batched_tokens=32, kv_dtype=kv_dtype,
-                                              attention_backend=backend))
+                                              attention_backend=backend, dtype=dtype))
     ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0)) for p in prompts]
     out = eng.run_to_completion()
     return [out[i].outputs[0].token_ids for i in ids]
@@ -30,3 +33,10 @@ def test_pallas_backend_matches_reference_greedy_tokens(kv_dtype):
     prompts = [list(rng.integers(0, 97, n)) for n in (3, 11, 20)]
     ref = _run("reference", prompts, kv_dtype)
     assert _run("pallas", prompts, kv_dtype) == ref
+
+
+def test_mosaic_gpu_backend_matches_reference_greedy_tokens():
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, 97, n)) for n in (3, 11, 20)]
+    ref = _run("reference", prompts, dtype="bfloat16")
+    assert _run("pallas_mosaic_gpu", prompts, dtype="bfloat16") == ref

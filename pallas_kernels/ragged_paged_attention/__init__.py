@@ -13,9 +13,15 @@ The contract (shapes, masking, padding rows) is `reference.py`'s. Backends:
   (Pallas Triton, CUDA), anything else (CPU) -> the pure-jnp reference.
 - "reference": the pure-jnp reference on any platform.
 - "pallas": a Pallas kernel. On TPU / GPU the platform's own (pallas_target,
-  if given, must name it); on CPU it runs in interpret mode, the TPU kernel by
-  default (pallas_target="gpu" for the Triton one). Asking for a kernel the
+  if given, must name it: "tpu", or on GPU "gpu" for Triton, the default,
+  or "mosaic_gpu" for the Hopper kernel, `mosaic_gpu.py`); on CPU it runs in
+  interpret mode, the TPU kernel by default (pallas_target="gpu" for the
+  Triton one, "mosaic_gpu" for the Hopper one). Asking for a kernel the
   platform cannot run raises ValueError.
+- "pallas_mosaic_gpu": "pallas" with pallas_target="mosaic_gpu" (one name
+  for the engine's `attention_backend`). The Triton kernel stays the GPU
+  default: the Mosaic GPU one is tested in interpret mode and lowered for
+  CUDA, but has not run on a GPU yet, and takes bfloat16 / float16 only.
 
 all_decode (static): True promises that every live sequence brings at most
 one query row (a batch of decodes), False that some bring more; with
@@ -38,19 +44,25 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import gpu, mosaic_gpu, reference, tpu
 
-BACKENDS = ("auto", "reference", "pallas")
-PALLAS_TARGETS = ("tpu", "gpu")
+BACKENDS = ("auto", "reference", "pallas", "pallas_mosaic_gpu")
+PALLAS_TARGETS = ("tpu", "gpu", "mosaic_gpu")
+_TARGET_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "mosaic_gpu": "gpu"}
 
 
 def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
     """-> (implementation, interpret) where implementation is "reference",
-    "tpu" or "gpu" and interpret the value to pass to that kernel. Raises
-    ValueError for a request the platform cannot serve."""
+    "tpu", "gpu" or "mosaic_gpu" and interpret the value to pass to that
+    kernel. Raises ValueError for a request the platform cannot serve."""
     platform = platform or jax.default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "pallas_mosaic_gpu":
+        if pallas_target not in (None, "mosaic_gpu"):
+            raise ValueError(f"backend 'pallas_mosaic_gpu' is pallas_target='mosaic_gpu' "
+                             f"(got pallas_target={pallas_target!r})")
+        backend, pallas_target = "pallas", "mosaic_gpu"
     if pallas_target is not None and pallas_target not in PALLAS_TARGETS:
         raise ValueError(f"pallas_target must be one of {PALLAS_TARGETS}, got {pallas_target!r}")
     if backend != "pallas" and pallas_target is not None:
@@ -62,7 +74,7 @@ def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
         return "reference", None
     on_device = platform in PALLAS_TARGETS
     target = pallas_target or (platform if on_device else "tpu")
-    if on_device and target != platform:
+    if on_device and _TARGET_PLATFORM[target] != platform:
         raise ValueError(f"the {target.upper()} Pallas kernel cannot run on a {platform} "
                          f"platform; use pallas_target={platform!r} or backend='reference'")
     if interpret is None:
@@ -95,9 +107,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
             raise ValueError("kernel_options apply to Pallas kernels only")
         return reference.ragged_paged_attention(*args, **kw, num_sink_tokens=num_sink_tokens,
                                                 all_decode=all_decode)
-    if impl == "gpu":
+    if impl != "tpu":  # the TPU kernel has one configuration
         kw["all_decode"] = all_decode
-    kernel = tpu if impl == "tpu" else gpu  # the TPU kernel has one configuration
+    kernel = dict(tpu=tpu, gpu=gpu, mosaic_gpu=mosaic_gpu)[impl]
     return kernel.ragged_paged_attention(*args, **kw, interpret=interpret,
                                          **(kernel_options or {}))
 

@@ -23,6 +23,9 @@ from tests.pallas_kernels import kernel_cases as kc
     ("tpu", dict(backend="pallas"), ("tpu", False)),
     ("gpu", dict(backend="pallas", pallas_target="gpu"), ("gpu", False)),
     ("tpu", dict(backend="pallas", interpret=True), ("tpu", True)),
+    ("gpu", dict(backend="pallas", pallas_target="mosaic_gpu"), ("mosaic_gpu", False)),
+    ("gpu", dict(backend="pallas_mosaic_gpu"), ("mosaic_gpu", False)),
+    ("cpu", dict(backend="pallas_mosaic_gpu"), ("mosaic_gpu", True)),
 ])
 def test_resolve_picks_by_platform(platform, request_kw, want):
     assert resolve(platform=platform, **request_kw) == want
@@ -36,6 +39,8 @@ def test_resolve_picks_by_platform(platform, request_kw, want):
     ("cpu", dict(backend="pallas", pallas_target="cuda"), "pallas_target must be one of"),
     ("tpu", dict(pallas_target="tpu"), "pallas_target applies to backend='pallas' only"),
     ("cpu", dict(interpret=True), "interpret applies to Pallas kernels only"),
+    ("tpu", dict(backend="pallas_mosaic_gpu"), "MOSAIC_GPU Pallas kernel cannot run on a tpu"),
+    ("gpu", dict(backend="pallas_mosaic_gpu", pallas_target="gpu"), "is pallas_target="),
     ("tpu", dict(backend="reference", interpret=True), "interpret applies to Pallas"),
 ])
 def test_resolve_rejects_unsupported_requests(platform, request_kw, match):
