@@ -3,19 +3,19 @@
 Same contract and numbers as `reference.py` (see its module docstring):
 q [T, H, D], k_pages / v_pages [KVH, P, page_size, D] -> [T, H, D].
 
-Why Triton and not Mosaic GPU
+Why Triton is the GPU default
 -----------------------------
-Pallas has two GPU backends. Mosaic GPU is where upstream is heading, but it
-is a Hopper/Blackwell warpgroup programming model (TMA, explicit barriers,
-wgmma tiles of >= 64 rows) whose paged gathers go through TMA descriptors of
-whole pages, and its API moved between jax 0.10 and 0.11. The Triton backend
-lowers the same kernel text for any CUDA GPU from Ampere on (H100 / H200
-included), does page gathers as plain masked pointer loads, pipelines them
-with `num_stages`, and its Pallas surface (`pl.pallas_call`, `plgpu.load/store`,
-`plgpu.CompilerParams`) is unchanged in jax 0.10.2 and 0.11.2. It also runs
-under `interpret=True` on CPU, which our tests rely on. Decode attention is
-memory bound, so Triton's lack of TMA / wgmma costs little here; a Mosaic GPU
-kernel is the next step for prefill throughput.
+Pallas has two GPU backends. Mosaic GPU is where upstream is heading (JAX
+deprecated the Triton backend in 0.11), and `mosaic_gpu.py` is this kernel's
+Hopper version (TMA, wgmma; bfloat16 / float16 only). But that one has only
+run in jax's Mosaic GPU interpret mode and been lowered for CUDA, never on a
+GPU, so this Triton kernel stays the default: it lowers the same text for
+any CUDA GPU from Ampere on (H100 / H200 included), does page gathers as
+plain masked pointer loads, pipelines them with `num_stages`, takes float32
+and int8 pages, and its Pallas surface (`pl.pallas_call`, `plgpu.load/store`,
+`plgpu.CompilerParams`) is unchanged in jax 0.10.2 and 0.11.2. Decode
+attention is memory bound, so Triton's lack of TMA / wgmma costs little
+there; prefill throughput is where the Mosaic GPU kernel should pay.
 
 Design
 ------
