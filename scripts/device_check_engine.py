@@ -43,7 +43,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # room for torc
 
 import device_check_lib as lib  # noqa: E402
 
-ENGINE_VARIANTS = [("jaxkv", {}), ("jaxkv, async_scheduling", {"async_scheduling": True})]
+ENGINE_VARIANTS = [("jaxkv", {"async_scheduling": False}),
+                   ("jaxkv, async_scheduling", {"async_scheduling": True})]
 TEXTS = ("The capital of France is|def fibonacci(n):|Explain paged attention.|Once upon a time|"
          "The three primary colours are|Write a haiku about caches.|import numpy as np|What is "
          "12 times 7?|The quick brown fox|In 1969, the|List the planets:|SELECT name FROM|A good "
@@ -230,7 +231,7 @@ def part_profile(a, log):
     eng = LLMEngine(random_llama(shape, jnp.bfloat16), None, EngineConfig(
         dtype="bfloat16", max_num_seqs=S, max_num_batched_tokens=64 if a.smoke else 2048,
         num_pages=S * -(-(P + max_tokens) // 16) + 2, max_model_len=P + max_tokens,
-        num_decode_steps=K, warmup=False))
+        num_decode_steps=K, warmup=False, async_scheduling=False))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     seqs = [eng.get_request(eng.add_request({"prompt_token_ids": p}, sp))
             for p in lib.workload(S, (P, P), (1, 1), shape["vocab_size"], seed=5)[0]]
