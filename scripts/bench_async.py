@@ -16,6 +16,13 @@ For each batch size and decode steps per call, the same greedy workload
   overlap the next step is already queued, so it hides behind the device
   as long as it is shorter than the step itself.
 
+- XLA idle ms per step (with `--trace-steps N`, default 8): a
+  `jax.profiler` trace of N steps in the middle of a run (all sequences
+  decoding); busy = the union of XLA's events on the CPU plane (the PjRt
+  client's executions and the Eigen worker threads), idle = the rest of the
+  span between the first and the last, per step. This is the time the
+  "device" waited for the host.
+
 Outputs of the two modes are compared (the same tokens, or the script
 fails). On a CPU "the device" is XLA's threads on the same cores as the
 host, so the overlap competes for them; `scripts/device_check.sh` measures
@@ -66,6 +73,53 @@ def run(eng, prompts, max_tokens: int) -> dict:
                 steps=d["steps"], overlapped=d["overlapped_steps"])
 
 
+def xla_busy(trace_dir: str) -> tuple[float, float]:
+    """(span, busy) seconds of XLA's work in a CPU trace: the union of the
+    events on the CPU plane's XLA lines (PjRt client, Eigen threads)."""
+    from pathlib import Path
+
+    import jax
+
+    files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+    spans = []
+    for plane in jax.profiler.ProfileData.from_file(str(files[-1])).planes:
+        for line in plane.lines:
+            if "XLA" in line.name:
+                spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events
+                          if e.duration_ns > 0]
+    spans.sort()
+    busy, (lo, hi) = 0, spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            busy, lo = busy + hi - lo, s
+        hi = max(hi, e)
+    busy += hi - lo
+    return (spans[-1][1] - spans[0][0]) / 1e9, busy / 1e9
+
+
+def traced_idle(eng, prompts, max_tokens: int, steps: int) -> float:
+    """XLA idle ms per engine step over `steps` steps of a run, traced once
+    every sequence decodes."""
+    import tempfile
+
+    import jax
+    from jaxkv import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [eng.get_request(eng.add_request({"prompt_token_ids": p}, params)) for p in prompts]
+    while any(not s.output_token_ids for s in seqs) and eng.has_unfinished_requests():
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    with tempfile.TemporaryDirectory(prefix="bench-async-trace-") as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                eng.step()
+        span, busy = xla_busy(trace_dir)
+    eng.run_to_completion()
+    return 1e3 * (span - busy) / steps
+
+
 def bench(module, tok, a) -> list[dict]:
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
                                                 add_generation_prompt=True),
@@ -75,8 +129,9 @@ def bench(module, tok, a) -> list[dict]:
         prompts = [chats[i % len(chats)] for i in range(B)]
         for K in a.decode_steps:
             engines = {m: engine(module, tok, m == "async", K, B) for m in ("sync", "async")}
-            for eng in engines.values():  # compile what the timed runs use
-                run(eng, prompts, a.max_tokens)
+            for eng in engines.values():  # compile what the timed runs use (the second
+                for _ in range(2):          # pass hits the prefix cache: other shapes)
+                    run(eng, prompts, a.max_tokens)
             runs = {m: [] for m in engines}
             for _ in range(a.runs):
                 for m, eng in engines.items():
@@ -89,6 +144,10 @@ def bench(module, tok, a) -> list[dict]:
                     row[f"{m}_{f}"] = statistics.median(r[f] for r in rs)
                 row[f"{m}_overlapped_share"] = rs[0]["overlapped"] / rs[0]["steps"]
             row["speedup"] = row["async_output_tok_s"] / row["sync_output_tok_s"]
+            if a.trace_steps:
+                for m, eng in engines.items():
+                    row[f"{m}_xla_idle_ms_per_step"] = traced_idle(eng, prompts, a.max_tokens,
+                                                                   a.trace_steps)
             rows.append(row)
             print(report_row(row), flush=True)
     return rows
@@ -99,12 +158,15 @@ def report_row(r: dict) -> str:
             f"{r['async_output_tok_s']:.1f} | {r['speedup']:.2f}x | "
             f"{r['sync_ms_per_model_call']:.1f} / {r['async_ms_per_model_call']:.1f} | "
             f"{r['sync_host_ms_per_step']:.1f} / {r['async_host_ms_per_step']:.1f} | "
-            f"{r['async_overlapped_share']:.0%} |")
+            f"{r['async_overlapped_share']:.0%} | "
+            f"{r.get('sync_xla_idle_ms_per_step', float('nan')):.1f} / "
+            f"{r.get('async_xla_idle_ms_per_step', float('nan')):.1f} |")
 
 
 HEADER = ("| batch | decode steps per call | sync tok/s | async tok/s | speed-up | "
           "ms per model call (sync / async) | host ms per step (sync / async) | "
-          "steps overlapped |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "steps overlapped | traced XLA idle ms per step (sync / async) |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def main(argv=None) -> int:
@@ -114,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--decode-steps", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--trace-steps", type=int, default=8,
+                   help="engine steps traced per mode for XLA idle time (0: no trace)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 

@@ -4,6 +4,7 @@ multi-process job. Prints one JSON line (process 0 only).
 
     python -m tests.sharding_worker tp --tp 1,2,4 [--backend pallas] [--gguf PATH]
     python -m tests.sharding_worker job --process-id I --coordinator 127.0.0.1:PORT
+        [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
                 preemptions=eng.scheduler.num_preemptions,
                 prefix_hit_tokens=eng.bm.prefix_hit_tokens,
                 partial_prefills=eng.stats["partial_prefills"],
+                overlapped_steps=eng.stats["overlapped_steps"],
                 params_bytes=shard_nbytes(eng.runner.state),
                 kv_bytes=shard_nbytes(eng.runner.cache),
                 planned=planned, shards=len(eng.runner.cache.k[0].addressable_shards))
@@ -84,9 +86,12 @@ def main(argv=None) -> int:
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--coordinator", default=None)
+    p.add_argument("--async-scheduling", action="store_true")
     a = p.parse_args(argv)
     engine = {} if a.kv_cache_memory is None else dict(num_pages=None,
                                                        kv_cache_memory=a.kv_cache_memory)
+    if a.async_scheduling:
+        engine["async_scheduling"] = True
     if a.mode == "job":
         from jaxkv.worker.distributed import init_distributed
 

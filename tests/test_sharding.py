@@ -95,8 +95,11 @@ def _free_port() -> int:
 
 
 def test_two_processes_match_one_device(one_device):
+    """Process 0 schedules with overlap (`jaxkv generate` on two processes,
+    in test_cli_generate_on_two_processes_matches_one, runs without)."""
     port = _free_port()
-    args = ["job", "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}"]
+    args = ["job", "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}",
+            "--async-scheduling"]
     procs = [_worker(args + ["--process-id", str(i)], devices=2) for i in (0, 1)]
     try:
         got = _result(procs[0], timeout=900)
@@ -106,6 +109,7 @@ def test_two_processes_match_one_device(one_device):
             if p.poll() is None:
                 p.kill()
     assert got["processes"] == 2 and got["devices"] == 4
+    assert got["overlapped_steps"] > 0
     _check_run(got, one_device, 4, local_shards=2)
 
 
