@@ -175,11 +175,8 @@ class EngineConfig:
               "rows (faster batched decode on CPU), fp32 below", choices=("int8", "w8a8"))
     num_decode_steps: int = _opt(8, "decode steps per jitted call when only decodes run")
     async_scheduling: bool | None = _opt(
-        None, "overlapped scheduling: dispatch the next step before reading this one's "
-              "tokens (a decoding sequence's next input is taken on the device), so the host's "
-              "work hides behind the device's; default: on for GPU/TPU, off on CPU; steps "
-              "with penalties, token rules, prompt log-probabilities or speculation run "
-              "synchronously")
+        None, "overlapped scheduling: plan and dispatch the next step before reading this one's "
+              "tokens (default: on for GPU/TPU, off on CPU)")
     kv_eviction: str | None = _opt(
         None, "streaming: keep attention sinks plus a recent window (StreamingLLM), so "
               "generation runs past the pool with bounded memory", choices=("streaming",))

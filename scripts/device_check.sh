@@ -5,14 +5,15 @@
 #               decode / prefill attention bandwidth (bench_attention.*)
 #   e2e         greedy tokens, Pallas backend vs reference vs HF transformers
 #   throughput  256 mixed requests on a Llama-3.2-1B shape, jaxkv vs HF generate
-#   profile     batch-64 decode: host gap and device idle per step, HBM fraction
-# (the last three: scripts/device_check_engine.py; see its docstring for
-# exactly what is measured). Each part runs in its own process under a hard
+#   profile     batch-64 decode: host gap and device idle per step, HBM fraction,
+#               then one call per step synchronous vs overlapped scheduling
+# (the last three: scripts/device_check_engine.py and device_check_profile.py;
+# see their docstrings for exactly what is measured). Each part runs in its own process under a hard
 # timeout and stops starting new work after its budget; a failed part is
 # reported and the others still run. Results land in $OUT (default
 # ./device_out): env.txt, bench_attention.{json,md,log}, device_check.json
 # (one entry per part: status ok / failed / skipped, error text, figures),
-# device_check.md, device_check_engine.log, profile_trace/ (the raw trace).
+# device_check.md, device_check_engine.log, profile_trace*/ (the raw traces).
 # Exit status: 0 all checks passed, 2 a correctness check failed, 1 another
 # failure. Uses the python3 and packages already installed; installs nothing.
 # Usage: bash scripts/device_check.sh [--smoke] [--model GGUF] [bench_attention.py args]
@@ -44,7 +45,7 @@ else
   T_ATT=120; B_ATT=75; T_E2E=110; B_E2E=75; T_THR=150; B_THR=100; T_PRO=75; B_PRO=50
 fi
 rm -rf "$OUT/device_check.json" "$OUT/device_check.md" "$OUT/device_check_engine.log" \
-  "$OUT/profile_trace"
+  "$OUT"/profile_trace*
 start=$SECONDS
 
 {

@@ -203,7 +203,7 @@ def test_each_bad_body_is_named_while_a_good_stream_completes(server, oracle):
 
 def test_a_failed_step_fails_its_request_not_the_server(server, oracle):
     eng = server.app.state.engine_loop.engine
-    real = eng.runner.step
+    real = eng.runner.dispatch
     calls = []
 
     def flaky(*a, **k):
@@ -212,12 +212,12 @@ def test_a_failed_step_fails_its_request_not_the_server(server, oracle):
             raise RuntimeError("injected device failure")
         return real(*a, **k)
 
-    eng.runner.step = flaky
+    eng.runner.dispatch = flaky
     try:
         code, body = post(server.port, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4})
         assert code == 500 and "injected device failure" in body["error"]["message"]
     finally:
-        del eng.runner.step
+        del eng.runner.dispatch
     code, body = post(server.port, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6,
                                                        "temperature": 0})
     assert code == 200
