@@ -3,7 +3,8 @@ read, its decoding rows take their input token on the device. Outputs must
 be those of the synchronous engine (itself checked against lone runs and
 Hugging Face elsewhere), token for token, under stops, max_tokens, aborts,
 preemption, chunked prefill and prefix hits; sequences that finish in
-flight give their pages back."""
+flight give their pages back. (Sharded: tests/test_sharding.py's
+two-process job schedules with overlap.)"""
 
 from __future__ import annotations
 
@@ -179,53 +180,6 @@ def test_stop_strings_end_sequences_in_flight(tmp_path):
             assert eng.stats["overlapped_steps"] > 0
     assert outs[True][0][2] == "stop" and stop not in outs[True][0][0]
     assert outs[False] == outs[True]
-
-
-TP_SCRIPT = """
-import json
-import numpy as np
-from jaxkv.config import EngineConfig, ModelConfig
-from jaxkv.core.engine import LLMEngine
-from jaxkv.core.sampling_params import SamplingParams
-from jaxkv.model.llama import Llama
-cfg = ModelConfig(architecture="llama", vocab_size=212, hidden_size=64, intermediate_size=128,
-                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
-                  max_position_embeddings=512, eos_token_ids=())
-model = Llama.random_init(cfg, seed=1)
-rng = np.random.default_rng(0)
-prompts = [[int(t) for t in rng.integers(0, 212, int(rng.integers(3, 30)))] for _ in range(12)]
-res = {}
-for tp, asyn in ((1, False), (2, True)):
-    eng = LLMEngine(model, None, EngineConfig(
-        warmup=False, num_pages=30, page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-        tensor_parallel_size=tp, async_scheduling=asyn, num_decode_steps=2))
-    ids = [eng.add_request(p, SamplingParams(max_tokens=14, temperature=0.8 * (i % 2), seed=i))
-           for i, p in enumerate(prompts)]
-    out = eng.run_to_completion()
-    res[tp] = dict(tokens=[out[i].outputs[0].token_ids for i in ids],
-                   overlapped=eng.stats["overlapped_steps"],
-                   preemptions=eng.scheduler.num_preemptions)
-print(json.dumps(res))
-"""
-
-
-def test_tensor_parallel_overlapped_equals_one_device_synchronous():
-    """Tensor parallel over 2 devices with overlapped scheduling (the
-    `last` token buffer replicated over the mesh) gives the tokens of one
-    device run synchronously."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    out = subprocess.run([sys.executable, "-c", TP_SCRIPT], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    one, two = res["1"], res["2"]
-    assert two["overlapped"] > 0 and one["overlapped"] == 0
-    assert two["tokens"] == one["tokens"]
 
 
 def test_server_streams_with_overlap_equal_offline(tmp_path):
