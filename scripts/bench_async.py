@@ -35,6 +35,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from bench_common import TEXT, _cpu_name, _loadavg, _num_cores
 
@@ -190,9 +191,8 @@ def main(argv=None) -> int:
     res = dict(date=time.strftime("%Y-%m-%d"), cpu=_cpu_name(), cores=_num_cores(),
                model=a.model, runs=a.runs, max_tokens=a.max_tokens, loadavg=_loadavg())
     res["rows"] = bench(module, tok, a)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    if a.json:  # the rows were printed as they came
+        Path(a.json).write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -80,15 +80,8 @@ def part_profile(a, log):
         runner.append(eng.runner.stats["seconds"] - r0)
     ctx1, steps = sum(s.num_tokens for s in seqs), eng.stats["decode_steps"] - d0
     calls = eng.runner.stats["calls"] - calls0
-    trace_dir, trace = Path(a.out) / "profile_trace", dict(parsed=False, reason="budget spent")
-    try:
-        if time.monotonic() < deadline:
-            with jax.profiler.trace(str(trace_dir)):
-                for _ in range(n_traced):
-                    eng.step()
-            trace = lib.device_busy(trace_dir, n_traced)
-    except Exception as e:
-        trace = dict(parsed=False, reason=f"{type(e).__name__}: {e}")
+    trace_dir = Path(a.out) / "profile_trace"
+    trace = traced_steps(eng, n_traced, trace_dir, deadline)
     overlap = overlap_rows(eng, *n_overlap, Path(a.out), deadline)
     if any(s.finished for s in seqs):
         raise RuntimeError("a sequence finished inside the measured window")
@@ -126,8 +119,6 @@ def overlap_rows(eng, n_timed, n_traced, out_dir, deadline) -> list[dict]:
     """Synchronous vs overlapped scheduling on `eng` (its sequences all
     decoding), one model call per step: wall per engine step, and device
     idle per step from a trace (DIR/profile_trace_sync, _async)."""
-    import jax
-
     eng.scheduler.max_num_steps = 1  # the compiled loop runs one call per step
     rows = []
     for mode in ("sync", "async"):
@@ -138,18 +129,26 @@ def overlap_rows(eng, n_timed, n_traced, out_dir, deadline) -> list[dict]:
         for _ in range(n_timed):
             eng.step()
         row = dict(mode=mode, wall_per_step_ms=1e3 * (time.perf_counter() - t0) / n_timed)
-        trace_dir = out_dir / f"profile_trace_{mode}"
-        try:
-            if time.monotonic() > deadline:
-                raise TimeoutError("budget spent")
-            with jax.profiler.trace(str(trace_dir)):
-                for _ in range(n_traced):
-                    eng.step()
-            tr = lib.device_busy(trace_dir, n_traced)
-        except Exception as e:
-            tr = dict(parsed=False, reason=f"{type(e).__name__}: {e}")
+        tr = traced_steps(eng, n_traced, out_dir / f"profile_trace_{mode}", deadline)
         row.update(trace=tr, idle_per_step_ms=tr.get("idle_per_engine_step_ms"))
         rows.append(row)
     eng.async_scheduling = False
     eng.step()  # read the step left in flight
     return rows
+
+
+def traced_steps(eng, n: int, trace_dir, deadline) -> dict:
+    """`n` engine steps under a jax.profiler trace in `trace_dir`: the
+    device's busy and idle time (`device_check_lib.device_busy`), or why
+    not (budget spent, no device plane, an error)."""
+    import jax
+
+    if time.monotonic() > deadline:
+        return dict(parsed=False, reason="budget spent")
+    try:
+        with jax.profiler.trace(str(trace_dir)):
+            for _ in range(n):
+                eng.step()
+        return lib.device_busy(trace_dir, n)
+    except Exception as e:
+        return dict(parsed=False, reason=f"{type(e).__name__}: {e}")
