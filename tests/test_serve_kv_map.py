@@ -33,13 +33,13 @@ def test_kv_page_draws_the_running_requests(tmp_path):
     save_tiny_tokenizer(path)
     eng = LLMEngine.from_pretrained(str(path), num_pages=256, page_size=8, max_num_seqs=8,
                                     warmup=False)
-    real = eng.runner.step
+    real = eng.runner.dispatch
 
     def slow(*a, **k):  # keep the requests running while the page is read
         time.sleep(0.05)
         return real(*a, **k)
 
-    eng.runner.step = slow
+    eng.runner.dispatch = slow
     srv = ThreadServer(build_app(eng, ["tiny"]))
     system = " ".join(WORDS[:40])
     bodies = [{"prompt": system + " one", "max_tokens": 1500, "ignore_eos": True},
@@ -77,4 +77,4 @@ def test_kv_page_draws_the_running_requests(tmp_path):
         for s in streams:
             s.close()
         srv.stop()
-        del eng.runner.step
+        del eng.runner.dispatch
