@@ -19,11 +19,11 @@ between tokens (penalties, token rules) carries no proposals.
 With overlapped scheduling the engine plans step N+1 while step N runs
 (`schedule(lookahead=True)`): a sequence in step N counts the tokens N
 will sample (`Sequence.ahead`) and the K/V it will write
-(`inflight_end`), and decodes from there; such a plan never preempts (a
-sequence that does not fit waits for a step planned after N is read)
-and leaves out sequences whose step N may be their last token. Where it
-would have to preempt, the plan says so (`needs_preemption`) and the
-engine reads step N first, then plans again with preemption.
+(`inflight_end`), and decodes from there. Such a plan leaves out
+sequences whose step N may be their last token, and never preempts:
+where it would have to, it says so (`needs_preemption`, admitting no one
+more) and the engine reads step N first, then plans again with
+preemption.
 
 When the page pool runs dry, the most recently admitted running sequence is
 preempted by recompute: its pages are freed and it goes back to the front
@@ -262,7 +262,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, start, n, num_spec=k))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
-                and not out.preempted:
+                and not out.preempted and not out.needs_preemption:
             seq = self.waiting[0]
             if seq.fork_pending and len(self.running) + seq.params.n > self.max_num_seqs:
                 break  # its n sequences run together once it forks
