@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from bench_common import TEXT, _cpu_name, _loadavg, _num_cores
+from device_check_profile import busy_span
 
 QUESTIONS = ["What is a KV cache?", "Explain paged attention in two sentences.",
              "Write a haiku about the sea.", "Why is the sky blue?",
@@ -77,8 +78,6 @@ def run(eng, prompts, max_tokens: int) -> dict:
 def xla_busy(trace_dir: str) -> tuple[float, float]:
     """(span, busy) seconds of XLA's work in a CPU trace: the union of the
     events on the CPU plane's XLA lines (PjRt client, Eigen threads)."""
-    from pathlib import Path
-
     import jax
 
     files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
@@ -88,14 +87,8 @@ def xla_busy(trace_dir: str) -> tuple[float, float]:
             if "XLA" in line.name:
                 spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events
                           if e.duration_ns > 0]
-    spans.sort()
-    busy, (lo, hi) = 0, spans[0]
-    for s, e in spans[1:]:
-        if s > hi:
-            busy, lo = busy + hi - lo, s
-        hi = max(hi, e)
-    busy += hi - lo
-    return (spans[-1][1] - spans[0][0]) / 1e9, busy / 1e9
+    span, busy = busy_span(spans)
+    return span / 1e9, busy / 1e9
 
 
 def traced_idle(eng, prompts, max_tokens: int, steps: int) -> float:

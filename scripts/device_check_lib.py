@@ -162,32 +162,6 @@ def rate_row(system: str, wall: float, tokens: int, ttft: list, **extra) -> dict
                 ttft_p99_s=float(np.percentile(ttft, 99)), **extra)
 
 
-def device_busy(trace_dir, steps: int) -> dict:
-    """Busy (union of the first device plane's stream events) and idle time."""
-    import jax
-    if not (files := sorted(Path(trace_dir).rglob("*.xplane.pb"))):
-        return dict(parsed=False, reason="no .xplane.pb written")
-    planes = list(jax.profiler.ProfileData.from_file(str(files[-1])).planes)
-    dev = [p for p in planes if p.name.startswith("/device:")]
-    if not dev:
-        return dict(parsed=False, reason="no device plane in the trace (planes: "
-                    + ", ".join(p.name for p in planes) + ")")
-    lines = [ln for ln in dev[0].lines if ln.name.lower().startswith("stream")]
-    spans = sorted((e.start_ns, e.end_ns) for ln in lines for e in ln.events)
-    if not spans:
-        return dict(parsed=False, reason=f"no stream events on {dev[0].name}")
-    busy, (lo, hi) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > hi:
-            busy, lo = busy + hi - lo, s
-        hi = max(hi, e)
-    busy, span = busy + hi - lo, spans[-1][1] - spans[0][0]
-    return dict(parsed=True, plane=dev[0].name, lines=[ln.name for ln in lines],
-                events=len(spans), span_ms=span / 1e6, busy_ms=busy / 1e6,
-                busy_fraction=busy / span if span else None,
-                idle_per_engine_step_ms=(span - busy) / 1e6 / steps)
-
-
 def run_hf_job(job: dict, timeout: float, log=None) -> dict:
     """Run `job` in a fresh python process (see _hf_main); its result dict."""
     with tempfile.TemporaryDirectory(prefix="device-check-hf-") as tmp:

@@ -139,7 +139,7 @@ def overlap_rows(eng, n_timed, n_traced, out_dir, deadline) -> list[dict]:
 
 def traced_steps(eng, n: int, trace_dir, deadline) -> dict:
     """`n` engine steps under a jax.profiler trace in `trace_dir`: the
-    device's busy and idle time (`device_check_lib.device_busy`), or why
+    device's busy and idle time (`device_busy`), or why
     not (budget spent, no device plane, an error)."""
     import jax
 
@@ -149,6 +149,39 @@ def traced_steps(eng, n: int, trace_dir, deadline) -> dict:
         with jax.profiler.trace(str(trace_dir)):
             for _ in range(n):
                 eng.step()
-        return lib.device_busy(trace_dir, n)
+        return device_busy(trace_dir, n)
     except Exception as e:
         return dict(parsed=False, reason=f"{type(e).__name__}: {e}")
+
+
+def busy_span(spans) -> tuple[int, int]:
+    """(first start to last end, length of the union) of (start, end) intervals."""
+    spans = sorted(spans)
+    busy, (lo, hi) = 0, spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            busy, lo = busy + hi - lo, s
+        hi = max(hi, e)
+    return max(e for _, e in spans) - spans[0][0], busy + hi - lo
+
+
+def device_busy(trace_dir, steps: int) -> dict:
+    """Busy (union of the first device plane's stream events) and idle time."""
+    import jax
+
+    if not (files := sorted(Path(trace_dir).rglob("*.xplane.pb"))):
+        return dict(parsed=False, reason="no .xplane.pb written")
+    planes = list(jax.profiler.ProfileData.from_file(str(files[-1])).planes)
+    dev = [p for p in planes if p.name.startswith("/device:")]
+    if not dev:
+        return dict(parsed=False, reason="no device plane in the trace (planes: "
+                    + ", ".join(p.name for p in planes) + ")")
+    lines = [ln for ln in dev[0].lines if ln.name.lower().startswith("stream")]
+    spans = sorted((e.start_ns, e.end_ns) for ln in lines for e in ln.events)
+    if not spans:
+        return dict(parsed=False, reason=f"no stream events on {dev[0].name}")
+    span, busy = busy_span(spans)
+    return dict(parsed=True, plane=dev[0].name, lines=[ln.name for ln in lines],
+                events=len(spans), span_ms=span / 1e6, busy_ms=busy / 1e6,
+                busy_fraction=busy / span if span else None,
+                idle_per_engine_step_ms=(span - busy) / 1e6 / steps)
