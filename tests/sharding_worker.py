@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--coordinator", default=None)
@@ -90,6 +91,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     engine = {} if a.kv_cache_memory is None else dict(num_pages=None,
                                                        kv_cache_memory=a.kv_cache_memory)
+    if a.num_pages is not None:
+        engine["num_pages"] = a.num_pages
     if a.async_scheduling:
         engine["async_scheduling"] = True
     if a.mode == "job":

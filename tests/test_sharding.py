@@ -81,10 +81,11 @@ def test_tensor_parallel_reference_matches_one_device(one_device):
 
 @pytest.mark.slow
 def test_tensor_parallel_pallas_interpret_matches_one_device(one_device):
-    # Four tokens each: the Pallas TPU kernel's interpret mode is slow on CPU.
-    runs = _result(_worker(["tp", "--tp", "4", "--backend", "pallas", "--max-tokens", "4"],
-                           devices=4), timeout=1500)
-    oracle = dict(one_device, tokens=[t[:4] for t in one_device["tokens"]])
+    # Eight prompts of four tokens each in a pool of 12 pages (still
+    # preempting): the Pallas TPU kernel's interpret mode is slow on CPU.
+    runs = _result(_worker(["tp", "--tp", "4", "--backend", "pallas", "--max-tokens", "4",
+                            "--prompts", "8", "--num-pages", "12"], devices=4), timeout=1500)
+    oracle = dict(one_device, tokens=[t[:4] for t in one_device["tokens"][:8]])
     _check_run(runs["4"], oracle, 4)
 
 
