@@ -90,15 +90,18 @@ def test_64_streams_with_random_disconnects_leave_nothing_behind(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_finishes_the_streams_in_flight_and_exits_0(tmp_path):
-    _, path = make_hf_model("llama", tmp_path, max_position_embeddings=4096)
+    # The timeout leaves the short streams ample time even while programs
+    # compile on a loaded machine (no warm-up); the long ones need ~30,000
+    # decode steps, far more than 10 s on any CPU.
+    _, path = make_hf_model("llama", tmp_path, max_position_embeddings=32768)
     save_tiny_tokenizer(path)
-    proc, port = start_cli_server(path, "--num-pages", "2048", "--page-size", "16",
-                                  "--max-num-seqs", "16", "--shutdown-timeout", "1",
+    proc, port = start_cli_server(path, "--num-pages", "16384", "--page-size", "16",
+                                  "--max-num-seqs", "16", "--shutdown-timeout", "10",
                                   "--no-warmup")
     try:
         rng = random.Random(1)
         # 8 short streams finish within the timeout; 8 long ones cannot.
-        jobs = [dict(prompt=_prompt(rng), max_tokens=16 if i % 2 == 0 else 3500)
+        jobs = [dict(prompt=_prompt(rng), max_tokens=16 if i % 2 == 0 else 30000)
                 for i in range(16)]
         results: dict[int, list] = {}
         started = threading.Barrier(17, timeout=120)
