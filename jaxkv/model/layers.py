@@ -31,20 +31,11 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     return scaled.astype(np.float32)
 
 
-def rope_table(positions, inv_freq):
-    """(cos, sin) [T, D/2] of positions [T], computed once per step and
-    shared by every layer and head. The barrier keeps them one array each:
-    left to itself, XLA fuses the sin and cos into each layer's rotation,
-    evaluating them again for every head of every layer (on CPU ~4% of a
-    1024-token prefill)."""
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jax.lax.optimization_barrier((jnp.cos(ang), jnp.sin(ang)))
-
-
-def apply_rope(x, rope):
-    """x [T, N, D] rotated by `rope` = rope_table(positions, inv_freq) in
-    the half-split layout (the first D/2 features pair with the last D/2)."""
-    cos, sin = rope[0][:, None, :], rope[1][:, None, :]
+def apply_rope(x, positions, inv_freq):
+    """x [T, N, D] rotated by positions [T] in the half-split layout (the
+    first D/2 features pair with the last D/2)."""
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

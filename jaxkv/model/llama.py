@@ -19,7 +19,7 @@ from flax import nnx
 from jaxkv.config import ModelConfig
 from jaxkv.model.attention import AttentionSpec, attend
 from jaxkv.model.kv_cache import KVCache
-from jaxkv.model.layers import apply_rope, rms_norm, rope_frequencies, rope_table
+from jaxkv.model.layers import apply_rope, rms_norm, rope_frequencies
 from jaxkv.model.params import check_params
 from jaxkv.model.quant import Dense, rotate_blocks
 
@@ -120,7 +120,7 @@ class Llama(nnx.Module):
         mesh = attention.mesh
         x = _constrain(self.embed[...][batch.token_ids], mesh)  # [T, E], whole rows everywhere
         T = x.shape[0]
-        rope = rope_table(batch.positions, self.inv_freq[...])  # [T, D/2] each
+        inv_freq = self.inv_freq[...]
         # int8 cache: each head's q, k and v are rotated by normalized
         # Walsh-Hadamard blocks (the largest power of two dividing D: all of
         # D for 64 or 128). A vector's few large channels are spread over
@@ -137,8 +137,8 @@ class Llama(nnx.Module):
             q = qkv[:, :, :Hl * D].reshape(T, H, D)
             k = qkv[:, :, Hl * D:(Hl + Kl) * D].reshape(T, K, D)
             v = qkv[:, :, (Hl + Kl) * D:].reshape(T, K, D)
-            q = apply_rope(q, rope)
-            k = apply_rope(k, rope)
+            q = apply_rope(q, batch.positions, inv_freq)
+            k = apply_rope(k, batch.positions, inv_freq)
             if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
             o, cache = attend(q, k, v, cache, i, batch, attention, all_decode=all_decode)
