@@ -46,7 +46,6 @@ def random_llama(shape: dict, dtype):
     return Llama(cfg, init)
 
 
-
 def part_profile(a, log):
     import jax
     import jax.numpy as jnp

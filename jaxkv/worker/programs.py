@@ -133,4 +133,3 @@ class Programs:
         if bar is not None:
             bar.close()
         return dict(programs=len(todo), seconds=time.perf_counter() - t0)
-
