@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.config import ModelConfig
+from jaxkv.model import cpu_gemm
 from jaxkv.model.attention import AttentionSpec, attend
 from jaxkv.model.kv_cache import KVCache
 from jaxkv.model.layers import apply_rope, rms_norm, rope_frequencies
@@ -127,10 +128,11 @@ class Llama(nnx.Module):
         # the block, so one absmax scale per token and head wastes far less
         # of the int8 range; (q R).(k R) = q.k, and outputs rotate back.
         rot = D & -D
+        native = cpu_gemm.use_native(T, attention.platform, mesh)  # MKL sgemm on CPU
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], cfg.rms_norm_eps)
             a = layer.attn
-            qkv = a.wqkv(h)  # [T, G (Hl + 2 Kl) D]
+            qkv = a.wqkv(h, native)  # [T, G (Hl + 2 Kl) D]
             if a.bias:
                 qkv = qkv + a.bqkv[...]
             qkv = qkv.reshape(T, G, (Hl + 2 * Kl) * D)
@@ -145,12 +147,12 @@ class Llama(nnx.Module):
             if cache.quantized:  # values were rotated: rotate the output back
                 o = rotate_blocks(o, rot)
             o = o.astype(x.dtype)
-            o = a.wo(o.reshape(-1, H * D))  # [T, E]
+            o = a.wo(o.reshape(-1, H * D), native)  # [T, E]
             x = x + (o + a.bo[...] if a.out_bias else o)
             h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)
-            gu = layer.w_gate_up(h).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
+            gu = layer.w_gate_up(h, native).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
             g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)
-            x = x + layer.w_down(jax.nn.silu(g) * u)
+            x = x + layer.w_down(jax.nn.silu(g) * u, native)
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
         if cfg.tie_word_embeddings and not hasattr(self, "lm_head"):

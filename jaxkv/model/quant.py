@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.model import cpu_gemm
+
 QUANT_MODES = (None, "int8", "w8a8")
 W8A8_MIN_ROWS = 2  # a smaller step is padded up to this many rows
 W8A8_BLOCK = 64  # Hadamard block of the activation rotation
@@ -93,8 +95,12 @@ class Dense(nnx.Module):
             self.w = nnx.Param(w)
             self.scale = None
 
-    def __call__(self, x):
-        """x [T, N_in] -> [T, N_out] in x's dtype."""
+    def __call__(self, x, native: bool = False):
+        """x [T, N_in] -> [T, N_out] in x's dtype. native: the caller's
+        `cpu_gemm.use_native` verdict for this step (float32 weights then
+        go through MKL's sgemm)."""
+        if native and self.mode is None and x.dtype == self.w.dtype == jnp.float32:
+            return cpu_gemm.matmul(x, self.w[...])
         if self.mode == "w8a8":
             return w8a8_matmul(x, self.w8[...], self.w8_scale[...], self.block)
         if self.scale is None:
