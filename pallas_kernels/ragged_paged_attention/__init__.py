@@ -10,7 +10,9 @@
 The contract (shapes, masking, padding rows) is `reference.py`'s. Backends:
 
 - "auto": the platform's kernel: TPU -> `tpu.py` (Mosaic), GPU -> `gpu.py`
-  (Pallas Triton, CUDA), anything else (CPU) -> the pure-jnp reference.
+  (Pallas Triton, CUDA), anything else (CPU) -> the reference, whose long
+  prefill chunks run as `cpu.py`'s native flash attention (MKL) where that
+  is built and takes the case, the pure-jnp dense blocks otherwise.
 - "reference": the pure-jnp reference on any platform.
 - "pallas": a Pallas kernel. On TPU / GPU the platform's own (pallas_target,
   if given, must name it: "tpu", or on GPU "gpu" for Triton, the default,
@@ -105,8 +107,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     if impl == "reference":
         if kernel_options:
             raise ValueError("kernel_options apply to Pallas kernels only")
+        # "auto" on CPU: the reference with its dense prefill blocks in
+        # native code (cpu.py) where that is built; "reference" stays jnp.
+        native = backend == "auto" and (platform or jax.default_backend()) == "cpu"
         return reference.ragged_paged_attention(*args, **kw, num_sink_tokens=num_sink_tokens,
-                                                all_decode=all_decode)
+                                                all_decode=all_decode, native_cpu=native)
     if impl != "tpu":  # the TPU kernel has one configuration
         kw["all_decode"] = all_decode
     kernel = dict(tpu=tpu, gpu=gpu, mosaic_gpu=mosaic_gpu)[impl]

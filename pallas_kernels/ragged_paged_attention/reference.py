@@ -43,6 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.dense import dense_block, dense_prefill, use_dense
 
 _MIN_PREFILL_BLOCK = 16
@@ -251,11 +252,19 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
     return out.at[rows].set(o, mode="drop")
 
 
+def _native_takes(q, k_pages, k_scale, num_sink_tokens) -> bool:
+    """Whether `cpu.py`'s kernel serves this case: float32 pages and
+    queries, no int8 scales, no sinks, and the kernel built here."""
+    return (k_scale is None and not num_sink_tokens and q.dtype == jnp.float32
+            and k_pages.dtype == jnp.float32 and cpu.available())
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "num_sink_tokens", "all_decode"))
+                                             "num_sink_tokens", "all_decode", "native_cpu"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                            num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
-                           k_scale=None, v_scale=None, num_sink_tokens=0, all_decode=None):
+                           k_scale=None, v_scale=None, num_sink_tokens=0, all_decode=None,
+                           native_cpu=False):
     """Reference ragged paged attention; see the module docstring for the
     contract. q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
     block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D].
@@ -264,7 +273,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     first tokens of its sequence (attention sinks, for streaming eviction).
     `all_decode` (static): True traces only the decode path (every live
     q_len <= 1, the caller's promise), False only the blocked path, None
-    both, picked at run time."""
+    both, picked at run time. `native_cpu` (static; the CPU "auto" backend
+    sets it): dense prefill blocks run as `cpu.py`'s MKL flash attention
+    where it takes the case (float32 pages, no sinks) and is built."""
     T, H, D = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
@@ -291,7 +302,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
 
     def prefill(args):
         if use_dense(T, S):  # long chunks: dense causal blocks, decodes apart
-            out, served = dense_prefill(*args, block_q=dense_block(T, S), **kw)
+            if native_cpu and _native_takes(q, k_pages, k_scale, num_sink_tokens):
+                out, served = cpu.dense_prefill(*args, sm_scale=sm_scale, soft_cap=soft_cap,
+                                                sliding_window=sliding_window)
+            else:
+                out, served = dense_prefill(*args, block_q=dense_block(T, S), **kw)
             q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
             dec = _decode_attention(q, k_pages, v_pages, jnp.where(q_lens == 1, kv_lens, 0),
                                     block_tables, cu_q_lens, num_seqs, **kw)

@@ -1,0 +1,281 @@
+// Causal flash-attention prefill over a paged KV cache, float32, for CPU
+// (the dense prefill contract of dense.py / reference.py), as an XLA FFI
+// handler. One task = (sequence, block of BQ query rows, KV head):
+// the G = H / KVH query heads of that KV head are stacked into R = G * BQ
+// rows so one K/V tile serves all of them. Each task walks only the keys
+// its rows can see (from the oldest row's window start to the newest row),
+// in chunks of at most kKeyChunk keys; per chunk S = Q K^T and acc += P V
+// are MKL sgemms on tiles that stay in L2, the online softmax between them
+// is vectorized. Tasks run on OpenMP threads, MKL sequential inside each.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <omp.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+extern "C" {
+void cblas_sgemm(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                 const float* a, int lda, const float* b, int ldb, float beta, float* c, int ldc);
+int MKL_Set_Num_Threads_Local(int nth);
+}
+
+namespace {
+
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+constexpr int kTargetRows = 192;  // R = G * BQ aimed at (BQ a multiple of 16)
+constexpr int kKeyChunk = 512;    // keys per online-softmax step (at most)
+
+// e^x for x <= 88.3 (Cephes expf: reduction by ln 2, degree-6 polynomial,
+// exponent bits; ~1 ulp), written so GCC vectorizes the loops it is in.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  x = std::min(x, 88.3f);
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Task {
+  int seq, row0, rows, pos0, kvh;
+  int64_t cost;
+};
+
+struct Dims {
+  int T, H, D, KVH, P, ps, S, W, G;
+};
+
+void free_floats(float* p) { std::free(p); }
+using Floats = std::unique_ptr<float[], decltype(&free_floats)>;
+
+Floats alloc_floats(size_t n) {
+  size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
+  return Floats(static_cast<float*>(std::aligned_alloc(64, bytes)), free_floats);
+}
+
+// Softmax step of one score row s[0:n) whose live keys are [lo, hi): folds
+// it into the running max m and sum l, rescales the accumulator row and
+// leaves P in s (zero outside [lo, hi)).
+inline void softmax_row(float* s, int n, int lo, int hi, float cap, float* m, float* l,
+                        float* acc, int D) {
+  if (hi <= lo) {
+    std::fill(s, s + n, 0.0f);
+    return;
+  }
+  if (cap > 0.0f) {
+    const float inv = 1.0f / cap;
+#pragma omp simd
+    for (int c = lo; c < hi; ++c) s[c] = cap - 2.0f * cap / (fast_exp(2.0f * inv * s[c]) + 1.0f);
+  }
+  // The max as explicit vectors: GCC keeps a float max reduction scalar
+  // without -ffast-math.
+  typedef float v16 __attribute__((vector_size(64)));
+  v16 lanes = {};
+  lanes -= INFINITY;
+  int c = lo;
+  for (; c + 16 <= hi; c += 16) {
+    v16 x;
+    std::memcpy(&x, s + c, sizeof(x));
+    lanes = lanes > x ? lanes : x;
+  }
+  float mx = -INFINITY;
+  for (; c < hi; ++c) mx = std::max(mx, s[c]);
+  for (int k = 0; k < 16; ++k) mx = std::max(mx, lanes[k]);
+  const float m_new = std::max(*m, mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int c = lo; c < hi; ++c) {
+    float p = fast_exp(s[c] - m_new);
+    s[c] = p;
+    sum += p;
+  }
+  std::fill(s, s + lo, 0.0f);
+  std::fill(s + hi, s + n, 0.0f);
+  const float alpha = std::exp(*m - m_new);  // 0 on the first live chunk (m = -inf)
+  if (alpha != 1.0f) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) acc[d] *= alpha;
+  }
+  *l = *l * alpha + sum;
+  *m = m_new;
+}
+
+// Keys [k0, k0 + n) of sequence `seq`, KV head `kvh`, copied to dst [n, D].
+void gather_keys(const float* pages, const int32_t* table, const Dims& d, int kvh, int k0, int n,
+                 float* dst) {
+  const float* head = pages + static_cast<int64_t>(kvh) * d.P * d.ps * d.D;
+  for (int p = k0; p < k0 + n;) {
+    const int slot = p % d.ps;
+    const int run = std::min(d.ps - slot, k0 + n - p);
+    const float* src = head + (static_cast<int64_t>(table[p / d.ps]) * d.ps + slot) * d.D;
+    std::memcpy(dst + static_cast<int64_t>(p - k0) * d.D, src, sizeof(float) * run * d.D);
+    p += run;
+  }
+}
+
+struct Scratch {
+  Floats q, k, v, s, acc, m, l;
+  int ld_s;
+  Scratch(int R, int C, int D)
+      : q(alloc_floats(size_t(R) * D)), k(alloc_floats(size_t(C) * D)),
+        v(alloc_floats(size_t(C) * D)), s(alloc_floats(size_t(R) * (C + 16))),
+        acc(alloc_floats(size_t(R) * D)), m(alloc_floats(R)), l(alloc_floats(R)), ld_s(C + 16) {}
+};
+
+void run_task(const Task& t, const Dims& d, const float* q, const float* kp, const float* vp,
+              const int32_t* tables, int C, float scale, int window, float cap,
+              Scratch& w, float* out) {
+  const int G = d.G, D = d.D, R = t.rows * G;
+  const int64_t row_stride = int64_t(d.H) * D;
+  for (int i = 0; i < t.rows; ++i)
+    for (int g = 0; g < G; ++g) {
+      const float* src = q + (t.row0 + i) * row_stride + (t.kvh * G + g) * D;
+      float* dst = w.q.get() + (i * G + g) * D;
+      for (int e = 0; e < D; ++e) dst[e] = src[e] * scale;
+    }
+  std::fill(w.acc.get(), w.acc.get() + size_t(R) * D, 0.0f);
+  std::fill(w.m.get(), w.m.get() + R, -INFINITY);
+  std::fill(w.l.get(), w.l.get() + R, 0.0f);
+  const int32_t* table = tables + int64_t(t.seq) * d.W;
+  const int last = t.pos0 + t.rows - 1;  // the newest key any row sees
+  const int kstart = window > 0 ? std::max(0, t.pos0 - window + 1) : 0;
+  // Keys before the first row (seen whole by most rows), then the diagonal,
+  // each cut into even chunks of at most C keys.
+  const int spans[2][2] = {{kstart, t.pos0}, {t.pos0, last + 1}};
+  for (const auto& span : spans) {
+    const int len = span[1] - span[0];
+    if (len <= 0) continue;
+    const int nch = (len + C - 1) / C, size = (len + nch - 1) / nch;
+    for (int k0 = span[0]; k0 < span[1]; k0 += size) {
+      const int n = std::min(size, span[1] - k0);
+      gather_keys(kp, table, d, t.kvh, k0, n, w.k.get());
+      gather_keys(vp, table, d, t.kvh, k0, n, w.v.get());
+      cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, n, D, 1.0f, w.q.get(), D, w.k.get(), D, 0.0f,
+                  w.s.get(), w.ld_s);
+      for (int r = 0; r < R; ++r) {
+        const int pos = t.pos0 + r / G;
+        const int hi = std::min(n, pos - k0 + 1);
+        const int lo = window > 0 ? std::max(0, pos - window + 1 - k0) : 0;
+        softmax_row(w.s.get() + int64_t(r) * w.ld_s, n, lo, hi, cap, w.m.get() + r,
+                    w.l.get() + r, w.acc.get() + int64_t(r) * D, D);
+      }
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, n, 1.0f, w.s.get(), w.ld_s, w.v.get(), D,
+                  1.0f, w.acc.get(), D);
+    }
+  }
+  for (int i = 0; i < t.rows; ++i)
+    for (int g = 0; g < G; ++g) {
+      const int r = i * G + g;
+      const float* a = w.acc.get() + int64_t(r) * D;
+      const float l = w.l.get()[r];
+      float* dst = out + (t.row0 + i) * row_stride + (t.kvh * G + g) * D;
+      for (int e = 0; e < D; ++e) dst[e] = a[e] / l;
+    }
+}
+
+ffi::Error invalid(const char* msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
+
+ffi::Error DensePrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                        ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                        ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
+                        float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions();
+  auto bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || bd.size() != 2 ||
+      kv_lens.dimensions().size() != 1 || cu_q_lens.dimensions().size() != 1 ||
+      num_seqs.dimensions().size() != 0)
+    return invalid("rpa_dense_prefill: wrong ranks");
+  Dims d{int(qd[0]), int(qd[1]), int(qd[2]), int(kd[0]), int(kd[1]), int(kd[2]),
+         int(bd[0]), int(bd[1]), 0};
+  if (kd[3] != d.D || !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return invalid("rpa_dense_prefill: k_pages and v_pages must be [KVH, P, page_size, D]");
+  if (d.KVH <= 0 || d.H % d.KVH != 0) return invalid("rpa_dense_prefill: H % KVH != 0");
+  if (kv_lens.dimensions()[0] != d.S || cu_q_lens.dimensions()[0] != d.S + 1)
+    return invalid("rpa_dense_prefill: kv_lens must be [S], cu_q_lens [S + 1]");
+  auto od = out->dimensions();
+  if (!std::equal(od.begin(), od.end(), qd.begin(), qd.end()))
+    return invalid("rpa_dense_prefill: out must be [T, H, D]");
+  d.G = d.H / d.KVH;
+  const int32_t* kv = kv_lens.typed_data();
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int32_t* bt = block_tables.typed_data();
+  const int S = std::clamp(num_seqs.typed_data()[0], 0, d.S);
+  const int bq = std::max(16, (kTargetRows / d.G + 15) / 16 * 16);
+  const int C = kKeyChunk;
+
+  std::vector<Task> tasks;
+  std::vector<char> served(d.T, 0);
+  for (int s = 0; s < S; ++s) {
+    const int q_len = cu[s + 1] - cu[s];
+    if (q_len <= 1) continue;
+    if (cu[s] < 0 || cu[s + 1] > d.T || q_len > kv[s] || kv[s] > int64_t(d.W) * d.ps)
+      return invalid("rpa_dense_prefill: cu_q_lens / kv_lens out of range");
+    for (int j = 0; j < (kv[s] + d.ps - 1) / d.ps; ++j)
+      if (bt[int64_t(s) * d.W + j] < 0 || bt[int64_t(s) * d.W + j] >= d.P)
+        return invalid("rpa_dense_prefill: block_tables entry out of range");
+    std::fill(served.begin() + cu[s], served.begin() + cu[s + 1], 1);
+    for (int b = 0; b < q_len; b += bq) {
+      const int rows = std::min(bq, q_len - b), pos0 = kv[s] - q_len + b;
+      const int kstart = sliding_window > 0 ? std::max(0, pos0 - sliding_window + 1) : 0;
+      for (int h = 0; h < d.KVH; ++h)
+        tasks.push_back({s, cu[s] + b, rows, pos0, h, int64_t(rows) * (pos0 + rows - kstart)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+
+  float* o = out->typed_data();
+  const int64_t row_size = int64_t(d.H) * d.D;
+  for (int t = 0; t < d.T; ++t)
+    if (!served[t]) std::fill(o + t * row_size, o + (t + 1) * row_size, 0.0f);
+  const int num_tasks = int(tasks.size());
+  if (num_tasks == 0) return ffi::Error::Success();
+  const float cap = soft_cap > 0.0f ? soft_cap : 0.0f;
+#pragma omp parallel num_threads(std::min(omp_get_max_threads(), num_tasks))
+  {
+    const int prev = MKL_Set_Num_Threads_Local(1);
+    Scratch w(bq * d.G, C, d.D);
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < num_tasks; ++i)
+      run_task(tasks[i], d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt, C,
+               sm_scale, sliding_window, cap, w, o);
+    MKL_Set_Num_Threads_Local(prev);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(rpa_dense_prefill, DensePrefill,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages [KVH, P, ps, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs []
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, H, D]

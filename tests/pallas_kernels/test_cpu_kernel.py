@@ -1,0 +1,128 @@
+"""The native CPU prefill attention (cpu_kernel.cc) against the naive float64
+oracle and the jnp dense path: the dense path's mixes and head ratios, page
+sizes that do and do not divide a key chunk, windows over released (NaN
+trash) pages, soft caps, and the rows it must leave exactly zero."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import native
+from pallas_kernels.ragged_paged_attention import cpu, dense
+from tests.pallas_kernels.rpa_cases import make_case, naive_attention
+
+if not cpu.available():
+    pytest.skip(f"native CPU attention unavailable: {native.unavailable('rpa_cpu')}",
+                allow_module_level=True)
+
+T_STEP, S_STEP = 384, 6
+
+
+def _case(seed, q_lens, kv_lens, *, heads=6, kv_heads=2, page_size=8, head_dim=16, **kw):
+    rng = np.random.default_rng(seed)
+    return make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, page_size=page_size, pad_tokens=T_STEP - sum(q_lens),
+                     pad_seqs=S_STEP - len(q_lens), **kw)
+
+
+def _run(case, **kw):
+    out, served = jax.jit(lambda c: cpu.dense_prefill(**c, **kw))(
+        {k: jnp.asarray(v) for k, v in case.items()})
+    return np.asarray(out, np.float64), np.asarray(served)
+
+
+def _served(q_lens, T=T_STEP):
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)
+    want = np.zeros(T, bool)
+    want[:len(rows)] = np.asarray(q_lens)[rows] > 1
+    return want
+
+
+def _check(case, q_lens, **kw):
+    got, served = _run(case, **kw)
+    want = naive_attention(**case, **kw)
+    want[~served] = 0.0  # decode rows are the decode path's
+    np.testing.assert_array_equal(served, _served(q_lens, case["q"].shape[0]))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[~served], 0.0)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+MIXES = [
+    # (q_lens, kv_lens)
+    ([150, 1, 70, 1, 0], [150, 300, 333, 17, 5]),  # fresh prompt, decodes, chunk after context
+    ([65, 63, 64, 129], [65, 200, 64, 700]),  # partial query blocks
+    ([2, 1, 300], [2, 1, 1200]),  # two-row chunk, a long context of many key chunks
+]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", MIXES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_matches_the_oracle(q_lens, kv_lens, heads, kv_heads):
+    case = _case(len(q_lens) + heads, q_lens, kv_lens, heads=heads, kv_heads=kv_heads)
+    _check(case, q_lens, sm_scale=0.25)
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(16, 64), (16, 128), (24, 64)])
+def test_page_sizes_and_head_dims(page_size, head_dim):
+    """24 divides no key chunk: chunks and query blocks start mid-page."""
+    q_lens, kv_lens = [200, 1, 150], [1100, 50, 150]
+    case = _case(page_size + head_dim, q_lens, kv_lens, heads=9, kv_heads=3, page_size=page_size,
+                 head_dim=head_dim)
+    _check(case, q_lens, sm_scale=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("window,cap", [(40, None), (100, None), (None, 3.0), (600, 2.0)])
+def test_windows_and_soft_caps(window, cap):
+    """With a window the pages wholly behind every row's window go back to
+    the NaN trash page: nothing may read them."""
+    q_lens, kv_lens = [200, 1, 90], [900, 400, 90]
+    case = _case(3, q_lens, kv_lens, page_size=16)
+    kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=cap)
+    want = naive_attention(**case, **kw)
+    if window is not None:
+        case["k_pages"][:, 0] = np.nan
+        case["v_pages"][:, 0] = np.nan
+        for s, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+            for j in range(case["block_tables"].shape[1]):
+                if (j + 1) * 16 <= kv - q - window + 1:
+                    case["block_tables"][s, j] = 0
+    got, served = _run(case, **kw)
+    want[~served] = 0.0
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_no_live_sequences_and_only_decodes():
+    case = _case(1, [1, 1, 1], [10, 20, 30])
+    got, served = _run(case, sm_scale=0.25)
+    assert not served.any() and (got == 0).all()
+    case["num_seqs"] = np.int32(0)
+    got, served = _run(case, sm_scale=0.25)
+    assert not served.any() and (got == 0).all()
+
+
+def test_served_mask_equals_the_dense_paths():
+    q_lens, kv_lens = MIXES[0]
+    args = {k: jnp.asarray(v) for k, v in _case(0, q_lens, kv_lens).items()}
+    _, served = cpu.dense_prefill(**args, sm_scale=0.25)
+    _, want = dense.dense_prefill(**args, block_q=64, sm_scale=0.25)
+    np.testing.assert_array_equal(np.asarray(served), np.asarray(want))
+
+
+def test_lone_prompt_equals_the_dense_path():
+    rng = np.random.default_rng(7)
+    case = make_case(rng, q_lens=[1024], kv_lens=[1024], num_heads=9, num_kv_heads=3,
+                     head_dim=64, page_size=16)
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    got, _ = cpu.dense_prefill(**args, sm_scale=0.125)
+    want, _ = dense.dense_prefill(**args, block_q=512, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_pages_are_refused():
+    case = {k: jnp.asarray(v) for k, v in _case(2, [40], [40]).items()}
+    case["k_pages"] = case["k_pages"].astype(jnp.int8)
+    with pytest.raises(ValueError):
+        cpu.dense_prefill(**case, sm_scale=0.25)
