@@ -1,5 +1,6 @@
-"""Prefill attention of one layer on CPU: jaxkv's dense causal path (the
-block size the engine picks for a lone prompt) beside torch's fused
+"""Prefill attention of one layer on CPU: jaxkv's native kernel (what the
+engine runs, `cpu.py`, where it is built) and its jnp dense causal path
+(the block size the engine picks for a lone prompt) beside torch's fused
 `scaled_dot_product_attention(is_causal=True, enable_gqa=True)`, on
 random inputs of one shape, interleaved, medians of `--runs`.
 
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
 
     # By module path: the package re-exports a function of the same name.
     dense = importlib.import_module("pallas_kernels.ragged_paged_attention.dense")
+    cpu = importlib.import_module("pallas_kernels.ragged_paged_attention.cpu")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     H, K, D, ps = a.heads, a.kv_heads, a.head_dim, a.page_size
     rng = np.random.default_rng(0)
@@ -48,7 +50,10 @@ def main(argv=None) -> int:
                 jnp.arange(P, dtype=jnp.int32)[None], jnp.array([0, T], jnp.int32),
                 jnp.array(1, jnp.int32))
         bq = dense.dense_block(T, 1)
-        fn = jax.jit(lambda *x: dense.dense_prefill(*x, block_q=bq, sm_scale=D ** -0.5)[0])
+        fns = dict(dense=jax.jit(
+            lambda *x: dense.dense_prefill(*x, block_q=bq, sm_scale=D ** -0.5)[0]))
+        if cpu.available():
+            fns["native"] = jax.jit(lambda *x: cpu.dense_prefill(*x, sm_scale=D ** -0.5)[0])
         tq = torch.from_numpy(q).permute(1, 0, 2)[None]
         tk, tv = (torch.from_numpy(x[:, :T])[None] for x in (k, v))
 
@@ -57,22 +62,26 @@ def main(argv=None) -> int:
                 return torch.nn.functional.scaled_dot_product_attention(
                     tq, tk, tv, is_causal=True, enable_gqa=True)
 
-        ours = np.asarray(fn(*args))
         ref = run_torch()[0].permute(1, 0, 2).numpy()
-        err = float(np.abs(ours - ref).max())
-        if err > 1e-3:
-            raise SystemExit(f"T={T}: jaxkv and torch differ by {err}")
-        times = dict(jaxkv=[], torch=[])
+        err = 0.0
+        for name, fn in fns.items():
+            err = max(err, float(np.abs(np.asarray(fn(*args)) - ref).max()))
+            if err > 1e-3:
+                raise SystemExit(f"T={T}: jaxkv {name} and torch differ by {err}")
+        times = {n: [] for n in (*fns, "torch")}
         for _ in range(a.runs):
-            t = time.perf_counter()
-            fn(*args).block_until_ready()
-            times["jaxkv"].append(time.perf_counter() - t)
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                fn(*args).block_until_ready()
+                times[name].append(time.perf_counter() - t)
             t = time.perf_counter()
             run_torch()
             times["torch"].append(time.perf_counter() - t)
-        j, t = (statistics.median(times[n]) * 1e3 for n in ("jaxkv", "torch"))
-        print(f"T={T}: jaxkv dense (block {bq}) {j:.1f} ms, torch sdpa {t:.1f} ms, "
-              f"ratio {t / j:.2f}x (max |diff| {err:.1e})", flush=True)
+        ms = {n: statistics.median(x) * 1e3 for n, x in times.items()}
+        print(f"T={T}: " + ", ".join(
+            f"jaxkv {n}{f' (block {bq})' if n == 'dense' else ''} {ms[n]:.1f} ms "
+            f"({ms['torch'] / ms[n]:.2f}x torch)" for n in fns)
+            + f", torch sdpa {ms['torch']:.1f} ms (max |diff| {err:.1e})", flush=True)
     return 0
 
 

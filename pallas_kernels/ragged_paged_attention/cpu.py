@@ -1,6 +1,10 @@
-"""Prefill attention on CPU as a native flash-attention kernel
-(`cpu_kernel.cc`, an XLA FFI custom call over MKL sgemm): the same
-contract and return values as `dense.dense_prefill`, for float32 pages.
+"""Ragged paged attention on CPU as a native flash-attention kernel
+(`cpu_kernel.cc`, XLA FFI custom calls over MKL sgemm), for float32 pages:
+`dense_prefill` has the contract and return values of `dense.dense_prefill`
+(rows of sequences with q_len > 1); `ragged_paged_attention` serves every
+live row, prefill chunks and decodes (q_len == 1) alike, in one call (the
+contract of `reference.ragged_paged_attention` without int8 pages and sink
+tokens).
 
 Why: the jnp dense path makes XLA pass over every score tile once per op;
 the kernel keeps each (query block x key chunk) tile in L2 between its two
@@ -11,6 +15,11 @@ torch's fused scaled_dot_product_attention): 1024 tokens 24-30 / 39-56 /
 23-32 ms, 4096 tokens 255-297 / 401-447 / 247-305 ms; 1.4-2x the jnp
 path, on par with torch. Single-threaded it runs the causal 4096-token
 layer's 19 GFLOP at ~100 GFLOP/s.
+
+Decodes: one task per (sequence, KV head) reads the keys of its window in
+place from the pages (dot products and P V updates vectorized over D, an
+online softmax per chunk of keys) in the same OpenMP region as the prefill
+tasks; no XLA loop over key chunks.
 
 Shapes: q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D] float32;
 kv_lens [S], block_tables [S, W], cu_q_lens [S + 1], num_seqs [] int32.
@@ -25,17 +34,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native
+from pallas_kernels.native import load, unavailable
 
 _NAME = "rpa_cpu"
 _SYMBOL = "rpa_dense_prefill"
+_RAGGED_SYMBOL = "rpa_ragged"
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered (False where native CPU
     kernels are off or cannot be built: `native.unavailable("rpa_cpu")`)."""
-    return native.load(_NAME, Path(__file__).with_name("cpu_kernel.cc"), (_SYMBOL,))
+    return load(_NAME, Path(__file__).with_name("cpu_kernel.cc"),
+                       (_SYMBOL, _RAGGED_SYMBOL))
+
+
+def takes(q, k_pages, k_scale=None, num_sink_tokens=0) -> bool:
+    """Whether this kernel serves a call: float32 queries and pages, no
+    int8 scales, no attention sinks, and the kernel built here."""
+    return (k_scale is None and not num_sink_tokens and q.dtype == jnp.float32
+            and k_pages.dtype == jnp.float32 and available())
 
 
 def served_rows(cu_q_lens, num_seqs, num_tokens):
@@ -46,6 +64,21 @@ def served_rows(cu_q_lens, num_seqs, num_tokens):
     return (seq_of_row < num_seqs) & (q_lens[jnp.minimum(seq_of_row, S - 1)] > 1)
 
 
+def _call(symbol, who, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+          sm_scale, sliding_window, soft_cap):
+    if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
+        raise ValueError(f"cpu.{who} takes float32 pages, got {k_pages.dtype}/"
+                         f"{v_pages.dtype} (int8 pages stay on dense.py)")
+    if not available():
+        raise RuntimeError(f"native CPU attention unavailable: {unavailable(_NAME)}")
+    T, H, D = q.shape
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return jax.ffi.ffi_call(f"jaxkv_{symbol}", jax.ShapeDtypeStruct((T, H, D), jnp.float32))(
+        jnp.asarray(q, jnp.float32), k_pages, v_pages, i32(kv_lens), i32(block_tables),
+        i32(cu_q_lens), i32(num_seqs).reshape(()), sm_scale=np.float32(sm_scale),
+        sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+
+
 def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                   sm_scale, sliding_window=None, soft_cap=None):
     """Attention of the rows of every sequence with q_len > 1 (causal, GQA,
@@ -54,16 +87,24 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
     block_tables [S, W]; cu_q_lens [S + 1]; num_seqs [] -> (out [T, H, D]
     float32, served [T] bool: the rows computed; every other row of out is
     zero). Requires `available()`."""
-    if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
-        raise ValueError(f"cpu.dense_prefill takes float32 pages, got {k_pages.dtype}/"
-                         f"{v_pages.dtype} (int8 pages stay on dense.py)")
-    if not available():
-        raise RuntimeError(f"native CPU attention unavailable: {native.unavailable(_NAME)}")
-    T, H, D = q.shape
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    cu_q_lens, num_seqs = i32(cu_q_lens), i32(num_seqs)
-    out = jax.ffi.ffi_call(f"jaxkv_{_SYMBOL}", jax.ShapeDtypeStruct((T, H, D), jnp.float32))(
-        jnp.asarray(q, jnp.float32), k_pages, v_pages, i32(kv_lens), i32(block_tables),
-        cu_q_lens, num_seqs.reshape(()), sm_scale=np.float32(sm_scale),
-        sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
-    return out, served_rows(cu_q_lens, num_seqs, T)
+    out = _call(_SYMBOL, "dense_prefill", q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    cu_q_lens, num_seqs = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
+    return out, served_rows(cu_q_lens, num_seqs, q.shape[0])
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                           sm_scale, sliding_window=None, soft_cap=None):
+    """Attention of every live row (causal, GQA, optional sliding window and
+    soft cap): sequences with q_len > 1 as in `dense_prefill`, and decodes
+    (q_len == 1: the query at position kv_len - 1 attends keys
+    [max(0, kv_len - sliding_window), kv_len)). q [T, H, D] (cast to
+    float32); k_pages, v_pages [KVH, P, page_size, D] float32; kv_lens [S];
+    block_tables [S, W]; cu_q_lens [S + 1]; num_seqs [] -> out [T, H, D]
+    float32. Rows of sequences with q_len 0 or index >= num_seqs, decodes
+    with kv_len 0 and padding rows are zero. No slot at or past kv_len, or
+    wholly before a row's window, is read (they may hold NaN). Requires
+    `available()`."""
+    return _call(_RAGGED_SYMBOL, "ragged_paged_attention", q, k_pages, v_pages, kv_lens,
+                 block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                 sliding_window=sliding_window, soft_cap=soft_cap)

@@ -1,12 +1,25 @@
-// Causal flash-attention prefill over a paged KV cache, float32, for CPU
-// (the dense prefill contract of dense.py / reference.py), as an XLA FFI
-// handler. One task = (sequence, block of BQ query rows, KV head):
-// the G = H / KVH query heads of that KV head are stacked into R = G * BQ
-// rows so one K/V tile serves all of them. Each task walks only the keys
-// its rows can see (from the oldest row's window start to the newest row),
-// in chunks of at most kKeyChunk keys; per chunk S = Q K^T and acc += P V
-// are MKL sgemms on tiles that stay in L2, the online softmax between them
-// is vectorized. Tasks run on OpenMP threads, MKL sequential inside each.
+// Causal flash attention over a paged KV cache, float32, for CPU (the
+// ragged paged attention contract of reference.py), as XLA FFI handlers:
+// `rpa_dense_prefill` serves the rows of sequences with q_len > 1 (dense.py's
+// dense prefill contract), `rpa_ragged` every live row.
+//
+// Prefill: one task = (sequence, block of BQ query rows, KV head): the G =
+// H / KVH query heads of that KV head are stacked into R = G * BQ rows so
+// one K/V tile serves all of them. Each task walks only the keys its rows
+// can see (from the oldest row's window start to the newest row), in chunks
+// of at most kKeyChunk keys; per chunk S = Q K^T and acc += P V are MKL
+// sgemms on tiles that stay in L2, the online softmax between them is
+// vectorized.
+//
+// Decode (q_len == 1, `rpa_ragged` only): one task = (sequence, KV head):
+// the G query heads against keys [max(0, kv_len - window), kv_len) read in
+// place from the pages (no gather), vectorized D-float dot products and
+// P V updates, the same online softmax per chunk of at most kKeyChunk keys.
+// No slot at or past kv_len, or before the window, is ever read.
+//
+// All tasks run in one OpenMP parallel region (dynamic schedule, costliest
+// first; as many threads as the estimated work warrants), MKL sequential
+// inside each.
 
 #include <algorithm>
 #include <cmath>
@@ -14,8 +27,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -33,6 +48,13 @@ namespace {
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 constexpr int kTargetRows = 192;  // R = G * BQ aimed at (BQ a multiple of 16)
 constexpr int kKeyChunk = 512;    // keys per online-softmax step (at most)
+// Threads: one per this much estimated work (ns single-threaded; a prefill
+// task runs at ~60 flop/ns in MKL, a decode at ~14, bound by reading K/V).
+// A small call (a batch-16 decode at ~100-token contexts is ~0.25 ms) runs on
+// the calling thread alone: the parallel region's join would wait for every
+// helper, and on a busy machine a descheduled helper costs a time slice.
+constexpr double kNsPerThread = 1.0e6;
+constexpr int kDecodeWeight = 4;  // a decode key costs ~4 prefill row-keys
 
 // e^x for x <= 88.3 (Cephes expf: reduction by ln 2, degree-6 polynomial,
 // exponent bits; ~1 ulp), written so GCC vectorizes the loops it is in.
@@ -56,8 +78,8 @@ inline float fast_exp(float x) {
 }
 
 struct Task {
-  int seq, row0, rows, pos0, kvh;
-  int64_t cost;
+  int seq, row0, rows, pos0, kvh;  // rows == 0: a decode (row row0, kv_len pos0 + 1)
+  int64_t cost;  // rows x keys (prefill), kDecodeWeight x keys (decode)
 };
 
 struct Dims {
@@ -135,10 +157,11 @@ void gather_keys(const float* pages, const int32_t* table, const Dims& d, int kv
 struct Scratch {
   Floats q, k, v, s, acc, m, l;
   int ld_s;
-  Scratch(int R, int C, int D)
-      : q(alloc_floats(size_t(R) * D)), k(alloc_floats(size_t(C) * D)),
-        v(alloc_floats(size_t(C) * D)), s(alloc_floats(size_t(R) * (C + 16))),
-        acc(alloc_floats(size_t(R) * D)), m(alloc_floats(R)), l(alloc_floats(R)), ld_s(C + 16) {}
+  // R rows, K/V tiles of C keys, score rows of SC keys.
+  Scratch(int R, int C, int D, int SC)
+      : q(alloc_floats(size_t(R) * D)), k(alloc_floats(size_t(std::max(C, 1)) * D)),
+        v(alloc_floats(size_t(std::max(C, 1)) * D)), s(alloc_floats(size_t(R) * (SC + 16))),
+        acc(alloc_floats(size_t(R) * D)), m(alloc_floats(R)), l(alloc_floats(R)), ld_s(SC + 16) {}
 };
 
 void run_task(const Task& t, const Dims& d, const float* q, const float* kp, const float* vp,
@@ -192,29 +215,145 @@ void run_task(const Task& t, const Dims& d, const float* q, const float* kp, con
     }
 }
 
-ffi::Error invalid(const char* msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
+typedef float v16 __attribute__((vector_size(64)));
 
-ffi::Error DensePrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                        ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
-                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                        ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
-                        float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+inline v16 load16(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline float hsum16(v16 x) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(x));
+#else
+  float r = 0.0f;
+  for (int k = 0; k < 16; ++k) r += x[k];
+  return r;
+#endif
+}
+
+// Walks the keys [k0, k1) of one sequence / KV head page by page, calling
+// f(first key index, pointer to its row in the pages, run length).
+template <typename F>
+inline void for_key_runs(const float* head, const int32_t* table, int ps, int D, int k0, int k1,
+                         F&& f) {
+  for (int p = k0; p < k1;) {
+    const int slot = p % ps;
+    const int run = std::min(ps - slot, k1 - p);
+    f(p, head + (static_cast<int64_t>(table[p / ps]) * ps + slot) * D, run);
+    p += run;
+  }
+}
+
+// One decode row (sequence t.seq's query at position kv_len - 1, row t.row0)
+// for KV head t.kvh: its G heads against the keys in the window, read in place.
+void run_decode(const Task& t, const Dims& d, const float* q, const float* kp, const float* vp,
+                const int32_t* tables, int C, float scale, int window, float cap, Scratch& w,
+                float* out) {
+  const int G = d.G, D = d.D;
+  const bool vec = D % 16 == 0;  // whole 16-float vectors per key row
+  const int64_t row_stride = int64_t(d.H) * D;
+  const int kv_len = t.pos0 + 1;
+  const int kstart = window > 0 ? std::max(0, kv_len - window) : 0;
+  float* qs = w.q.get();
+  float* acc = w.acc.get();
+  for (int g = 0; g < G; ++g) {
+    const float* src = q + t.row0 * row_stride + (t.kvh * G + g) * D;
+#pragma omp simd
+    for (int e = 0; e < D; ++e) qs[g * D + e] = src[e] * scale;
+  }
+  std::fill(acc, acc + size_t(G) * D, 0.0f);
+  std::fill(w.m.get(), w.m.get() + G, -INFINITY);
+  std::fill(w.l.get(), w.l.get() + G, 0.0f);
+  const int32_t* table = tables + int64_t(t.seq) * d.W;
+  const int64_t head_off = static_cast<int64_t>(t.kvh) * d.P * d.ps * D;
+  const float* kh = kp + head_off;
+  const float* vh = vp + head_off;
+  const int len = kv_len - kstart;
+  const int nch = (len + C - 1) / C, size = (len + nch - 1) / nch;
+  for (int k0 = kstart; k0 < kv_len; k0 += size) {
+    const int k1 = std::min(kv_len, k0 + size), n = k1 - k0;
+    // Scores s[g, c] = q_g . k_c.
+    for_key_runs(kh, table, d.ps, D, k0, k1, [&](int p, const float* k, int run) {
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qs + g * D;
+        float* sg = w.s.get() + int64_t(g) * w.ld_s + (p - k0);
+        if (vec) {
+          for (int c = 0; c < run; ++c) {
+            const float* kr = k + int64_t(c) * D;
+            v16 a = load16(qg) * load16(kr);
+            for (int j = 16; j < D; j += 16) a += load16(qg + j) * load16(kr + j);
+            sg[c] = hsum16(a);
+          }
+        } else {
+          for (int c = 0; c < run; ++c) {
+            const float* kr = k + int64_t(c) * D;
+            float dot = 0.0f;
+            for (int e = 0; e < D; ++e) dot += qg[e] * kr[e];
+            sg[c] = dot;
+          }
+        }
+      }
+    });
+    for (int g = 0; g < G; ++g)
+      softmax_row(w.s.get() + int64_t(g) * w.ld_s, n, 0, n, cap, w.m.get() + g, w.l.get() + g,
+                  acc + int64_t(g) * D, D);
+    // acc[g] += sum_c p[g, c] v_c, 16 lanes of acc[g] kept in a register
+    // across the page's keys.
+    for_key_runs(vh, table, d.ps, D, k0, k1, [&](int p, const float* v, int run) {
+      for (int g = 0; g < G; ++g) {
+        const float* pg = w.s.get() + int64_t(g) * w.ld_s + (p - k0);
+        float* ag = acc + int64_t(g) * D;
+        if (vec) {
+          for (int j = 0; j < D; j += 16) {
+            v16 a = load16(ag + j);
+            for (int c = 0; c < run; ++c) a += pg[c] * load16(v + int64_t(c) * D + j);
+            std::memcpy(ag + j, &a, sizeof(a));
+          }
+        } else {
+          for (int c = 0; c < run; ++c)
+            for (int e = 0; e < D; ++e) ag[e] += pg[c] * v[int64_t(c) * D + e];
+        }
+      }
+    });
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.0f / w.l.get()[g];
+    float* dst = out + t.row0 * row_stride + (t.kvh * G + g) * D;
+    const float* a = acc + int64_t(g) * D;
+#pragma omp simd
+    for (int e = 0; e < D; ++e) dst[e] = a[e] * inv;
+  }
+}
+
+ffi::Error invalid(const char* name, const char* msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(name) + ": " + msg);
+}
+
+// Rows of sequences with q_len > 1, and with `decodes` those with q_len == 1;
+// every other row of out is zero.
+ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
+                  ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
+                  ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                  int32_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions();
   auto bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || bd.size() != 2 ||
       kv_lens.dimensions().size() != 1 || cu_q_lens.dimensions().size() != 1 ||
       num_seqs.dimensions().size() != 0)
-    return invalid("rpa_dense_prefill: wrong ranks");
+    return invalid(name, "wrong ranks");
   Dims d{int(qd[0]), int(qd[1]), int(qd[2]), int(kd[0]), int(kd[1]), int(kd[2]),
          int(bd[0]), int(bd[1]), 0};
   if (kd[3] != d.D || !std::equal(kd.begin(), kd.end(), vd.begin()))
-    return invalid("rpa_dense_prefill: k_pages and v_pages must be [KVH, P, page_size, D]");
-  if (d.KVH <= 0 || d.H % d.KVH != 0) return invalid("rpa_dense_prefill: H % KVH != 0");
+    return invalid(name, "k_pages and v_pages must be [KVH, P, page_size, D]");
+  if (d.KVH <= 0 || d.H % d.KVH != 0) return invalid(name, "H % KVH != 0");
   if (kv_lens.dimensions()[0] != d.S || cu_q_lens.dimensions()[0] != d.S + 1)
-    return invalid("rpa_dense_prefill: kv_lens must be [S], cu_q_lens [S + 1]");
+    return invalid(name, "kv_lens must be [S], cu_q_lens [S + 1]");
   auto od = out->dimensions();
   if (!std::equal(od.begin(), od.end(), qd.begin(), qd.end()))
-    return invalid("rpa_dense_prefill: out must be [T, H, D]");
+    return invalid(name, "out must be [T, H, D]");
   d.G = d.H / d.KVH;
   const int32_t* kv = kv_lens.typed_data();
   const int32_t* cu = cu_q_lens.typed_data();
@@ -225,15 +364,24 @@ ffi::Error DensePrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
 
   std::vector<Task> tasks;
   std::vector<char> served(d.T, 0);
+  int num_decodes = 0;
   for (int s = 0; s < S; ++s) {
     const int q_len = cu[s + 1] - cu[s];
-    if (q_len <= 1) continue;
+    const bool decode = decodes && q_len == 1 && kv[s] > 0;  // kv_len 0: nothing to see
+    if (q_len <= 1 && !decode) continue;
     if (cu[s] < 0 || cu[s + 1] > d.T || q_len > kv[s] || kv[s] > int64_t(d.W) * d.ps)
-      return invalid("rpa_dense_prefill: cu_q_lens / kv_lens out of range");
+      return invalid(name, "cu_q_lens / kv_lens out of range");
     for (int j = 0; j < (kv[s] + d.ps - 1) / d.ps; ++j)
       if (bt[int64_t(s) * d.W + j] < 0 || bt[int64_t(s) * d.W + j] >= d.P)
-        return invalid("rpa_dense_prefill: block_tables entry out of range");
+        return invalid(name, "block_tables entry out of range");
     std::fill(served.begin() + cu[s], served.begin() + cu[s + 1], 1);
+    if (decode) {
+      const int keys = sliding_window > 0 ? std::min(kv[s], sliding_window) : kv[s];
+      for (int h = 0; h < d.KVH; ++h)
+        tasks.push_back({s, cu[s], 0, kv[s] - 1, h, int64_t(kDecodeWeight) * keys});
+      ++num_decodes;
+      continue;
+    }
     for (int b = 0; b < q_len; b += bq) {
       const int rows = std::min(bq, q_len - b), pos0 = kv[s] - q_len + b;
       const int kstart = sliding_window > 0 ? std::max(0, pos0 - sliding_window + 1) : 0;
@@ -241,6 +389,8 @@ ffi::Error DensePrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
         tasks.push_back({s, cu[s] + b, rows, pos0, h, int64_t(rows) * (pos0 + rows - kstart)});
     }
   }
+  double work_ns = 0.0;
+  for (const Task& t : tasks) work_ns += 4.0 * d.G * d.D * double(t.cost) / 60.0;
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
 
@@ -251,22 +401,64 @@ ffi::Error DensePrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
   const int num_tasks = int(tasks.size());
   if (num_tasks == 0) return ffi::Error::Success();
   const float cap = soft_cap > 0.0f ? soft_cap : 0.0f;
-#pragma omp parallel num_threads(std::min(omp_get_max_threads(), num_tasks))
+  const int threads = std::clamp(int(work_ns / kNsPerThread), 1,
+                                 std::max(1, std::min(omp_get_max_threads(), num_tasks)));
+#pragma omp parallel num_threads(threads)
   {
     const int prev = MKL_Set_Num_Threads_Local(1);
-    Scratch w(bq * d.G, C, d.D);
+    // Decodes need G rows of scratch and no K/V tiles.
+    const bool prefills = num_tasks > num_decodes * d.KVH;
+    Scratch w(prefills ? bq * d.G : d.G, prefills ? C : 0, d.D, C);
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < num_tasks; ++i)
-      run_task(tasks[i], d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt, C,
-               sm_scale, sliding_window, cap, w, o);
+    for (int i = 0; i < num_tasks; ++i) {
+      const Task& t = tasks[i];
+      if (t.rows == 0)
+        run_decode(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt, C,
+                   sm_scale, sliding_window, cap, w, o);
+      else
+        run_task(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt, C,
+                 sm_scale, sliding_window, cap, w, o);
+    }
     MKL_Set_Num_Threads_Local(prev);
   }
   return ffi::Error::Success();
 }
 
+ffi::Error DensePrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                        ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                        ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
+                        float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  return Attend("rpa_dense_prefill", false, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                num_seqs, sm_scale, sliding_window, soft_cap, out);
+}
+
+ffi::Error Ragged(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                  ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                  ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                  ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
+                  float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  return Attend("rpa_ragged", true, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                num_seqs, sm_scale, sliding_window, soft_cap, out);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(rpa_dense_prefill, DensePrefill,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages [KVH, P, ps, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs []
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, H, D]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(rpa_ragged, Ragged,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_pages [KVH, P, ps, D]

@@ -1,5 +1,5 @@
 """Pure-jnp ragged paged attention: the specification every kernel must match,
-and jaxkv's serving path on CPU.
+and jaxkv's CPU path where the native kernel (`cpu.py`) does not serve.
 
 Contract (shared by every backend)::
 
@@ -43,7 +43,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import cpu
+from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention as native_attention
+from pallas_kernels.ragged_paged_attention.cpu import takes as native_takes
 from pallas_kernels.ragged_paged_attention.dense import dense_block, dense_prefill, use_dense
 
 _MIN_PREFILL_BLOCK = 16
@@ -252,13 +253,6 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
     return out.at[rows].set(o, mode="drop")
 
 
-def _native_takes(q, k_pages, k_scale, num_sink_tokens) -> bool:
-    """Whether `cpu.py`'s kernel serves this case: float32 pages and
-    queries, no int8 scales, no sinks, and the kernel built here."""
-    return (k_scale is None and not num_sink_tokens and q.dtype == jnp.float32
-            and k_pages.dtype == jnp.float32 and cpu.available())
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "num_sink_tokens", "all_decode", "native_cpu"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
@@ -274,8 +268,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     `all_decode` (static): True traces only the decode path (every live
     q_len <= 1, the caller's promise), False only the blocked path, None
     both, picked at run time. `native_cpu` (static; the CPU "auto" backend
-    sets it): dense prefill blocks run as `cpu.py`'s MKL flash attention
-    where it takes the case (float32 pages, no sinks) and is built."""
+    sets it): the whole call runs as `cpu.py`'s native kernel where that
+    takes the case (float32, no int8 scales, no sinks) and is built."""
     T, H, D = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
@@ -293,20 +287,19 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         raise ValueError("num_sink_tokens needs a sliding_window")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("k_scale and v_scale must be given together")
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if native_cpu and native_takes(q, k_pages, k_scale, num_sink_tokens):
+        return native_attention(*args, sm_scale=sm_scale, soft_cap=soft_cap,
+                                sliding_window=sliding_window).astype(q.dtype)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale, num_sink_tokens=num_sink_tokens)
-    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
 
     def decode(args):
         return _decode_attention(*args, **kw)
 
     def prefill(args):
         if use_dense(T, S):  # long chunks: dense causal blocks, decodes apart
-            if native_cpu and _native_takes(q, k_pages, k_scale, num_sink_tokens):
-                out, served = cpu.dense_prefill(*args, sm_scale=sm_scale, soft_cap=soft_cap,
-                                                sliding_window=sliding_window)
-            else:
-                out, served = dense_prefill(*args, block_q=dense_block(T, S), **kw)
+            out, served = dense_prefill(*args, block_q=dense_block(T, S), **kw)
             q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
             dec = _decode_attention(q, k_pages, v_pages, jnp.where(q_lens == 1, kv_lens, 0),
                                     block_tables, cu_q_lens, num_seqs, **kw)

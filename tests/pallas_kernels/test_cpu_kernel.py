@@ -126,3 +126,122 @@ def test_int8_pages_are_refused():
     case["k_pages"] = case["k_pages"].astype(jnp.int8)
     with pytest.raises(ValueError):
         cpu.dense_prefill(**case, sm_scale=0.25)
+
+
+# ---- cpu.ragged_paged_attention: every live row, decodes included ----
+
+def _ragged_case(seed, q_lens, kv_lens, *, heads=6, kv_heads=2, page_size=8, head_dim=16,
+                 pad_tokens=5, pad_seqs=2, **kw):
+    rng = np.random.default_rng(seed)
+    return make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, page_size=page_size, pad_tokens=pad_tokens,
+                     pad_seqs=pad_seqs, **kw)
+
+
+def _ragged(case, **kw):
+    out = jax.jit(lambda c: cpu.ragged_paged_attention(**c, **kw))(
+        {k: jnp.asarray(v) for k, v in case.items()})
+    return np.asarray(out, np.float64)
+
+
+def _check_ragged(case, q_lens, **kw):
+    want = naive_attention(**case, **kw)
+    got = _ragged(case, **kw)
+    assert np.isfinite(got).all()
+    live = np.zeros(case["q"].shape[0], bool)
+    live[:sum(q_lens)] = np.repeat(np.asarray(q_lens) > 0, q_lens)
+    np.testing.assert_array_equal(got[~live], 0.0)  # padding rows
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def _decode_lens(n, page_size):
+    pool = [1, page_size - 1, page_size, page_size + 1, 700, 37]
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 7, 16])
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_ragged_all_decodes(n, page_size):
+    kv_lens = _decode_lens(n, page_size)
+    case = _ragged_case(n + page_size, [1] * n, kv_lens, page_size=page_size)
+    _check_ragged(case, [1] * n, sm_scale=0.25)
+
+
+RAGGED_MIXES = [
+    # (q_lens, kv_lens)
+    ([150, 1, 70, 1, 0], [150, 300, 333, 17, 5]),  # prompt, decodes, chunk, a q_len 0 sequence
+    ([1, 0, 1, 65, 1], [9, 0, 700, 129, 1]),  # decodes around a chunk, kv_len 1, q_len 0
+    ([2, 1, 1, 1], [2, 16, 15, 17]),  # two-row chunk, decodes at page edges
+]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", RAGGED_MIXES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_ragged_mixes(q_lens, kv_lens, heads, kv_heads):
+    case = _ragged_case(len(q_lens) + heads, q_lens, kv_lens, heads=heads, kv_heads=kv_heads)
+    _check_ragged(case, q_lens, sm_scale=0.25)
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(16, 64), (16, 128), (8, 64), (8, 40)])
+def test_ragged_page_sizes_and_head_dims(page_size, head_dim):
+    """40 is no multiple of 16: the decode path's scalar loops."""
+    q_lens, kv_lens = [1, 40, 1, 1], [1100, 40, page_size + 1, 3]
+    case = _ragged_case(page_size + head_dim, q_lens, kv_lens, heads=9, kv_heads=3,
+                        page_size=page_size, head_dim=head_dim)
+    _check_ragged(case, q_lens, sm_scale=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("window,cap", [(7, None), (40, None), (None, 3.0), (100, 2.0)])
+def test_ragged_windows_and_soft_caps(window, cap):
+    """Pages wholly behind every row's window go back to the NaN trash page."""
+    q_lens, kv_lens = [1, 60, 1, 1, 1], [900, 90, 400, 5, 33]
+    case = _ragged_case(5, q_lens, kv_lens, page_size=16)
+    kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=cap)
+    want = naive_attention(**case, **kw)
+    if window is not None:
+        case["k_pages"][:, 0] = np.nan
+        case["v_pages"][:, 0] = np.nan
+        for s, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+            for j in range(case["block_tables"].shape[1]):
+                if (j + 1) * 16 <= kv - q - window + 1:
+                    case["block_tables"][s, j] = 0
+    got = _ragged(case, **kw)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[sum(q_lens):], 0.0)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_ragged_dead_sequences_are_zero():
+    """Sequences at or past num_seqs, and decodes with kv_len 0, leave zeros."""
+    case = _ragged_case(1, [1, 1, 30], [10, 20, 30])
+    case["num_seqs"] = np.int32(1)
+    got = _ragged(case, sm_scale=0.25)
+    want = naive_attention(**case, sm_scale=0.25)
+    assert (got[1:] == 0).all() and (got[0] != 0).any()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    case["num_seqs"] = np.int32(0)
+    assert (_ragged(case, sm_scale=0.25) == 0).all()
+    case = _ragged_case(2, [1, 1], [5, 20])
+    case["kv_lens"][0] = 0
+    case["k_pages"][:, case["block_tables"][0, 0]] = np.nan
+    case["v_pages"][:, case["block_tables"][0, 0]] = np.nan
+    got = _ragged(case, sm_scale=0.25)
+    assert (got[0] == 0).all() and np.isfinite(got).all()
+    np.testing.assert_allclose(got, naive_attention(**case, sm_scale=0.25), atol=2e-5, rtol=2e-5)
+
+
+def test_ragged_prefill_rows_equal_dense_prefill():
+    q_lens, kv_lens = MIXES[0]
+    args = {k: jnp.asarray(v) for k, v in _case(0, q_lens, kv_lens).items()}
+    got = np.asarray(cpu.ragged_paged_attention(**args, sm_scale=0.25))
+    want, served = cpu.dense_prefill(**args, sm_scale=0.25)
+    served = np.asarray(served)
+    np.testing.assert_array_equal(got[served], np.asarray(want)[served])
+    assert (got[~served][:sum(q_lens)] != 0).any()  # the decode rows are served too
+
+
+def test_ragged_int8_pages_are_refused():
+    case = {k: jnp.asarray(v) for k, v in _ragged_case(2, [1], [40]).items()}
+    case["k_pages"] = case["k_pages"].astype(jnp.int8)
+    with pytest.raises(ValueError):
+        cpu.ragged_paged_attention(**case, sm_scale=0.25)

@@ -60,14 +60,24 @@ def _has_pallas_call(fn, args):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu",
                     reason="the CPU default is checked on a host whose JAX backend is the CPU")
-def test_cpu_default_is_the_reference():
+def test_cpu_default_is_the_reference_with_the_native_kernel():
+    """"auto" on CPU: no Pallas; the native kernel where it is built (the
+    reference's result within f32 tolerance), the pure reference otherwise;
+    backend="reference" is always the pure jnp spec."""
+    from pallas_kernels.ragged_paged_attention import cpu
+
     case, args, kw = _case()
     entry = lambda **a: pallas_kernels.ragged_paged_attention(**a, **kw)
     assert not _has_pallas_call(entry, args)
     assert _has_pallas_call(
         lambda **a: pallas_kernels.ragged_paged_attention(**a, **kw, backend="pallas"), args)
-    np.testing.assert_array_equal(np.asarray(entry(**args)),
-                                  np.asarray(reference.ragged_paged_attention(**args, **kw)))
+    jaxpr = lambda fn: str(jax.make_jaxpr(lambda a: fn(**a))(args))
+    assert ("jaxkv_rpa_ragged" in jaxpr(entry)) == cpu.available()
+    pure = lambda **a: pallas_kernels.ragged_paged_attention(**a, **kw, backend="reference")
+    assert "jaxkv_rpa_ragged" not in jaxpr(pure)
+    want = np.asarray(reference.ragged_paged_attention(**args, **kw))
+    np.testing.assert_array_equal(np.asarray(pure(**args)), want)
+    np.testing.assert_allclose(np.asarray(entry(**args)), want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
