@@ -424,50 +424,35 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
-ffi::Error DensePrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                        ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
-                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                        ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
-                        float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
-  return Attend("rpa_dense_prefill", false, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                num_seqs, sm_scale, sliding_window, soft_cap, out);
-}
-
-ffi::Error Ragged(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                  ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
-                  ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                  ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
-                  float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
-  return Attend("rpa_ragged", true, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                num_seqs, sm_scale, sliding_window, soft_cap, out);
+// The two FFI handlers: rpa_dense_prefill (rows of sequences with q_len > 1
+// only; the rest stay zero) and rpa_ragged (every live row, decodes too).
+template <bool kDecodes>
+ffi::Error Handler(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                   ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                   ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
+                   float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  return Attend(kDecodes ? "rpa_ragged" : "rpa_dense_prefill", kDecodes, q, k_pages, v_pages,
+                kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
+                out);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(rpa_dense_prefill, DensePrefill,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages [KVH, P, ps, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs []
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, H, D]
+// Both handlers take the same arguments and attributes.
+#define JAXKV_RPA_BINDING                                                              \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Buffer<ffi::F32>>() /* q [T, H, D] */                                  \
+      .Arg<ffi::Buffer<ffi::F32>>() /* k_pages [KVH, P, page_size, D] */               \
+      .Arg<ffi::Buffer<ffi::F32>>() /* v_pages */                                      \
+      .Arg<ffi::Buffer<ffi::S32>>() /* kv_lens [S] */                                  \
+      .Arg<ffi::Buffer<ffi::S32>>() /* block_tables [S, W] */                          \
+      .Arg<ffi::Buffer<ffi::S32>>() /* cu_q_lens [S + 1] */                            \
+      .Arg<ffi::Buffer<ffi::S32>>() /* num_seqs [] */                                  \
+      .Attr<float>("sm_scale")                                                         \
+      .Attr<int32_t>("sliding_window")                                                 \
+      .Attr<float>("soft_cap")                                                         \
+      .Ret<ffi::Buffer<ffi::F32>>() /* out [T, H, D] */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(rpa_ragged, Ragged,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages [KVH, P, ps, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs []
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, H, D]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(rpa_dense_prefill, Handler<false>, JAXKV_RPA_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(rpa_ragged, Handler<true>, JAXKV_RPA_BINDING);

@@ -11,19 +11,21 @@ import pytest
 from pallas_kernels import native
 from pallas_kernels.ragged_paged_attention import cpu, dense
 from tests.pallas_kernels.rpa_cases import make_case, naive_attention
+from tests.pallas_kernels.test_dense import T_STEP, _case
 
 if not cpu.available():
     pytest.skip(f"native CPU attention unavailable: {native.unavailable('rpa_cpu')}",
                 allow_module_level=True)
 
-T_STEP, S_STEP = 384, 6
-
-
-def _case(seed, q_lens, kv_lens, *, heads=6, kv_heads=2, page_size=8, head_dim=16, **kw):
-    rng = np.random.default_rng(seed)
-    return make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=head_dim, page_size=page_size, pad_tokens=T_STEP - sum(q_lens),
-                     pad_seqs=S_STEP - len(q_lens), **kw)
+def _release_behind_window(case, q_lens, kv_lens, window, page_size):
+    """Point every page wholly behind all of a sequence's windows at the
+    trash page 0, filled with NaN, as the engine hands such pages back."""
+    case["k_pages"][:, 0] = np.nan
+    case["v_pages"][:, 0] = np.nan
+    for s, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        for j in range(case["block_tables"].shape[1]):
+            if (j + 1) * page_size <= kv - q - window + 1:
+                case["block_tables"][s, j] = 0
 
 
 def _run(case, **kw):
@@ -82,12 +84,7 @@ def test_windows_and_soft_caps(window, cap):
     kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=cap)
     want = naive_attention(**case, **kw)
     if window is not None:
-        case["k_pages"][:, 0] = np.nan
-        case["v_pages"][:, 0] = np.nan
-        for s, (q, kv) in enumerate(zip(q_lens, kv_lens)):
-            for j in range(case["block_tables"].shape[1]):
-                if (j + 1) * 16 <= kv - q - window + 1:
-                    case["block_tables"][s, j] = 0
+        _release_behind_window(case, q_lens, kv_lens, window, 16)
     got, served = _run(case, **kw)
     want[~served] = 0.0
     assert np.isfinite(got).all()
@@ -199,12 +196,7 @@ def test_ragged_windows_and_soft_caps(window, cap):
     kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=cap)
     want = naive_attention(**case, **kw)
     if window is not None:
-        case["k_pages"][:, 0] = np.nan
-        case["v_pages"][:, 0] = np.nan
-        for s, (q, kv) in enumerate(zip(q_lens, kv_lens)):
-            for j in range(case["block_tables"].shape[1]):
-                if (j + 1) * 16 <= kv - q - window + 1:
-                    case["block_tables"][s, j] = 0
+        _release_behind_window(case, q_lens, kv_lens, window, 16)
     got = _ragged(case, **kw)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got[sum(q_lens):], 0.0)
