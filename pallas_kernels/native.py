@@ -5,8 +5,8 @@ Why native code on CPU: XLA's CPU GEMMs (YNNPACK) run SmolLM2's prefill
 matmuls at ~145 GFLOP/s on a 2-core Xeon where MKL's sgemm, the library
 torch uses, runs them at ~190; and a flash attention that keeps each score
 tile in L2 cannot be spelled in jnp (every XLA op makes a pass over the
-whole tile). So on CPU the large matmuls and the prefill attention call
-MKL through `jax.ffi`, like any other XLA custom call: no Python on the
+whole tile). So on CPU the large matmuls and the ragged paged attention
+call native code through `jax.ffi`, like any other XLA custom call: no Python on the
 hot path, no copies, one program per shape bucket as before.
 
 `load(name, source, symbols)` compiles `source` with the system C++

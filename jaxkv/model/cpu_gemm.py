@@ -15,8 +15,8 @@ SmolLM2's 120 projection matmuls (30 layers, fused QKV and gate/up) on a
 Used only where it pays and is safe: the step is compiled for the CPU
 (not lowered for a TPU or GPU), the model runs on one device (a custom call
 has no sharding rule for GSPMD to split), weights and activations are
-float32, and the step has at least `MIN_ROWS` rows (decode steps keep
-XLA's dots, which read the weights as fast). Otherwise, or where MKL or a
+float32, and the step has at least `MIN_ROWS` rows (smaller steps keep
+XLA's dots: at 1-16 rows both read the weights at the same speed). Otherwise, or where MKL or a
 compiler is missing (`pallas_kernels.native`), XLA's dot runs.
 """
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.native import load, unavailable
+from pallas_kernels.ragged_paged_attention.dense import served_rows
 
 _NAME = "rpa_cpu"
 _SYMBOL = "rpa_dense_prefill"
@@ -56,19 +57,11 @@ def takes(q, k_pages, k_scale=None, num_sink_tokens=0) -> bool:
             and k_pages.dtype == jnp.float32 and available())
 
 
-def served_rows(cu_q_lens, num_seqs, num_tokens):
-    """[T] bool: the rows of live sequences with q_len > 1."""
-    S = cu_q_lens.shape[0] - 1
-    q_lens = jnp.where(jnp.arange(S) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    seq_of_row = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens), side="right")
-    return (seq_of_row < num_seqs) & (q_lens[jnp.minimum(seq_of_row, S - 1)] > 1)
-
-
 def _call(symbol, who, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
           sm_scale, sliding_window, soft_cap):
     if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
         raise ValueError(f"cpu.{who} takes float32 pages, got {k_pages.dtype}/"
-                         f"{v_pages.dtype} (int8 pages stay on dense.py)")
+                         f"{v_pages.dtype} (int8 pages stay on the jnp reference)")
     if not available():
         raise RuntimeError(f"native CPU attention unavailable: {unavailable(_NAME)}")
     T, H, D = q.shape

@@ -49,6 +49,14 @@ def dense_block(num_tokens: int, num_seqs: int) -> int:
     return b
 
 
+def served_rows(cu_q_lens, num_seqs, num_tokens):
+    """[T] bool: the rows of live sequences with q_len > 1 (this path's)."""
+    S = cu_q_lens.shape[0] - 1
+    q_lens = jnp.where(jnp.arange(S) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    seq_of_row = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens), side="right")
+    return (seq_of_row < num_seqs) & (q_lens[jnp.minimum(seq_of_row, S - 1)] > 1)
+
+
 def _chunk(k_pages, v_pages, k_scale, v_scale, table, j, chunk_pages):
     """K and V [KVH, C, D] float32 of key chunk j of one sequence's block
     table [W'] (padded to whole chunks), dequantized when int8."""
@@ -81,8 +89,7 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
     q_lens = jnp.where(jnp.arange(S) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     blocks = jnp.where(q_lens > 1, (q_lens + bq - 1) // bq, 0)  # [S]
     block_end = jnp.cumsum(blocks)
-    seq_of_row = jnp.searchsorted(cu_q_lens[1:], jnp.arange(T), side="right")  # [T]
-    served = (seq_of_row < num_seqs) & (q_lens[jnp.minimum(seq_of_row, S - 1)] > 1)
+    served = served_rows(cu_q_lens, num_seqs, T)
 
     # Key chunks of whole pages (at least one), by default block_q keys
     # within [256, 512]: long enough for a fast product, short enough that
