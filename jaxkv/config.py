@@ -95,11 +95,6 @@ class ModelConfig:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"bos/eos token id {tok} outside vocab_size {self.vocab_size}")
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (H // KVH)."""
-        return self.num_heads // self.num_kv_heads
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
@@ -182,6 +177,8 @@ class EngineConfig:
               "generation runs past the pool with bounded memory", choices=("streaming",))
     streaming_window: int = _opt(1024, "recent tokens kept by streaming eviction")
     num_sink_tokens: int = _opt(4, "first tokens kept by streaming eviction")
+    program_cache: bool = _opt(True, "keep compiled step programs in $JAXKV_CACHE/programs "
+                                     "for later starts (no tracing, no compiling)")
     warmup: bool = _opt(True, "compile every step program at engine start (else each "
                               "compiles on first use)")
     seed: int = _opt(0, "base seed of the engine's sampler")

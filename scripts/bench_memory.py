@@ -95,7 +95,7 @@ def simulate(requests: list[Request], bm: BlockManager, max_num_seqs: int) -> di
         out = sched.schedule()
         running = sched.running
         if running:
-            slots = [bm.num_tokens(s.request_id) for s in running]
+            slots = [bm.num_reserved(s.request_id) for s in running]
             # Pages the block tables list beyond the pages held: sharing.
             saved = sum(len(bm.block_table(s.request_id)) for s in running) - bm.num_used_pages
             # Shared pages are full prefix pages: each extra holder counts

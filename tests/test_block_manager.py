@@ -88,9 +88,9 @@ def test_lazy_growth_page_by_page():
     assert bm.append_slots("a", 1) == []  # position 3 fills page 0
     assert len(bm.block_table("a")) == 1
     bm.append_slots("a", 1)  # position 4 opens page 1
-    assert len(bm.block_table("a")) == 2 and bm.num_tokens("a") == 5
+    assert len(bm.block_table("a")) == 2 and bm.num_reserved("a") == 5
     bm.append_slots("a", 6)  # up to position 10: three pages
-    assert len(bm.block_table("a")) == 3 and bm.num_tokens("a") == 11
+    assert len(bm.block_table("a")) == 3 and bm.num_reserved("a") == 11
     assert len(set(bm.block_table("a"))) == 3
 
 
@@ -99,10 +99,10 @@ def test_out_of_pages_leaves_state_unchanged():
     bm.allocate("a", [1] * (2 * PS))
     bm.allocate("b", [2] * PS)
     assert not bm.can_append_slots("a", 1)
-    before = (bm.block_table("a"), bm.num_tokens("a"), bm.num_free_pages)
+    before = (bm.block_table("a"), bm.num_reserved("a"), bm.num_free_pages)
     with pytest.raises(OutOfPages):
         bm.append_slots("a", 1)
-    assert (bm.block_table("a"), bm.num_tokens("a"), bm.num_free_pages) == before
+    assert (bm.block_table("a"), bm.num_reserved("a"), bm.num_free_pages) == before
 
 
 def test_prefix_hit_reuses_pages_and_reports_cached_tokens():
@@ -515,7 +515,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def sequences_match_model(self):
         for sid, s in self.seqs.items():
-            assert self.bm.num_tokens(sid) == s.slots
+            assert self.bm.num_reserved(sid) == s.slots
             assert self.bm.num_computed_tokens(sid) == s.computed
             table = self.bm.block_table(sid)
             assert len(table) == -(-s.slots // SPS)

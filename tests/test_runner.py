@@ -1,18 +1,14 @@
 """The compiled step: cache updated in place, one compile per program."""
 
-import types
-
 import numpy as np
 
 from jaxkv.config import CacheConfig, ModelConfig
-from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
 from jaxkv.model.llama import Llama
 from jaxkv.worker.runner import Runner
 from jaxkv.worker.buckets import Buckets, ProgramKey
-from jaxkv.worker.step_batch import build_step_batch
-from jaxkv.worker.stop import StopRule
+from jaxkv.worker.scoring import plan_for
 from tests.compile_count import count_compiles
 
 CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=64, intermediate_size=128,
@@ -20,20 +16,11 @@ CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=64, intermed
                   max_position_embeddings=512)
 
 
-def scheduled(tokens, start, table, params=SamplingParams(temperature=0.0)):
-    """A stand-in for the scheduler's ScheduledSeq: `tokens` from `start` on."""
-    seq = types.SimpleNamespace(all_token_ids=[0] * start + list(tokens), output_token_ids=[],
-                                prompt_token_ids=[0] * start + list(tokens), params=params,
-                                seed=0, stop=StopRule((), 0, 100), num_tokens=start + len(tokens),
-                                ahead=0)
-    return types.SimpleNamespace(seq=seq, start=start, num_tokens=len(tokens), block_table=table,
-                                 prev_row=-1)
-
-
 def test_step_updates_cache_in_place():
     runner = Runner(Llama.random_init(CFG), create_cache(CFG, CacheConfig(num_pages=2048, page_size=16)),
                     Buckets.make(8, 64, 32, 512), AttentionSpec())
-    batch, key = build_step_batch([scheduled([1, 2, 3], 0, [1])], 1, 16, runner.buckets)
+    plan = plan_for([([1, 2, 3], 0, [1])])
+    key = runner.key_for(plan)
     compiled = runner.lower(key).compile()
     ma = compiled.memory_analysis()
     cache_bytes = runner.cache.nbytes()
@@ -44,7 +31,7 @@ def test_step_updates_cache_in_place():
     assert ma.temp_size_in_bytes < cache_bytes / 6, (ma.temp_size_in_bytes, cache_bytes)
     # And the donated buffers are really consumed.
     old = runner.cache.k[0]
-    runner.step(batch, key, 1)
+    runner.step(plan)
     assert old.is_deleted()
 
 
@@ -71,8 +58,8 @@ def _fifty_steps(runner, buckets, rng, keys):
             q = int(rng.integers(2, 4))
             if lens[i] + q > 40:
                 lens[i] = 0
-            seqs.append(scheduled(list(rng.integers(0, 101, q)), lens[i], tables[i]))
+            seqs.append((list(rng.integers(0, 101, q)), lens[i], tables[i]))
             lens[i] += q
-        batch, key = build_step_batch(seqs, 1, 8, buckets)
-        keys.add(key)
-        runner.step(batch, key, n)
+        plan = plan_for(seqs)
+        keys.add(runner.key_for(plan))
+        runner.step(plan)

@@ -23,13 +23,13 @@ def run(sched, out, sampled=7):
     sampled token to every sequence whose chunk completes."""
     for sc in out.scheduled:
         s = sched.bm
-        s.mark_computed(sc.seq.request_id, sc.seq.all_token_ids, sc.start + sc.num_tokens)
+        s.mark_computed(sc.seq.request_id, sc.seq.all_token_ids, sc.start + sc.num_rows)
         if sc.completes:
-            sc.seq.output_token_ids.append(sampled)
+            sc.seq.append_token(sampled)
 
 
 def rows(out):
-    return [(sc.seq.request_id, sc.start, sc.num_tokens) for sc in out.scheduled]
+    return [(sc.seq.request_id, sc.start, sc.num_rows) for sc in out.scheduled]
 
 
 def test_budget_chunks_prompts_and_decodes_go_first():
@@ -47,7 +47,7 @@ def test_budget_chunks_prompts_and_decodes_go_first():
     assert rows(out) == [("a", 6, 1), ("b", 4, 5), ("c", 0, 3)]
     assert [sc.completes for sc in out.scheduled] == [True, True, True]
     for sc in out.scheduled:
-        assert len(sc.block_table) == -(-(sc.start + sc.num_tokens) // PS)
+        assert len(sched.bm.block_table(sc.seq.request_id)) == -(-(sc.start + sc.num_rows) // PS)
 
 
 def test_sequence_cap_and_first_come_first_served():
@@ -88,7 +88,7 @@ def test_multi_step_decode_only_when_nothing_else_can_run():
     out = sched.schedule()
     assert out.num_steps == 8 and rows(out) == [("a", 5, 1), ("b", 5, 1)]
     # Pages reserved ahead: a may still make 5 tokens (6 - 1), b 8 (the cap).
-    assert sched.bm.num_tokens("a") == 5 + 5 and sched.bm.num_tokens("b") == 5 + 8
+    assert sched.bm.num_reserved("a") == 5 + 5 and sched.bm.num_reserved("b") == 5 + 8
     # A waiting request that could be admitted means one step at a time.
     sched = Scheduler(BlockManager(64, PS), max_num_seqs=4, max_num_batched_tokens=64,
                       max_num_steps=8)

@@ -294,7 +294,7 @@ def test_server_metrics_export_the_speculative_counters():
     stats = SpecStats(steps=3, drafts=5, proposed=17, accepted=9)
     eng = NS(scheduler=NS(running=[], waiting=[], num_preemptions=0),
              bm=NS(num_used_pages=0, num_pages=9, prefix_query_tokens=0, prefix_hit_tokens=0),
-             spec_stats=stats)
+             spec=NS(stats=stats))
     m.refresh(eng)
     stats.proposed, stats.accepted = 20, 11
     m.refresh(eng)  # counters move by the difference

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from jaxkv.core.page_pool import ROOT_HASH, TRASH_PAGE, PagePool, hash_page  # noqa: F401
+from jaxkv.core.progress import Progress
 
 
 class OutOfPages(RuntimeError):
@@ -51,33 +52,22 @@ class UnknownSequenceError(LookupError):
     (a double free)."""
 
 
-class _SeqPages:
-    """Per-sequence page state. ``pages`` is the block table and always holds
-    exactly ceil(num_tokens / page_size) pages; ``hashes[i]`` is the chain hash
-    of full computed page i (only kept when prefix caching is on)."""
-
-    __slots__ = ("pages", "num_tokens", "num_computed", "hashes", "root")
-
-    def __init__(self, pages: list[int], num_tokens: int, num_computed: int,
-                 hashes: list[bytes], root: bytes = ROOT_HASH):
-        self.pages = pages
-        self.num_tokens = num_tokens
-        self.num_computed = num_computed
-        self.hashes = hashes
-        self.root = root  # parent hash of page 0 (see page_pool.salted_root)
-
-
 class BlockManager(PagePool):
     """Page pool of ``num_pages`` pages (page 0 reserved) of ``page_size``
     token slots each; see the module docstring for the calling protocol.
 
     ``enable_prefix_caching=False`` turns off hashing and reuse; everything
     else behaves the same (freed pages go straight back to the free list).
+    Each admitted sequence has one `Progress` record (its pages and counts,
+    `progress(seq_id)`); ``pages_per_seq`` sizes its block table row (it
+    grows past that if a sequence does).
     """
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 pages_per_seq: int | None = None):
         super().__init__(num_pages, page_size, enable_prefix_caching)
-        self._seqs: dict[Hashable, _SeqPages] = {}
+        self.pages_per_seq = pages_per_seq or num_pages - 1
+        self._seqs: dict[Hashable, Progress] = {}
         # Cumulative counters for metrics and tests.
         self.prefix_query_tokens = 0  # prompt tokens of successful allocate calls
         self.prefix_hit_pages = 0  # pages reused from the cache by allocate
@@ -93,15 +83,19 @@ class BlockManager(PagePool):
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 
+    def progress(self, seq_id: Hashable) -> Progress:
+        """The sequence's record (its block table row and counts; not a copy)."""
+        return self._seq(seq_id)
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The sequence's pages in position order (a copy): token at position
         ``pos`` lives in page ``table[pos // page_size]``."""
-        return list(self._seq(seq_id).pages)
+        return self._seq(seq_id).page_list()
 
-    def num_tokens(self, seq_id: Hashable) -> int:
-        """Token slots reserved for the sequence (its K/V length after the
+    def num_reserved(self, seq_id: Hashable) -> int:
+        """K/V slots reserved for the sequence (its K/V length after the
         next step)."""
-        return self._seq(seq_id).num_tokens
+        return self._seq(seq_id).num_reserved
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
         """Tokens whose K/V is written, as last reported by ``mark_computed``
@@ -128,12 +122,13 @@ class BlockManager(PagePool):
         hit_pages = self._lookup_prefix(token_ids, root)[0] if token_ids is not None else []
         return self._allocate_plan(num_tokens, hit_pages)[1]
 
-    def _append_plan(self, s: _SeqPages, num_new_tokens: int) -> tuple[int, bool]:
+    def _append_plan(self, s: Progress, num_new_tokens: int) -> tuple[int, bool]:
         """(new pages needed for growth, whether a copy-on-write is needed)."""
         if num_new_tokens <= 0:
             return 0, False
-        need = self._pages_for(s.num_tokens + num_new_tokens) - len(s.pages)
-        cow = s.num_tokens % self.page_size != 0 and self._refcount[s.pages[-1]] > 1
+        need = self._pages_for(s.num_reserved + num_new_tokens) - s.num_pages
+        cow = (s.num_reserved % self.page_size != 0
+               and self._refcount[int(s.pages[s.num_pages - 1])] > 1)
         return need, cow
 
     def can_append_slots(self, seq_id: Hashable, num_new_tokens: int) -> bool:
@@ -144,7 +139,7 @@ class BlockManager(PagePool):
     # ---------------------------------------------------------------- mutations
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
-                 num_tokens: int | None = None, root: bytes = ROOT_HASH,
+                 num_reserved: int | None = None, root: bytes = ROOT_HASH,
                  cache_hits: bool = True) -> int:
         """Admit a new sequence with prompt ``token_ids``; return how many
         prompt tokens are already cached (their K/V is shared, skip them in
@@ -152,7 +147,7 @@ class BlockManager(PagePool):
         than ``len(token_ids)``, so at least the last prompt token is run and
         yields logits.
 
-        Reserves ``num_tokens`` slots (default: the whole prompt; pass less to
+        Reserves ``num_reserved`` slots (default: the whole prompt; pass less to
         prefill in chunks and grow with ``append_slots``), never fewer than
         the cached tokens. Raises ``OutOfPages`` (nothing changed) when the
         pool cannot hold them, ``ValueError`` if ``seq_id`` is already live.
@@ -161,23 +156,24 @@ class BlockManager(PagePool):
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if len(token_ids) == 0:
             raise ValueError("token_ids: a prompt needs at least one token")
-        if num_tokens is None:
-            num_tokens = len(token_ids)
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens: must be non-negative, got {num_tokens}")
+        if num_reserved is None:
+            num_reserved = len(token_ids)
+        if num_reserved < 0:
+            raise ValueError(f"num_reserved: must be non-negative, got {num_reserved}")
         hit_pages, hit_hashes = self._lookup_prefix(token_ids, root) if cache_hits else ([], [])
         cached = len(hit_pages) * self.page_size
-        num_tokens = max(num_tokens, cached)
-        need, ok = self._allocate_plan(num_tokens, hit_pages)
+        num_reserved = max(num_reserved, cached)
+        need, ok = self._allocate_plan(num_reserved, hit_pages)
         if not ok:
             raise OutOfPages(
-                f"sequence {seq_id!r} needs {need} new pages for {num_tokens} slots "
+                f"sequence {seq_id!r} needs {need} new pages for {num_reserved} slots "
                 f"({len(hit_pages)} cached), {self.num_free_pages} free or evictable"
             )
         for p in hit_pages:
             self._hold(p)
         pages = hit_pages + [self._take_page() for _ in range(need)]
-        self._seqs[seq_id] = _SeqPages(pages, num_tokens, cached, hit_hashes, root)
+        self._seqs[seq_id] = Progress(pages, num_reserved, cached, hit_hashes, root,
+                                      self.pages_per_seq)
         self.prefix_query_tokens += len(token_ids)
         self.prefix_hit_pages += len(hit_pages)
         self.prefix_hit_tokens += cached
@@ -204,13 +200,14 @@ class BlockManager(PagePool):
             )
         copies = []
         if cow:
-            src = s.pages[-1]
+            src = int(s.pages[s.num_pages - 1])
             dst = self._take_page()
             self._refcount[src] -= 1  # stays >= 1: another sequence holds it
-            s.pages[-1] = dst
+            s.pages[s.num_pages - 1] = dst
             copies.append((src, dst))
-        s.pages.extend(self._take_page() for _ in range(need))
-        s.num_tokens += num_new_tokens
+        if need:
+            s.add_pages([self._take_page() for _ in range(need)])
+        s.num_reserved += num_new_tokens
         return copies
 
     def mark_computed(self, seq_id: Hashable, token_ids: Sequence[int],
@@ -222,14 +219,14 @@ class BlockManager(PagePool):
         Each newly full page is hashed and registered in the prefix cache, so
         later prompts can reuse it. If another page already caches the same
         prefix, this one stays private. ``ValueError`` on counts outside
-        ``[num_computed_tokens(seq_id), num_tokens(seq_id)]`` or tokens that
+        ``[num_computed_tokens(seq_id), num_reserved(seq_id)]`` or tokens that
         disagree with a page's cached hash.
         """
         s = self._seq(seq_id)
-        if not s.num_computed <= num_computed_tokens <= s.num_tokens:
+        if not s.num_computed <= num_computed_tokens <= s.num_reserved:
             raise ValueError(
                 f"num_computed_tokens {num_computed_tokens} outside "
-                f"[{s.num_computed}, {s.num_tokens}] for sequence {seq_id!r}"
+                f"[{s.num_computed}, {s.num_reserved}] for sequence {seq_id!r}"
             )
         if len(token_ids) < num_computed_tokens:
             raise ValueError(f"only {len(token_ids)} token ids for {num_computed_tokens} computed tokens")
@@ -240,7 +237,7 @@ class BlockManager(PagePool):
                 h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
                 # Pages past s.hashes are this sequence's own (prefix hits and
                 # fork-shared pages arrive with their hashes), so unregistered.
-                self._register(s.pages[i], h)
+                self._register(int(s.pages[i]), h)
                 s.hashes.append(h)
         s.num_computed = num_computed_tokens
 
@@ -255,16 +252,15 @@ class BlockManager(PagePool):
         s = self._seq(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} is already allocated")
-        if s.num_computed != s.num_tokens:
+        if s.num_computed != s.num_reserved:
             raise ValueError(
-                f"fork of {parent_id!r} with {s.num_tokens - s.num_computed} reserved but "
+                f"fork of {parent_id!r} with {s.num_reserved - s.num_computed} reserved but "
                 "unwritten slots; call mark_computed first"
             )
-        for p in s.pages:
+        for p in s.page_list():
             if p != TRASH_PAGE:
                 self._hold(p)
-        self._seqs[child_id] = _SeqPages(list(s.pages), s.num_tokens, s.num_computed,
-                                         list(s.hashes), s.root)
+        self._seqs[child_id] = s.copy()
 
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's pages. Cached pages no one else holds become
@@ -274,7 +270,7 @@ class BlockManager(PagePool):
         s = self._seqs.pop(seq_id, None)
         if s is None:
             raise UnknownSequenceError(f"free of sequence {seq_id!r}: not allocated (unknown id or double free)")
-        for p in reversed(s.pages):
+        for p in reversed(s.page_list()):
             if p != TRASH_PAGE:
                 self._release_page(p)
 
@@ -288,30 +284,33 @@ class BlockManager(PagePool):
         s = self._seq(seq_id)
         ps = self.page_size
         first = -(-max(start, 0) // ps)
-        last = min(stop // ps, len(s.pages))
+        last = min(stop // ps, s.num_pages)
         n = 0
         for j in range(first, last):
-            if s.pages[j] != TRASH_PAGE:
-                self._release_page(s.pages[j])
+            p = int(s.pages[j])
+            if p != TRASH_PAGE:
+                self._release_page(p)
                 s.pages[j] = TRASH_PAGE
                 n += 1
         return n
 
-    def trim(self, seq_id: Hashable, num_tokens: int) -> int:
-        """Keep only the first ``num_tokens`` reserved slots (never fewer
+    def trim(self, seq_id: Hashable, num_reserved: int) -> int:
+        """Keep only the first ``num_reserved`` reserved slots (never fewer
         than the computed ones); pages past them go back to the pool (they
         were this sequence's own, never hashed). Returns pages released."""
         s = self._seq(seq_id)
-        s.num_tokens = max(s.num_computed, min(s.num_tokens, num_tokens))
-        keep = self._pages_for(s.num_tokens)
-        extra, s.pages = s.pages[keep:], s.pages[:keep]
+        s.num_reserved = max(s.num_computed, min(s.num_reserved, num_reserved))
+        keep = self._pages_for(s.num_reserved)
+        if keep >= s.num_pages:
+            return 0
+        extra = s.drop_pages(keep)
         for p in reversed(extra):
             self._release_page(p)
         return len(extra)
 
     # ---------------------------------------------------------------- internals
 
-    def _seq(self, seq_id: Hashable) -> _SeqPages:
+    def _seq(self, seq_id: Hashable) -> Progress:
         s = self._seqs.get(seq_id)
         if s is None:
             raise UnknownSequenceError(f"sequence {seq_id!r} is not allocated")

@@ -1,38 +1,58 @@
-"""The request side of `jaxkv.core.engine.LLMEngine`: checking a request,
-queueing it (a refused one finishes at once with its error), its n > 1
-siblings, aborts. A mixin: it reads the engine's scheduler, tokenizer,
-grammars and settings."""
+"""The request side of the engine: checking a request, queueing it (a
+refused one finishes at once with its error), its n > 1 siblings, aborts,
+and which requests the engine still holds.
+
+`RequestIntake` is given what it reads by its constructor (the settings,
+the tokenizer, the grammars, the scheduler it queues into, the output
+processor that readies each sequence's text) and owns the table of
+requests by id and the list of requests to report (refused or aborted).
+"""
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
+
+from jaxkv.config import EngineConfig, ModelConfig
 from jaxkv.core.requests import check_request, child_seed, parse_prompt
 from jaxkv.core.sampling_params import SamplingParams, is_unicode
 from jaxkv.core.sequence import Sequence
+from jaxkv.core.step_plan import seq_row
 from jaxkv.core.structured import TokenRules
 from jaxkv.worker.stop import StopRule
 
 
 class RequestIntake:
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
-        """Queue a request: a string, a list of token ids, or
-        {"prompt": str} / {"prompt_token_ids": [...]}. Returns its id. A bad
-        request is not raised: it finishes at once with finish_reason
-        "error" and a message naming the field, reported by the next step().
-        `cache_salt`: requests share prefix-cache pages only with requests
-        of the same salt (one per tenant)."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 tokenizer, grammars, scheduler, outputs):
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.seqs: dict[str, Sequence] = {}  # requests not yet reported finished
+        self.reports: list[Sequence] = []  # refused or aborted: reported by the next step
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+
+    def add(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+            request_id: str | None = None, *, cache_salt: str | None = None) -> str:
+        """See `LLMEngine.add_request`."""
         if request_id is None:
             rid = str(next(self._ids))
-            while rid in self._seqs:  # a caller chose this id
+            while rid in self.seqs:  # a caller chose this id
                 rid = str(next(self._ids))
         else:
             rid = str(request_id)
-        if rid in self._seqs:
+        if rid in self.seqs:
             raise ValueError(f"request_id: {rid!r} is already in use")
         params = params if params is not None else SamplingParams()
         text, ids, err = None, [], None
         try:
-            text, ids = self.check_request(prompt, params, cache_salt)
+            text, ids = self.check(prompt, params, cache_salt)
         except (ValueError, TypeError) as e:
             # A TypeError is a check that named no field: still the request's error.
             err = str(e) if isinstance(e, ValueError) else f"request: {e}"
@@ -41,22 +61,27 @@ class RequestIntake:
             cache_salt = None
         seed = params.seed if isinstance(params.seed, int) else int(self._seed_rng.integers(2**31))
         seq = Sequence(rid, text, ids, params, seed, cache_salt=cache_salt)
-        self._seqs[rid] = seq
+        self.seqs[rid] = seq
         if err is not None:
             seq.finish("error", error=err)
-            self._errors.append(seq)
-        else:
-            seq.stop = StopRule.for_request(params, self.model_config.eos_token_ids, len(ids),
-                                            self.max_model_len)
-            seq.rules = self._rules(params)
-            self.scheduler.add(seq)
-            if params.n > 1:  # share the prompt's full pages if it has any
-                if len(ids) - 1 >= self.config.page_size:
-                    seq.fork_pending = True
-                else:
-                    for i in range(1, params.n):
-                        self.scheduler.add(self._child(seq, i))
+            self.reports.append(seq)
+            return rid
+        seq.stop = StopRule.for_request(params, self.model_config.eos_token_ids, len(ids),
+                                        self.max_model_len)
+        seq.rules = self._rules(params)
+        self._ready(seq)
+        self.scheduler.add(seq)
+        if params.n > 1:  # share the prompt's full pages if it has any
+            if len(ids) - 1 >= self.config.page_size:
+                seq.fork_pending = True
+            else:
+                for i in range(1, params.n):
+                    self.scheduler.add(self._child(seq, i))
         return rid
+
+    def _ready(self, seq: Sequence) -> None:
+        seq.sampling_row = seq_row(seq.params, seq.seed, seq.stop)
+        self.outputs.start(seq)
 
     def _rules(self, params: SamplingParams) -> TokenRules | None:
         if not params.uses_rules:
@@ -64,19 +89,19 @@ class RequestIntake:
         return TokenRules(params, self.grammars, self.tokenizer, self.model_config.vocab_size)
 
     def _child(self, parent: Sequence, i: int) -> Sequence:
-        return parent.add_child(i, child_seed(parent.seed, i), self._rules(parent.params))
+        c = parent.add_child(i, child_seed(parent.seed, i), self._rules(parent.params))
+        self._ready(c)
+        return c
 
-    def _fork(self, parent: Sequence) -> None:
+    def fork(self, parent: Sequence) -> None:
         """The parent computed all but its last prompt token: its n - 1
         siblings share those pages and each runs the last token itself."""
         parent.fork_pending = False
         self.scheduler.fork(parent, [self._child(parent, i) for i in range(1, parent.params.n)])
 
-    def check_request(self, prompt, params: SamplingParams,
-                      cache_salt: str | None = None) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a request this engine would
-        accept, else ValueError naming the field. Reads only the engine's
-        fixed settings, so a server's handler threads may call it."""
+    def check(self, prompt, params: SamplingParams,
+              cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+        """See `LLMEngine.check_request`."""
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
         c = self.config
         check_request(ids, params, vocab_size=self.model_config.vocab_size,
@@ -95,18 +120,19 @@ class RequestIntake:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its next output has finish_reason "abort"."""
-        seq = self._seqs.get(str(request_id))
+        seq = self.seqs.get(str(request_id))
         if seq is None or all(c.finished for c in seq.children):
             return
         for c in seq.children:
             if not c.finished:
                 self.scheduler.remove(c)
                 c.finish("abort")
-        self._errors.append(seq)
+        self.reports.append(seq)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._errors)
+    def take_reports(self) -> list[Sequence]:
+        out, self.reports = self.reports, []
+        return out
 
-    def get_request(self, request_id: str) -> Sequence:
-        """The host state of a request not yet reported finished."""
-        return self._seqs[str(request_id)]
+    def forget(self, seq: Sequence) -> None:
+        """The request's final output went out: the engine no longer holds it."""
+        self.seqs.pop(seq.request_id, None)

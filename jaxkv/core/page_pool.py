@@ -18,9 +18,10 @@ page before it (`hash_page`), so equal names mean equal K/V.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+
+import numpy as np
 
 TRASH_PAGE = 0
 ROOT_HASH = b""
@@ -33,7 +34,7 @@ def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     agree). 128 bits make an accidental collision, which would silently reuse
     wrong K/V, practically impossible; the value is stable across processes."""
     h = hashlib.blake2b(parent_hash, digest_size=16)
-    h.update(array("q", token_ids).tobytes())
+    h.update(np.asarray(token_ids, np.int64).tobytes())
     return h.digest()
 
 

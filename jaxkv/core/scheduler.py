@@ -18,8 +18,8 @@ between tokens (penalties, token rules) carries no proposals.
 
 With overlapped scheduling the engine plans step N+1 while step N runs
 (`schedule(lookahead=True)`): a sequence in step N counts the tokens N
-will sample (`Sequence.ahead`) and the K/V it will write
-(`inflight_end`), and decodes from there. Such a plan leaves out
+will sample and the K/V it will write (its `Progress`: `inflight_tokens`,
+`inflight_end`), and decodes from there. Such a plan leaves out
 sequences whose step N may be their last token, and never preempts:
 where it would have to, it says so (`needs_preemption`, admitting no one
 more) and the engine reads step N first, then plans again with
@@ -29,84 +29,42 @@ When the page pool runs dry, the most recently admitted running sequence is
 preempted by recompute: its pages are freed and it goes back to the front
 of the queue (its prompt and the tokens generated so far are prefilled
 again, mostly from the prefix cache).
+
+Each running sequence's progress (`jaxkv.core.progress.Progress`: pages,
+K/V reserved and written, tokens in flight) is this scheduler's record:
+it reserves and trims slots through the block manager as it plans
+(`schedule`), counts what a dispatched step will add (`dispatched`), and
+takes back what a step read did (`read`, `chunk_ran`, `tokens_taken`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import time
 
 from jaxkv.core.block_manager import BlockManager, OutOfPages
 from jaxkv.core.page_pool import salted_root
 from jaxkv.core.sequence import Sequence, Status
-from jaxkv.core.spec_decode import can_speculate
-
-
-# Prompt rows per step of a request that wants prompt log-probabilities
-# (their logits [rows, V] are computed at every row).
-PROMPT_LOGPROB_CHUNK = 256
-
-
-def _chunk_cap(seq: Sequence, start: int) -> int:
-    if seq.params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
-        return PROMPT_LOGPROB_CHUNK
-    return 1 << 62
-
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # first position computed this step
-    num_tokens: int  # rows this step (with the proposals)
-    block_table: list[int] = dataclasses.field(default_factory=list)  # after this step's growth
-    num_spec: int = 0  # rows reserved for proposals (the proposer fills spec_tokens)
-    spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposals, rows 1..k
-    prev_row: int = -1  # >= 0: its one row's token comes from this row of the step before
-
-    @property
-    def known_end(self) -> int:
-        """Position after the last known (not proposed) token of this chunk."""
-        return self.start + self.num_tokens - len(self.spec_tokens)
-
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the sequence's last known token, so
-        the step's sample is its next token."""
-        return self.known_end == self.seq.num_tokens
-
-
-def step_kind(scheduled) -> str:
-    """"decode" when every sequence brings one known token, else "mixed"."""
-    return "decode" if all(sc.known_end - sc.start == 1 for sc in scheduled) else "mixed"
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    copies: list[tuple[int, int]]  # copy-on-write page pairs to apply first
-    preempted: list[Sequence]
-    num_steps: int = 1  # decode steps in this call (> 1: every sequence decodes)
-    needs_preemption: bool = False  # a lookahead plan that could not grow a sequence
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+from jaxkv.core.scheduler_output import ScheduledSeq, SchedulerOutput, chunk_cap
+from jaxkv.core.spec_decode import SpecControl, can_speculate, step_kind
 
 
 class Scheduler:
+    """`spec`: speculation's control (`SpecControl`, None: off).
+    `window` / `num_sink_tokens`: the attention window; pages wholly
+    behind it (past the sinks) are released as a sequence advances."""
+
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_num_steps: int = 1, proposer=None, num_spec: int = 0, gate=None):
+                 max_num_steps: int = 1, spec: SpecControl | None = None,
+                 window: int | None = None, num_sink_tokens: int = 0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.max_num_steps = max_num_steps
-        self.proposer = proposer
-        self.num_spec = num_spec
-        self.propose_seconds = 0.0  # in the proposer's fill (a draft model's runs)
-        self.gate = gate  # jaxkv.core.spec_decode.SpecGate: speculate where it pays
+        self.spec = spec
+        self.window = window
+        self.num_sink_tokens = num_sink_tokens
         self._gate_passed = False
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
@@ -124,6 +82,7 @@ class Scheduler:
         (copy-on-write of the partial last page when they grow)."""
         for c in children:
             self.bm.fork(parent.request_id, c.request_id)
+            c.progress = self.bm.progress(c.request_id)
             c.num_cached_tokens = parent.num_cached_tokens
             c.status = Status.RUNNING
             self.running.append(c)
@@ -136,35 +95,85 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def computed(self, seq: Sequence) -> int:
-        """Tokens of a running sequence whose K/V is in the cache, or will
-        be once the steps in flight ran."""
-        return max(self.bm.num_computed_tokens(seq.request_id), seq.inflight_end)
+    # ------------------------------------------------------------ progress
+
+    def dispatched(self, out: "SchedulerOutput") -> None:
+        """`out` was dispatched and is in flight: count the tokens it
+        samples for each sequence and the K/V it writes."""
+        for sc in out.scheduled:
+            s, p = sc.seq, sc.seq.progress
+            n = out.num_steps if sc.known_end == s.planned_tokens else 0
+            sc.inflight_tokens = n
+            p.inflight_tokens += n
+            p.inflight_steps += 1
+            p.inflight_end = sc.known_end + max(n - 1, 0)  # the newest token's K/V comes later
+
+    def read(self, out: "SchedulerOutput") -> None:
+        """A dispatched `out` was read: its tokens are on the host now."""
+        for sc in out.scheduled:
+            p = sc.seq.progress
+            p.inflight_tokens -= sc.inflight_tokens
+            p.inflight_steps -= 1
+            if not p.inflight_steps:
+                p.inflight_end = 0
+
+    def chunk_ran(self, sc: ScheduledSeq) -> bool:
+        """A step ran `sc`'s rows (before its tokens are taken): their K/V
+        is written. True when `sc` was the last chunk before a pending
+        n > 1 fork."""
+        s = sc.seq
+        if sc.completes:
+            self._computed(s, sc.known_end)
+            return False
+        end = sc.start + sc.num_rows
+        self._computed(s, end)
+        return s.fork_pending and end == s.prefill_target
+
+    def tokens_taken(self, sc: ScheduledSeq, count: int) -> None:
+        """`count` sampled tokens of `sc`'s sequence were taken (it may have
+        finished): every one but the newest has its K/V written, and slots
+        reserved past the planned tokens (rejected proposals, decode steps
+        not run) go back."""
+        s = sc.seq
+        if s.finished:
+            self.remove(s)
+            return
+        if count > 1:
+            self._computed(s, s.num_tokens - 1)
+        self.bm.trim(s.request_id, s.planned_tokens)
+
+    def _computed(self, s: Sequence, num_computed: int) -> None:
+        """Record K/V written up to num_computed; free pages behind the window."""
+        self.bm.mark_computed(s.request_id, s.all_token_ids, num_computed)
+        if self.window is not None:  # the next query sits at num_computed
+            self.bm.release_range(s.request_id, self.num_sink_tokens,
+                                  num_computed - self.window + 1)
+
+    # ------------------------------------------------------------ planning
 
     def schedule(self, lookahead: bool = False) -> SchedulerOutput:
         """The next step; with `lookahead`, planned while a step is in
         flight (no preemption, no sequence at its last token)."""
         self._lookahead = lookahead
         self._gate_passed = False
+        spec = self.spec
+        if spec is not None:
+            spec.begin_plan()
         n = self._decode_steps()
         out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
-        for sc in out.scheduled:
-            sc.block_table = self.bm.block_table(sc.seq.request_id)
         drafting = [sc for sc in out.scheduled if sc.num_spec]
         # No proposals in a step the host re-samples, or where the gate
         # expects no gain (their reserved slots are trimmed after the step).
         if drafting and (not all(can_speculate(sc.seq) for sc in out.scheduled) or (
-                not self._gate_passed and self.gate is not None
-                and not self.gate.allow([(sc.seq, sc.num_spec) for sc in drafting],
-                                        len(out.scheduled), step_kind(out.scheduled)))):
+                not self._gate_passed and not spec.allow(
+                    [(sc.seq, sc.num_spec) for sc in drafting], len(out.scheduled),
+                    step_kind(out.scheduled)))):
             for sc in drafting:
-                sc.num_tokens -= sc.num_spec
+                sc.num_rows -= sc.num_spec
                 sc.num_spec = 0
             drafting = []
         if drafting:  # proposals once the pages are reserved (a draft writes there)
-            t0 = time.perf_counter()
-            self.proposer.fill(drafting)
-            self.propose_seconds += time.perf_counter() - t0
+            spec.fill(drafting)
         return out
 
     def _decode_only(self) -> bool:
@@ -173,15 +182,12 @@ class Scheduler:
         if not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
             return False
         return len(self.running) <= self.max_num_batched_tokens and all(
-            s.planned_tokens - self.computed(s) == 1 for s in self.running)
+            s.planned_tokens - s.progress.num_scheduled == 1 for s in self.running)
 
     def _proposals(self, seq: Sequence, budget: int) -> int:
         """Proposals a decoding sequence may bring within `budget` rows
         (its own row included)."""
-        if self.proposer is None or not can_speculate(seq):
-            return 0
-        cap = min(self.num_spec, budget - 1, seq.tokens_left - 1)
-        return self.proposer.max_proposals(seq, cap) if cap > 0 else 0
+        return 0 if self.spec is None else self.spec.max_proposals(seq, budget - 1)
 
     def _decode_steps(self) -> int:
         """Decode steps the next call may run: more than one only when every
@@ -191,15 +197,18 @@ class Scheduler:
             return 1
         if not all(can_speculate(s) for s in self.running):
             return 1
-        drafts = [(s, k) for s in self.running if (k := self._proposals(s, self.num_spec + 1))]
-        if drafts and (self.gate is None or self.gate.allow(drafts, len(self.running), "decode")):
-            self._gate_passed = True
-            return 1  # a verify step instead
+        if self.spec is not None:
+            k = self.spec.num_spec
+            drafts = [(s, n) for s in self.running if (n := self._proposals(s, k + 1))]
+            if drafts and self.spec.allow(drafts, len(self.running), "decode"):
+                self._gate_passed = True
+                return 1  # a verify step instead
         return self.max_num_steps  # fixed: one program; the loop ends early
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.bm.free(victim.request_id)
+        victim.progress = None
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -211,7 +220,7 @@ class Scheduler:
         """Make room for positions < upto, preempting the newest running
         sequences if needed. False if `seq` itself had to be preempted."""
         while True:
-            need = upto - self.bm.num_tokens(seq.request_id)
+            need = upto - seq.progress.num_reserved
             if need <= 0:
                 return True
             try:
@@ -232,31 +241,39 @@ class Scheduler:
         preempt the newest."""
         out = SchedulerOutput([], [], [], num_steps=num_steps)
         for seq in list(self.running):
+            if seq.status is not Status.RUNNING:  # preempted making room for another
+                continue
             if self._lookahead and seq.tokens_left <= 0:
                 continue
             n = max(1, min(num_steps, seq.tokens_left))
-            start = self.computed(seq) if seq in self.running else 0
-            if seq in self.running and self._grow(seq, start + n, out):
+            start = seq.progress.num_scheduled
+            if self._grow(seq, start + n, out):
                 out.scheduled.append(ScheduledSeq(seq, start, 1))
         return out
 
     def _schedule_step(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], [])
         budget = self.max_num_batched_tokens
-        decodes = [s for s in self.running if s.planned_tokens - self.computed(s) == 1
-                   and not (self._lookahead and s.tokens_left <= 0)]
-        prefills = [s for s in self.running if s.planned_tokens - self.computed(s) > 1]
+        decodes, prefills = [], []
+        for s in self.running:
+            left = s.planned_tokens - s.progress.num_scheduled
+            if left == 1:
+                if not (self._lookahead and s.tokens_left <= 0):
+                    decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted while making room for another
+            if seq.status is not Status.RUNNING:  # preempted making room for another
                 continue
-            start = self.computed(seq)
+            p = seq.progress
+            start = p.num_scheduled
             k = self._proposals(seq, budget) if seq.planned_tokens - start == 1 else 0
             if k and not self.bm.can_append_slots(
-                    seq.request_id, max(0, start + 1 + k - self.bm.num_tokens(seq.request_id))):
+                    seq.request_id, max(0, start + 1 + k - p.num_reserved)):
                 k = 0  # proposals never preempt anyone
-            n = min(seq.prefill_target - start, budget, _chunk_cap(seq, start)) + k
+            n = min(seq.prefill_target - start, budget, chunk_cap(seq, start)) + k
             if not self._grow(seq, start + n, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, start, n, num_spec=k))
@@ -266,23 +283,26 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.fork_pending and len(self.running) + seq.params.n > self.max_num_seqs:
                 break  # its n sequences run together once it forks
-            tokens = seq.all_token_ids[:seq.prefill_target]
-            if not self.chunked and len(tokens) > budget:
+            target = seq.prefill_target
+            if not self.chunked and target > budget:
                 break
+            tokens = seq.all_token_ids[:target]
             try:  # a forking prompt's hits stop short of its target, so n >= 1
-                cached = self.bm.allocate(seq.request_id, tokens, num_tokens=0,
+                cached = self.bm.allocate(seq.request_id, tokens, num_reserved=0,
                                           root=salted_root(seq.cache_salt),
                                           cache_hits=seq.params.prompt_logprobs is None)
             except OutOfPages:
                 break
-            n = min(len(tokens) - cached, budget, _chunk_cap(seq, cached))
+            n = min(target - cached, budget, chunk_cap(seq, cached))
+            p = self.bm.progress(seq.request_id)
             try:
-                out.copies.extend(self.bm.append_slots(
-                    seq.request_id, cached + n - self.bm.num_tokens(seq.request_id)))
+                out.copies.extend(self.bm.append_slots(seq.request_id,
+                                                       cached + n - p.num_reserved))
             except OutOfPages:
                 self.bm.free(seq.request_id)
                 break
             self.waiting.popleft()
+            seq.progress = p
             seq.status = Status.RUNNING
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached

@@ -1,16 +1,21 @@
 """A request's state on the host.
 
 Each piece of per-sequence state has one owner: the Sequence owns its
-tokens, status, finish and streaming state; the block manager owns where
-its K/V lives (its pages, the slots reserved, how many tokens are computed:
-`BlockManager.block_table` / `num_tokens` / `num_computed_tokens`, keyed by
-the request id) from admission until it is freed.
+tokens, status, finish and streaming state; its `progress` (pages, K/V
+slots reserved and written, tokens in flight: `jaxkv.core.progress`) is
+the scheduler's, set while it runs.
+
+Tokens live in one growing int32 array, prompt first: `all_token_ids`,
+`prompt_token_ids` and `output_token_ids` are views of it (no copy), and
+appending a token is O(1). A view taken earlier keeps the tokens it saw.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+
+import numpy as np
 
 from jaxkv.core.outputs import Logprob
 from jaxkv.core.sampling_params import SamplingParams
@@ -26,12 +31,16 @@ class Sequence:
     """Tokens (prompt, then output), the stop rule, status and finish reason,
     and what has been streamed out so far."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+    def __init__(self, request_id, prompt: str | None, prompt_token_ids,
                  params: SamplingParams, seed: int, stop=None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        n = len(prompt_token_ids)
+        self._ids = np.zeros(max(16, 2 * n), np.int32)
+        self._ids[:n] = prompt_token_ids
+        self._len = n
+        self.num_prompt_tokens = n
+        self.num_output_tokens = 0
         self.params = params
         self.seed = seed
         self.stop = stop  # jaxkv.worker.stop.StopRule (None for a refused request)
@@ -52,17 +61,13 @@ class Sequence:
         # prompt_logprobs: entry i for prompt token i (None for the first).
         self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
-        self.text = ""
+        self.text = None  # jaxkv.core.output_processor.TextState (with a tokenizer)
         self.sent_tokens = 0
-        self.sent_text = 0
+        self.sent_logprobs = 0
+        self.progress = None  # jaxkv.core.progress.Progress while it runs (the scheduler's)
+        self.sampling_row = None  # jaxkv.core.step_plan.SeqRow, built once when queued
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
-        # Overlapped scheduling: tokens sampled by dispatched steps the host
-        # has not read yet, how many dispatched steps hold this sequence, and
-        # the position after the last K/V they write (0: none in flight).
-        self.ahead = 0
-        self.inflight = 0
-        self.inflight_end = 0
         self.spec_proposed = 0  # speculative tokens proposed / accepted for it
         self.spec_accepted = 0
         self.t_arrival = time.perf_counter()
@@ -80,26 +85,56 @@ class Sequence:
         self.children.append(c)
         return c
 
+    # ------------------------------------------------------------ tokens
+
+    def append_token(self, token: int) -> None:
+        if self._len == len(self._ids):
+            grown = np.zeros(2 * len(self._ids), np.int32)
+            grown[:self._len] = self._ids[:self._len]
+            self._ids = grown
+        self._ids[self._len] = token
+        self._len += 1
+        self.num_output_tokens += 1
+
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def all_token_ids(self) -> np.ndarray:
+        """Prompt and output tokens [num_tokens] (a view)."""
+        return self._ids[:self._len]
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        return self._ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> np.ndarray:
+        return self._ids[self.num_prompt_tokens:self._len]
+
+    @property
+    def last_token(self) -> int:
+        return int(self._ids[self._len - 1])
 
     @property
     def num_tokens(self) -> int:
         """Tokens on the host (prompt and output read so far)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self._len
+
+    @property
+    def inflight_tokens(self) -> int:
+        p = self.progress
+        return p.inflight_tokens if p is not None else 0
 
     @property
     def planned_tokens(self) -> int:
-        """Tokens once the steps in flight are read (`num_tokens` + `ahead`):
-        what the scheduler plans the next step from."""
-        return self.num_tokens + self.ahead
+        """Tokens once the steps in flight are read (`num_tokens` plus the
+        tokens they sample): what the scheduler plans the next step from."""
+        p = self.progress
+        return self._len + (p.inflight_tokens if p is not None else 0)
 
     def scores_prompt(self, start: int) -> bool:
         """Whether a chunk from `start` still has prompt log-probabilities to
         compute."""
-        return (self.prompt_logprobs is not None and start < len(self.prompt_token_ids)
-                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
+        return (self.prompt_logprobs is not None and start < self.num_prompt_tokens
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def prefill_target(self) -> int:
@@ -109,7 +144,7 @@ class Sequence:
     @property
     def tokens_left(self) -> int:
         """Output tokens it may still generate (beyond those in flight)."""
-        return self.stop.tokens_left(len(self.output_token_ids) + self.ahead)
+        return self.stop.max_tokens - self.num_output_tokens - self.inflight_tokens
 
     @property
     def finished(self) -> bool:

@@ -4,26 +4,34 @@ A decoding sequence brings its last token plus up to k proposed tokens to
 one step (q_len 1 + k); the step returns the target's sample at each of
 those rows and accepts on the device the longest prefix of proposals that
 equals the target's own draws, plus the draw after it
-(`jaxkv.worker.step.verify_step`). Proposals here are deterministic (a
+(`jaxkv.worker.verify.verify_step`). Proposals here are deterministic (a
 point mass), for which that rule *is* the rejection-sampling rule: a
 proposal x is accepted with probability p(x), and on rejection the token
 comes from p with x removed. So outputs are exactly the target's, and for a
 seeded request the very tokens it gets without speculation.
 
-Proposers (`make_proposer`): `NgramProposer` (prompt lookup, on the host)
-and `jaxkv.worker.draft.DraftProposer` (a small model run k steps ahead on
-the device). The scheduler asks `max_proposals(seq, cap)` while it plans a
-decode-only step and `fill(scheduled)` once pages are reserved.
+Proposers (`jaxkv.core.draft.make_proposer`): `NgramProposer` (prompt lookup, on the host)
+and `jaxkv.core.draft.DraftProposer` (a small model run k steps ahead on
+the device). `SpecControl` is speculation's one control object, which the
+scheduler and the engine are given: it asks the proposer
+(`max_proposals(seq, cap)` while a step is planned, `fill(scheduled)` once
+pages are reserved), decides through the gate whether a step speculates,
+times the proposing, and learns from each step run (costs, acceptance).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from jaxkv.config import SpeculativeConfig
+
+log = logging.getLogger("jaxkv")
 
 
 def can_speculate(seq) -> bool:
@@ -63,9 +71,8 @@ class NgramProposer:
         if hit is None or hit[0] is not seq or hit[1] != n:
             if len(self._memo) > 4096:
                 self._memo.clear()
-            toks = np.asarray(seq.all_token_ids, np.int64)
-            hit = self._memo[id(seq)] = (seq, n, ngram_lookup(toks, self.k, self.n_max,
-                                                              self.n_min))
+            hit = self._memo[id(seq)] = (seq, n, ngram_lookup(seq.all_token_ids, self.k,
+                                                              self.n_max, self.n_min))
         return hit[2]
 
     def max_proposals(self, seq, cap: int) -> int:
@@ -76,23 +83,78 @@ class NgramProposer:
         reserved rows)."""
         for sc in scheduled:
             sc.spec_tokens = self._propose(sc.seq)[:sc.num_spec]
-            sc.num_tokens += len(sc.spec_tokens) - sc.num_spec
+            sc.num_rows += len(sc.spec_tokens) - sc.num_spec
         self._memo.clear()
 
 
-def make_proposer(config, engine, buckets, draft_model=None):
-    """(proposer, draft) for an engine: (None, None) when speculation is
-    off; a draft model's proposer is also the draft (it mirrors every step
-    into its own cache)."""
-    spec = config.speculative
-    if spec is None:
-        return None, None
-    if spec.method == "ngram":
-        return NgramProposer(spec), None
-    from jaxkv.worker.draft import DraftProposer
+def step_kind(scheduled) -> str:
+    """"decode" when every sequence brings one known token, else "mixed"."""
+    return "decode" if all(sc.known_end - sc.start == 1 for sc in scheduled) else "mixed"
 
-    draft = DraftProposer.for_engine(spec, config, engine, buckets, draft_model)
-    return draft, draft
+
+class SpecControl:
+    """Speculation's control: the proposer, the gate (None: speculate
+    whenever there are proposals), the seconds spent proposing, and the
+    figures learned. `num_programs()` counts the programs compiled so far
+    (the draft's too): a step during which one compiled teaches no cost."""
+
+    def __init__(self, proposer, num_spec: int, adaptive: bool,
+                 num_programs: Callable[[], int]):
+        self.proposer = proposer
+        self.num_spec = num_spec
+        self.gate = SpecGate() if adaptive else None
+        self.stats = SpecStats()
+        self.propose_seconds = 0.0
+        self._num_programs = num_programs
+        self._step_seconds = 0.0  # proposing in the step being planned
+        self._programs = 0
+
+    def begin_plan(self) -> None:
+        """A step is being planned: its proposing time starts at zero."""
+        self._step_seconds = 0.0
+        self._programs = self._num_programs()
+
+    def max_proposals(self, seq, cap: int) -> int:
+        if not can_speculate(seq):
+            return 0
+        cap = min(self.num_spec, cap, seq.tokens_left - 1)
+        return self.proposer.max_proposals(seq, cap) if cap > 0 else 0
+
+    def allow(self, drafts, num_seqs: int, kind: str) -> bool:
+        return self.gate is None or self.gate.allow(drafts, num_seqs, kind)
+
+    def fill(self, drafting) -> None:
+        """Proposals into each drafting ScheduledSeq (timed)."""
+        t0 = time.perf_counter()
+        self.proposer.fill(drafting)
+        dt = time.perf_counter() - t0
+        self.propose_seconds += dt
+        self._step_seconds += dt
+
+    def metrics(self, step_seconds: float) -> dict:
+        """The figures so far, with the seconds spent proposing and their
+        share of `step_seconds`."""
+        d = self.stats.as_dict()
+        d["propose_seconds"] = self.propose_seconds
+        d["propose_share"] = self.propose_seconds / step_seconds if step_seconds else 0.0
+        return d
+
+    def after_step(self, scheduled, res, seconds: float) -> tuple[int, int] | None:
+        """A step of `scheduled` ran in `seconds` (wall, device included)
+        and gave `res`: count its proposals and acceptances and teach the
+        gate. Returns (proposed, accepted), or None when it verified
+        nothing."""
+        counted = self.stats.record(scheduled, res)
+        if counted is not None and self.stats.steps % 100 == 0:
+            log.info("jaxkv: speculative decoding: %s", self.stats.as_dict())
+        if self.gate is not None:
+            seconds += self._step_seconds
+            if self._num_programs() != self._programs:  # a compile ran inside: no cost figure
+                seconds = float("nan")
+            self.gate.observe(step_kind(scheduled), counted is not None, len(scheduled),
+                              seconds, len(res.tokens) if counted is None else 1,
+                              *(counted or ()))
+        return counted
 
 
 class SpecGate:

@@ -251,8 +251,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
                         format="%(message)s")
     if a.command in ("generate", "chat", "batch", "serve"):
-        from jaxkv.paths import enable_compilation_cache
-        enable_compilation_cache()
+        from jaxkv.config import EngineConfig
+        from jaxkv.paths import enable_compilation_cache, uses_program_store
+
+        if not uses_program_store(values(a, EngineConfig, prefix=ENGINE)):
+            enable_compilation_cache()
     try:
         return a.func(a) or 0
     except ValueError as e:

@@ -7,8 +7,9 @@
 
 `model` is the name of a known model (fetched and converted once into the
 cache folder) or a path: a Hugging Face folder, a GGUF file or a jaxkv
-checkpoint. Engine options (EngineConfig fields) pass as keywords; the
-persistent compilation cache is on (`jaxkv.paths.enable_compilation_cache`).
+checkpoint. Engine options (EngineConfig fields) pass as keywords; compiled
+step programs are kept across runs (`program_cache`, or JAX's persistent
+compilation cache where that store does not serve: `jaxkv.paths`).
 
 One LLM may be shared by threads: `generate` and `chat` calls are
 serialized (a lock around the engine), so each caller gets its own correct
@@ -23,12 +24,13 @@ from typing import Any, Sequence
 from jaxkv.core.engine import LLMEngine
 from jaxkv.core.outputs import RequestOutput
 from jaxkv.core.sampling_params import SamplingParams
-from jaxkv.paths import enable_compilation_cache
+from jaxkv.paths import enable_compilation_cache, uses_program_store
 
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_options: Any):
-        enable_compilation_cache()
+        if not uses_program_store(engine_options):
+            enable_compilation_cache()
         self.engine = LLMEngine.from_pretrained(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()

@@ -32,6 +32,12 @@ class AttentionSpec:
     mesh: Any = None
     platform: str | None = None
 
+    def fingerprint(self) -> tuple:
+        """What a compiled program depends on (the mesh by its shape)."""
+        mesh = None if self.mesh is None else (tuple(self.mesh.shape.items()),
+                                               self.mesh.devices.shape)
+        return (self.backend, self.sliding_window, self.num_sink_tokens, mesh, self.platform)
+
     @classmethod
     def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> "AttentionSpec":
         """The one place the window is decided: the model's own (Mistral's

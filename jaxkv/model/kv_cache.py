@@ -127,13 +127,6 @@ def replace_layer(cache: KVCache, layer: int, k, v, k_scale=None, v_scale=None) 
                    k_scale=put(cache.k_scale, k_scale), v_scale=put(cache.v_scale, v_scale))
 
 
-def write_layer(cache: KVCache, layer: int, new_k, new_v, slot_mapping) -> KVCache:
-    """Scatter this step's keys/values new_k, new_v [T, KVH, D] into `layer`
-    at slot_mapping [T] (padding rows point into the trash page)."""
-    return replace_layer(cache, layer, *write_pages(*layer_arrays(cache, layer), new_k, new_v,
-                                                    slot_mapping))
-
-
 def copy_pages(cache: KVCache, src, dst) -> KVCache:
     """Copy whole pages src[N] -> dst[N] in every layer (copy-on-write)."""
     def cp(x):

@@ -80,6 +80,17 @@ class Buckets:
             return ProgramKey("both" if (t, s) in self.mixed else "decode", t, s)
         return ProgramKey("mixed", t, s)
 
+    def key_for(self, num_rows: int, num_seqs: int, all_decode: bool,
+                verifies: bool) -> ProgramKey:
+        """The program of a step of `num_rows` rows of `num_seqs` sequences:
+        a verify program when some sequence brings proposals, a decode
+        program when every sequence brings one row, else a mixed one."""
+        if verifies:
+            return self.verify_key(num_rows, num_seqs)
+        if all_decode:
+            return self.decode_key(num_seqs)
+        return self.mixed_key(num_rows, num_seqs)
+
     def decode_key(self, num_seqs: int) -> ProgramKey:
         s = _pick(self.decode_seqs, num_seqs, "sequences per step")
         return self._key(s, s)

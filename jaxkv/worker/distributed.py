@@ -17,8 +17,8 @@ each other as they trust their own checkpoint.
 
     init_distributed(coordinator_address, num_processes, process_id)
     channel = Channel()            # on every process, after init
-    channel.send(msg)              # process 0
-    msg = channel.recv()           # processes 1..n-1
+    Leader(channel).send(...)      # process 0: its Runner's calls
+    Follower(channel).run(runner)  # processes 1..n-1: the same calls, in order
 """
 
 from __future__ import annotations
@@ -134,41 +134,46 @@ def scale_out(model, config):
     return shard_model(model, plan), plan, Channel() if procs > 1 else None
 
 
+class Leader:
+    """Process 0's side: every device call its Runner makes is first sent
+    to the other processes (`send`), and at the end (`stop`, also run at
+    exit) they are told to return."""
+
+    def __init__(self, channel: Channel):
+        import atexit
+
+        if not channel.leader:
+            raise RuntimeError(f"process {channel.process_index} follows process 0: requests "
+                               "enter on process 0 only")
+        self.channel = channel
+        self._stopped = False
+        atexit.register(self.stop)
+
+    def send(self, method: str, *args) -> None:
+        self.channel.send((method, args))
+
+    def stop(self) -> None:
+        """Tell the followers to return from `Follower.run` (once)."""
+        if not self._stopped:
+            self._stopped = True
+            self.channel.send(None)
+
+
 class Follower:
-    """The Runner's side of several processes (a mixin over its `channel`,
-    `_following` and `_stopped`): process 0 mirrors each device call to
-    the others, which `follow` it."""
+    """Processes 1..n-1: run process 0's Runner calls on this process's
+    Runner, in order, until process 0 stops."""
 
-    def _mirror(self, method: str, *args) -> None:
-        """On process 0 of several: send the call to the other processes."""
-        ch = self.channel
-        if ch is None or self._following:
-            return
-        if not ch.leader:
-            raise RuntimeError(f"process {ch.process_index} follows process 0: requests enter "
-                               "on process 0 only (run Runner.follow here)")
-        ch.send((method, args))
-
-    def follow(self) -> int:
-        """Processes 1..n-1: run process 0's calls on this Runner until it
-        says stop (`stop_followers`); returns the number of calls run."""
-        if self.channel is None or self.channel.leader:
+    def __init__(self, channel: Channel):
+        if channel.leader:
             raise RuntimeError("follow: only processes other than 0 of a multi-process job "
                                "follow")
-        self._following = True
-        n = 0
-        try:
-            while (msg := self.channel.recv()) is not None:
-                method, args = msg
-                getattr(self, method)(*args)
-                n += 1
-        finally:
-            self._following = False
-        return n
+        self.channel = channel
 
-    def stop_followers(self) -> None:
-        """Process 0: tell the followers to return from `follow` (once)."""
-        ch = self.channel
-        if ch is not None and ch.leader and not self._stopped:
-            self._stopped = True
-            ch.send(None)
+    def run(self, runner) -> int:
+        """Returns the number of calls run."""
+        n = 0
+        while (msg := self.channel.recv()) is not None:
+            method, args = msg
+            getattr(runner, method)(*args)
+            n += 1
+        return n

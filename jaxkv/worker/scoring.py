@@ -11,7 +11,6 @@ logits of each of its rows, [len(token_ids), V], or of its last row only.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import jax
@@ -20,7 +19,27 @@ import numpy as np
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache, create_cache
 from jaxkv.worker.buckets import ProgramKey
-from jaxkv.worker.step_batch import StepBatch, empty
+from jaxkv.worker.plan import StepPlan
+from jaxkv.worker.step_batch import StepBatch, empty, pack
+
+
+def plan_for(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+             num_steps: int = 1) -> StepPlan:
+    """A greedy StepPlan of `seqs` (token ids, first position, block
+    table), no stop rules: for direct model calls and tests."""
+    S = len(seqs)
+    W = max((len(b) for _, _, b in seqs), default=1)
+    tables = np.zeros((S, W), np.int32)
+    for i, (_, _, b) in enumerate(seqs):
+        tables[i, :len(b)] = b
+    tmpl = empty(ProgramKey("mixed", 1, S), W)
+    return StepPlan(token_ids=np.concatenate([np.asarray(t, np.int32) for t, _, _ in seqs])
+                    if seqs else np.zeros(0, np.int32),
+                    starts=np.array([s for _, s, _ in seqs], np.int32),
+                    q_lens=np.array([len(t) for t, _, _ in seqs], np.int32),
+                    num_spec=np.zeros(S, np.int32), prev_index=np.full(S, -1, np.int32),
+                    block_tables=tables, num_output=np.zeros(S, np.int32),
+                    sampling=tmpl.sampling, stops=tmpl.stops, num_steps=num_steps)
 
 
 def scoring_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], page_size: int,
@@ -28,26 +47,13 @@ def scoring_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], page
     """A StepBatch of `seqs` (token ids, first position, block table) with no
     padding; with `rows_per_seq`, logits_indices holds every row (the
     sequence axis of the per-sequence arrays is padded to T rows)."""
-    T = sum(len(t) for t, _, _ in seqs)
-    S = T if rows_per_seq else len(seqs)
-    W = max(len(b) for _, _, b in seqs)
-    b = empty(ProgramKey("mixed", T, S), W)
-    row = 0
-    for i, (toks, start, table) in enumerate(seqs):
-        n, table = len(toks), np.asarray(table, np.int32)
-        pos = np.arange(start, start + n)
-        b.token_ids[row:row + n] = toks
-        b.positions[row:row + n] = pos
-        b.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
-        b.block_tables[i, :len(table)] = table
-        b.kv_lens[i] = start + n
-        row += n
-        b.cu_q_lens[i + 1] = row
-        b.logits_indices[i] = row - 1
-    b.cu_q_lens[len(seqs) + 1:] = row
+    plan = plan_for(seqs)
+    T = plan.num_rows
+    W = plan.block_tables.shape[1]
+    b = pack(plan, ProgramKey("mixed", T, T if rows_per_seq else len(seqs)), page_size, W)
     if rows_per_seq:
         b.logits_indices[:] = np.arange(T)
-    return dataclasses.replace(b, num_seqs=np.asarray(len(seqs), np.int32))
+    return b
 
 
 def prefill_logits(model, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],

@@ -1,5 +1,6 @@
 """StepBatch: everything the device needs for one step, in fixed shapes, and
-the one function that builds it from the scheduler's output.
+`pack`, the one function that builds it from a step's plan
+(`jaxkv.worker.plan.StepPlan`).
 
 Every array is int32 unless said otherwise. T tokens and S sequences are
 padded up to a bucket (`jaxkv.worker.buckets`); W, the block-table width,
@@ -39,12 +40,12 @@ program serves decode-only steps where some sequences bring proposals
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxkv.worker.buckets import Buckets, ProgramKey
+from jaxkv.worker.buckets import ProgramKey
 from jaxkv.worker.stop import STOP_WIDTH, StopBatch
 
 
@@ -66,6 +67,9 @@ class SamplingBatch:
     presence_penalty: Any
     frequency_penalty: Any
     repetition_penalty: Any
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingBatch))
 
 
 @jax.tree_util.register_dataclass
@@ -114,7 +118,7 @@ class StepBatch:
 def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
     """An all-padding StepBatch of `key`'s shape (every row writes to the trash
     page; no live sequence; a verify key's k = `num_spec`). Also the
-    template `build_step_batch` fills."""
+    template `pack` fills."""
     T, S = key.tokens, key.seqs
     f32 = lambda v: np.full(S, v, np.float32)  # noqa: E731
     i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
@@ -133,97 +137,75 @@ def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
                      prev_index=np.full(T, -1, np.int32), sampling=sampling, stops=stops)
 
 
-def build_step_batch(scheduled: Sequence[Any], num_steps: int, page_size: int,
-                     buckets: Buckets) -> tuple[StepBatch, ProgramKey]:
-    """Pack the scheduler's output into a padded StepBatch and pick its program.
-
-    `scheduled[i]` has `seq` (with `all_token_ids`, `output_token_ids`,
-    `params` (SamplingParams), `seed` and `stop` (StopRule)), `start` (first
-    position computed), `num_tokens` (rows) and `block_table` (its pages,
-    reserved for every position this call writes). With `num_steps` > 1
-    every sequence brings one row and its block table already covers the
-    positions of the tokens it may still generate, up to num_steps. A
-    sequence with `spec_tokens` (k proposals) brings them after its last
-    known token (num_tokens counts them): the step is a verify step. A
-    sequence with `prev_row` >= 0 (overlapped scheduling) brings one row
-    whose token the previous step samples (index `prev_row` there) and
-    has `seq.ahead` tokens on their way to the host. This is the only place
-    SamplingParams fields are copied into arrays."""
-    n_tok = sum(sc.num_tokens for sc in scheduled)
-    spec = [len(getattr(sc, "spec_tokens", ()) or ()) for sc in scheduled]
-    decode = all(sc.num_tokens == 1 for sc in scheduled)
-    if num_steps > 1 and not decode:
+def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
+         num_spec: int = 0) -> StepBatch:
+    """The one row packer: a `jaxkv.worker.plan.StepPlan` padded to `key`'s
+    shape (rows and per-sequence arrays, slots from each row's position
+    and block table), all numpy and vectorized. `num_spec` is a verify
+    key's k. Raises ValueError naming the sequence whose rows do not fit
+    its pages or the key."""
+    S, T = plan.num_seqs, plan.num_rows
+    q = np.asarray(plan.q_lens, np.int32)
+    if S > key.seqs or T > key.tokens:
+        raise ValueError(f"tokens per step: {T} rows of {S} sequences exceed the program "
+                         f"{tuple(key)}")
+    if plan.num_steps > 1 and (np.any(q != 1) or np.any(plan.num_spec)):
         raise ValueError("num_steps > 1 needs every sequence to bring exactly one token")
-    if any(spec) and num_steps > 1:
-        raise ValueError("a verify step runs one step")
-    key = (buckets.verify_key(n_tok, len(scheduled)) if any(spec)
-           else buckets.decode_key(len(scheduled)) if decode
-           else buckets.mixed_key(n_tok, len(scheduled)))
-    K1 = buckets.num_spec + 1
-    W = buckets.pages_per_seq
-    b = empty(key, W, buckets.num_spec)
-    sp, st = b.sampling, b.stops
-    row = 0
-    for i, sc in enumerate(scheduled):
-        seq, n = sc.seq, sc.num_tokens
-        end = sc.start + n
-        table = np.asarray(sc.block_table, np.int32)
-        if len(table) > W or len(table) * page_size < end:
-            raise ValueError(f"sequence {i}: {end} positions but {len(table)} pages "
-                             f"(at most {W})")
-        pos = np.arange(sc.start, end)
-        k = spec[i]
-        prev = sc.prev_row
-        if prev >= 0:
-            if n != 1 or k:
-                raise ValueError(f"sequence {i}: a row resolved on the device comes alone")
-            b.prev_index[row] = prev
-        else:
-            b.token_ids[row:row + n - k] = seq.all_token_ids[sc.start:end - k]
-        if k:
-            if k > buckets.num_spec:
-                raise ValueError(f"sequence {i}: {k} proposals, at most {buckets.num_spec}")
-            b.token_ids[row + n - k:row + n] = sc.spec_tokens
-        b.positions[row:row + n] = pos
-        b.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
-        b.block_tables[i, :len(table)] = table
-        b.kv_lens[i] = end
-        row += n
-        b.cu_q_lens[i + 1] = row
-        if key.kind == "verify":
-            b.logits_indices[i * K1:(i + 1) * K1] = row - 1 - k + np.minimum(np.arange(K1), k)
-        else:
-            b.logits_indices[i] = row - 1
-        b.num_output[i] = len(seq.output_token_ids) + seq.ahead
-        p = seq.params
-        sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = (
-            p.temperature, min(p.top_k, np.iinfo(np.int32).max), p.top_p, p.min_p)
-        sp.seeds[i] = seq.seed & 0xFFFFFFFF
-        sp.num_logprobs[i] = p.logprobs or 0
-        sp.presence_penalty[i], sp.frequency_penalty[i], sp.repetition_penalty[i] = (
-            p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-        seq.stop.fill(st, i)
-    b.cu_q_lens[len(scheduled) + 1:] = row
-    b = dataclasses.replace(b, num_seqs=np.asarray(len(scheduled), np.int32),
-                            num_steps=np.asarray(num_steps, np.int32))
-    return b, key
+    prev = np.asarray(plan.prev_index, np.int32)
+    if np.any((prev >= 0) & ((q != 1) | (plan.num_spec > 0))):
+        bad = int(np.flatnonzero((prev >= 0) & ((q != 1) | (plan.num_spec > 0)))[0])
+        raise ValueError(f"sequence {bad}: a row resolved on the device comes alone")
+    if np.any(plan.num_spec > (num_spec if key.kind == "verify" else 0)):
+        bad = int(np.flatnonzero(plan.num_spec > num_spec)[0])
+        raise ValueError(f"sequence {bad}: {int(plan.num_spec[bad])} proposals, at most "
+                         f"{num_spec if key.kind == 'verify' else 0}")
+    b = empty(key, pages_per_seq, num_spec)
+    cu = b.cu_q_lens
+    np.cumsum(q, out=cu[1:S + 1])
+    cu[S + 1:] = T
+    seq_of_row = np.repeat(np.arange(S), q)
+    pos = plan.starts[seq_of_row] + (np.arange(T) - cu[seq_of_row])
+    tables = plan.block_tables
+    width = tables.shape[1] if S else 0
+    page_idx = pos // page_size
+    over = page_idx >= min(width, pages_per_seq)
+    pages = tables[seq_of_row, np.minimum(page_idx, max(width - 1, 0))] if S else page_idx
+    if np.any(over | (pages == 0)):
+        bad = int(seq_of_row[np.flatnonzero(over | (pages == 0))[0]])
+        end = int(plan.starts[bad] + q[bad])
+        held = int(np.count_nonzero(tables[bad])) if S else 0
+        raise ValueError(f"sequence {bad}: {end} positions but {held} pages "
+                         f"(at most {pages_per_seq})")
+    b.token_ids[:T] = plan.token_ids
+    b.positions[:T] = pos
+    b.slot_mapping[:T] = pages * page_size + pos % page_size
+    b.kv_lens[:S] = plan.starts + q
+    b.block_tables[:S, :width] = tables[:, :pages_per_seq]
+    last = cu[1:S + 1] - 1
+    if key.kind == "verify":
+        K1 = num_spec + 1
+        k = np.asarray(plan.num_spec, np.int32)
+        idx = (last - k)[:, None] + np.minimum(np.arange(K1)[None, :], k[:, None])
+        b.logits_indices[:S * K1] = idx.reshape(-1)
+    else:
+        b.logits_indices[:S] = last
+    has_prev = prev >= 0
+    b.prev_index[cu[:S][has_prev]] = prev[has_prev]
+    b.num_output[:S] = plan.num_output
+    for name in SAMPLING_FIELDS:
+        getattr(b.sampling, name)[:S] = getattr(plan.sampling, name)
+    for name in ("stop_ids", "min_tokens", "max_tokens"):
+        getattr(b.stops, name)[:S] = getattr(plan.stops, name)
+    return dataclasses.replace(b, num_seqs=np.asarray(S, np.int32),
+                               num_steps=np.asarray(plan.num_steps, np.int32))
 
 
-def build_penalty_batch(scheduled: Sequence[Any], num_seqs: int,
-                        buckets: Buckets) -> PenaltyBatch | None:
-    """The history the penalty sampler reads, or None when no sequence of
-    the step uses a penalty."""
-    users = [i for i, sc in enumerate(scheduled) if sc.seq.params.uses_penalties]
-    if not users:
-        return None
-    N = buckets.history_width(max(scheduled[i].seq.num_tokens for i in users))
-    hist = np.full((num_seqs, N), -1, np.int32)
-    is_out = np.zeros((num_seqs, N), bool)
-    for i in users:
-        seq = scheduled[i].seq
-        toks = seq.all_token_ids
-        hist[i, :len(toks)] = toks
-        is_out[i, len(seq.prompt_token_ids):len(toks)] = True
+def pad_penalties(pen: PenaltyBatch, rows: int) -> PenaltyBatch:
+    """A step's penalty history [S, N] padded to `rows` sequences."""
+    S, N = pen.history.shape
+    hist = np.full((rows, N), -1, np.int32)
+    is_out = np.zeros((rows, N), bool)
+    hist[:S], is_out[:S] = pen.history, pen.history_is_output
     return PenaltyBatch(history=hist, history_is_output=is_out)
 
 
@@ -231,26 +213,17 @@ BIAS_WIDTH = 300  # SamplingParams.MAX_LOGIT_BIAS
 
 
 def empty_rules(num_seqs: int, vocab_size: int) -> RulesBatch:
+    """All tokens allowed, no bias, for `num_seqs` sequences."""
     return RulesBatch(bitmask=np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32),
                       bias_ids=np.full((num_seqs, BIAS_WIDTH), -1, np.int32),
                       bias_values=np.zeros((num_seqs, BIAS_WIDTH), np.float32))
 
 
-def build_rules_batch(scheduled: Sequence[Any], num_seqs: int,
-                      vocab_size: int) -> tuple[RulesBatch | None, list[int]]:
-    """The token rules of a step, or None when no sequence has any; and the
-    rows whose rules allow no token at all (those sequences cannot go on)."""
-    users = [i for i, sc in enumerate(scheduled) if sc.seq.rules is not None]
-    if not users:
-        return None, []
-    rb = empty_rules(num_seqs, vocab_size)
-    stuck = []
-    for i in users:
-        seq = scheduled[i].seq
-        if not seq.rules.fill(rb.bitmask, i, seq.output_token_ids):
-            stuck.append(i)
-        pairs = seq.rules.bias
-        if pairs:
-            rb.bias_ids[i, :len(pairs)] = [t for t, _ in pairs]
-            rb.bias_values[i, :len(pairs)] = [v for _, v in pairs]
-    return rb, stuck
+def pad_rules(rules: RulesBatch, rows: int, vocab_size: int) -> RulesBatch:
+    """A step's token rules [S, ...] padded to `rows` sequences (all
+    allowed)."""
+    out = empty_rules(rows, vocab_size)
+    S = rules.bitmask.shape[0]
+    out.bitmask[:S], out.bias_ids[:S], out.bias_values[:S] = (
+        rules.bitmask, rules.bias_ids, rules.bias_values)
+    return out

@@ -9,10 +9,11 @@ A request stops
 - with "length" when it has `max_tokens` output tokens or reaches the
   engine's maximum model length.
 
-`StopRule` is a request's rule as data; `check` is the rule itself, written
-once over an array namespace (numpy on the host, jax.numpy in the loop), so
-the two can never disagree. The loop only uses it to stop early: the host
-check is authoritative and drops whatever the device ran past a stop.
+`StopRule` is a request's rule as data; `check` is the rule over arrays
+(jax.numpy in the loop), `StopRule.on_token` the same rule for one token
+on the host, in plain Python (no arrays per token); a test holds the two
+equal. The loop only uses it to stop early: the host check is
+authoritative and drops whatever the device ran past a stop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 
 # Stop token ids the device sees per sequence; a request with more still
 # stops exactly (on the host), its decode loop just runs on past the stop.
@@ -69,17 +69,10 @@ class StopRule:
     def on_token(self, token: int, num_output: int) -> str | None:
         """Host check after `token` became output token number `num_output`:
         "stop", "length" or None (stop strings are checked on the text)."""
-        ids = np.asarray([self.stop_token_ids or (-1,)], np.int64)
-        stopped, length = check(np, np.asarray([token]), np.asarray([num_output]), ids,
-                                np.asarray([self.min_tokens]), np.asarray([self.max_tokens]))
-        return "stop" if stopped[0] else "length" if length[0] else None
+        if num_output >= self.min_tokens and token in self.stop_token_ids:
+            return "stop"
+        return "length" if num_output >= self.max_tokens else None
 
-    def tokens_left(self, num_output: int) -> int:
-        return self.max_tokens - num_output
-
-    def fill(self, stops: StopBatch, row: int) -> None:
-        """Write this rule into row `row` of a numpy StopBatch."""
-        ids = self.stop_token_ids[:STOP_WIDTH]
-        stops.stop_ids[row, :len(ids)] = ids
-        stops.min_tokens[row] = self.min_tokens
-        stops.max_tokens[row] = self.max_tokens
+    def device_ids(self) -> tuple[int, ...]:
+        """The stop token ids the device loop sees (at most STOP_WIDTH)."""
+        return self.stop_token_ids[:STOP_WIDTH]

@@ -181,7 +181,6 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     pending = {s.index: s for s in streams}
-    n_lp: dict = {}
     closed: set = set()  # (item, answer) whose final chunk is out
     offset = {(i, k): len(it.text or "") if echo else 0
               for i, it in enumerate(items) for k in range(it.params.n)}
@@ -215,9 +214,8 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
                 if key in closed:
                     continue
                 lps = None
-                if c.logprobs is not None and len(c.logprobs) > n_lp.get(key, 0):
-                    new = c.logprobs[n_lp.get(key, 0):]
-                    n_lp[key] = len(c.logprobs)
+                if c.delta_logprobs:
+                    new = c.delta_logprobs
                     lps = fmt.chat_logprobs(new) if chat else fmt.completion_logprobs(
                         new, offset[key])
                 done = c.finish_reason is not None

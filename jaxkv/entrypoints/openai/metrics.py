@@ -12,6 +12,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - the /metrics content type
 
+from jaxkv.core.spec_decode import SpecStats
+
 # No `*_created` timestamp series beside every counter (as vLLM's server).
 prometheus_client.disable_created_metrics()
 
@@ -81,7 +83,7 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(bm.num_used_pages / (bm.num_pages - 1))
-        spec = engine.spec_stats
+        spec = engine.spec.stats if engine.spec is not None else SpecStats()
         for key, now, metric in (("queries", bm.prefix_query_tokens, self.prefix_queries),
                                  ("hits", bm.prefix_hit_tokens, self.prefix_hits),
                                  ("preemptions", sched.num_preemptions, self.preemptions),

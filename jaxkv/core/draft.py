@@ -16,7 +16,10 @@ mirror of the verify step.
 
     draft = DraftProposer.for_engine(spec, engine_config, engine, buckets)
     draft.fill(scheduled)          # proposals into each ScheduledSeq
-    draft.mirror(batch, key)       # before the target runs `batch`
+    draft.mirror(plan, key)        # before the target runs `plan` with program `key`
+
+The draft's device side is a worker `Runner` of its own; this is the
+host side that plans its steps.
 """
 
 from __future__ import annotations
@@ -27,26 +30,31 @@ import logging
 import numpy as np
 
 from jaxkv.config import CacheConfig, SpeculativeConfig
+from jaxkv.core.scheduler_output import ScheduledSeq
+from jaxkv.core.spec_decode import NgramProposer
+from jaxkv.core.step_plan import build_plan
 from jaxkv.model.kv_cache import create_cache
 from jaxkv.worker.buckets import Buckets, ProgramKey
-from jaxkv.worker.runner import COPY_WIDTH, Runner
-from jaxkv.worker.step_batch import StepBatch, build_step_batch
+from jaxkv.worker.plan import StepPlan
+from jaxkv.worker.programs import COPY_WIDTH
+from jaxkv.worker.runner import Runner
 
 log = logging.getLogger("jaxkv")
 
 
 class DraftProposer:
     def __init__(self, model, cache_config: CacheConfig, buckets: Buckets, attention,
-                 num_spec: int):
+                 num_spec: int, store=None):
         self.k = num_spec
         self.buckets = buckets
+        self.vocab_size = model.config.vocab_size
         cache = create_cache(model.config, cache_config)
         self.runner = Runner(model, cache, buckets, attention, max_decode_steps=num_spec,
-                             num_top_logprobs=0)
+                             num_top_logprobs=0, store=store)
 
     @classmethod
     def for_engine(cls, spec: SpeculativeConfig, config, engine, buckets: Buckets,
-                   draft_model=None) -> "DraftProposer":
+                   draft_model=None, store=None) -> "DraftProposer":
         """The draft of `engine` (its model loaded from `spec.model` unless
         given), refused with a ValueError naming the problem."""
         if config.tensor_parallel_size > 1 or (config.num_processes or 1) > 1:
@@ -63,7 +71,7 @@ class DraftProposer:
                              f"the target's {tv}; a draft must share the target's vocabulary")
         attention = dataclasses.replace(engine.attention, mesh=None)  # the target's window
         draft = cls(draft_model, engine.cache_config, buckets, attention,
-                    spec.num_speculative_tokens)
+                    spec.num_speculative_tokens, store)
         log.info("jaxkv: draft model %s (%d layers), %d proposals per step",
                  spec.model or "given", draft_model.config.num_layers, draft.k)
         return draft
@@ -87,25 +95,37 @@ class DraftProposer:
         (greedy) and set its proposals (at most its num_spec)."""
         if not scheduled:
             return
-        plan = [dataclasses.replace(sc, num_tokens=1, num_spec=0, spec_tokens=[])
-                for sc in scheduled]
-        batch, key = build_step_batch(plan, self.k, self.runner.page_size, self.buckets)
-        S = key.seqs
-        batch = dataclasses.replace(batch, sampling=dataclasses.replace(
-            batch.sampling, temperature=np.zeros(S, np.float32),
+        plan, _ = build_plan([ScheduledSeq(sc.seq, sc.start, 1) for sc in scheduled], self.k,
+                             pages_per_seq=self.buckets.pages_per_seq,
+                             vocab_size=self.vocab_size)
+        S = plan.num_seqs
+        plan = dataclasses.replace(plan, penalties=None, rules=None, sampling=dataclasses.replace(
+            plan.sampling, temperature=np.zeros(S, np.float32),
             num_logprobs=np.zeros(S, np.int32)))
-        tokens = self.runner.step(batch, key, len(plan)).tokens  # [n, S_live]
+        tokens = self.runner.step(plan).tokens  # [n, S]
         for i, sc in enumerate(scheduled):
             sc.spec_tokens = tokens[:sc.num_spec, i].tolist()
-            sc.num_tokens += len(sc.spec_tokens) - sc.num_spec
+            sc.num_rows += len(sc.spec_tokens) - sc.num_spec
 
     # ------------------------------------------------------------ keeping in step
 
-    def mirror(self, batch: StepBatch, key: ProgramKey) -> None:
-        """Write the draft's K/V for every row of the target's `batch`."""
-        if key.kind != "verify" and batch.logits_indices.shape[0] != key.seqs:
-            batch = dataclasses.replace(batch, logits_indices=np.zeros(key.seqs, np.int32))
-        self.runner.forward(batch, key)
+    def mirror(self, plan: StepPlan, key: ProgramKey) -> None:
+        """Write the draft's K/V for every row of the target's `plan`, run
+        by the target's program `key`."""
+        self.runner.forward(plan, key)
 
     def copy_pages(self, pairs) -> None:
         self.runner.copy_pages(pairs)
+
+
+def make_proposer(config, engine, buckets, draft_model=None, store=None):
+    """(proposer, draft) for an engine: (None, None) when speculation is
+    off; a draft model's proposer is also the draft (it mirrors every step
+    into its own cache)."""
+    spec = config.speculative
+    if spec is None:
+        return None, None
+    if spec.method == "ngram":
+        return NgramProposer(spec), None
+    draft = DraftProposer.for_engine(spec, config, engine, buckets, draft_model, store)
+    return draft, draft
