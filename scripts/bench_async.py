@@ -101,7 +101,7 @@ def traced_idle(eng, prompts, max_tokens: int, steps: int) -> float:
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     seqs = [eng.get_request(eng.add_request({"prompt_token_ids": p}, params)) for p in prompts]
-    while any(not s.output_token_ids for s in seqs) and eng.has_unfinished_requests():
+    while any(not s.num_output_tokens for s in seqs) and eng.has_unfinished_requests():
         eng.step()
     for _ in range(2):
         eng.step()

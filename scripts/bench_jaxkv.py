@@ -127,19 +127,19 @@ class JaxkvBench:
         eng = self.engine
         rids = self._submit(prompts, [steps + self.DECODE_MARGIN] * len(prompts))
         seqs = [eng.get_request(r) for r in rids]
-        while any(not s.output_token_ids for s in seqs):
+        while any(not s.num_output_tokens for s in seqs):
             eng.step()
-        start = [len(s.output_token_ids) for s in seqs]
+        start = [s.num_output_tokens for s in seqs]
         ctx = sum(s.num_tokens for s in seqs)
 
         def run():
-            while min(len(s.output_token_ids) - n for s, n in zip(seqs, start)) < steps:
+            while min(s.num_output_tokens - n for s, n in zip(seqs, start)) < steps:
                 eng.step()
 
         wall, _, m = self._timed_engine(run)
         if any(s.finished for s in seqs):
             raise RuntimeError("a decode request finished inside the timed window")
-        tokens = sum(len(s.output_token_ids) - n for s, n in zip(seqs, start))
+        tokens = sum(s.num_output_tokens - n for s, n in zip(seqs, start))
         for r in rids:
             eng.abort(r)
         eng.step()

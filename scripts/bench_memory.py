@@ -63,16 +63,17 @@ class ContiguousBlockManager(BlockManager):
         super().__init__(num_pages, page_size, enable_prefix_caching=False)
         self.max_len = max_len
 
-    def allocate(self, seq_id, token_ids, num_tokens=None) -> int:
-        cached = super().allocate(seq_id, token_ids, num_tokens=self.max_len)
-        self._seqs[seq_id].num_tokens = len(token_ids) if num_tokens is None else num_tokens
+    def allocate(self, seq_id, token_ids, num_reserved=None, **kw) -> int:
+        cached = super().allocate(seq_id, token_ids, num_reserved=self.max_len, **kw)
+        self._seqs[seq_id].num_reserved = (len(token_ids) if num_reserved is None
+                                           else max(num_reserved, cached))
         return cached
 
     def append_slots(self, seq_id, num_new_tokens):
         s = self._seq(seq_id)
-        if s.num_tokens + num_new_tokens > self.max_len:
+        if s.num_reserved + num_new_tokens > self.max_len:
             raise ValueError(f"sequence {seq_id!r} grows past max_len {self.max_len}")
-        s.num_tokens += num_new_tokens  # its pages are reserved already
+        s.num_reserved += num_new_tokens  # its pages are reserved already
         return []
 
 
@@ -109,12 +110,12 @@ def simulate(requests: list[Request], bm: BlockManager, max_num_seqs: int) -> di
             peak_saved = max(peak_saved, saved)
         for sc in out.scheduled:
             s, r = sc.seq, by_id[sc.seq.request_id]
-            decode = sc.start == s.num_tokens - 1 and s.output_token_ids
-            prefill_tokens += 0 if decode else sc.num_tokens
-            bm.mark_computed(s.request_id, s.all_token_ids, sc.start + sc.num_tokens)
+            decode = sc.start == s.num_tokens - 1 and s.num_output_tokens
+            prefill_tokens += 0 if decode else sc.num_rows
+            bm.mark_computed(s.request_id, s.all_token_ids, sc.start + sc.num_rows)
             if sc.completes:
-                s.output_token_ids.append(r.tokens[s.num_tokens])
-                if len(s.output_token_ids) == r.output_len:
+                s.append_token(int(r.tokens[s.num_tokens]))
+                if s.num_output_tokens == r.output_len:
                     sched.remove(s)
                     completed += 1
         step += 1

@@ -30,10 +30,10 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def run(engine, SamplingParams, prompt, constrained: int, max_tokens: int, seed: int) -> dict:
-    import jaxkv.worker.execute as execute
+    import jaxkv.core.step_plan as step_plan
 
     spent = [0.0]
-    real = execute.build_rules_batch
+    real = step_plan._rules
 
     def timed(*a, **k):
         t = time.perf_counter()
@@ -42,7 +42,7 @@ def run(engine, SamplingParams, prompt, constrained: int, max_tokens: int, seed:
         finally:
             spent[0] += time.perf_counter() - t
 
-    execute.build_rules_batch = timed
+    step_plan._rules = timed
     try:
         ids = []
         for i in range(16):
@@ -57,7 +57,7 @@ def run(engine, SamplingParams, prompt, constrained: int, max_tokens: int, seed:
         outs = engine.run_to_completion(ids)
         wall = time.perf_counter() - t
     finally:
-        execute.build_rules_batch = real
+        step_plan._rules = real
     tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
     steps = engine.stats["steps"] - steps0
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "steps": steps,

@@ -65,7 +65,7 @@ def part_profile(a, log):
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     seqs = [eng.get_request(eng.add_request({"prompt_token_ids": p}, sp))
             for p in lib.workload(S, (P, P), (1, 1), shape["vocab_size"], seed=5)[0]]
-    while any(not s.output_token_ids for s in seqs):  # prefill
+    while any(not s.num_output_tokens for s in seqs):  # prefill
         eng.step()
     for _ in range(n_warm):  # compiles the decode program
         eng.step()

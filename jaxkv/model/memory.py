@@ -11,7 +11,7 @@ sequences:
 e.g. 48 layers, 64 KV heads, D 128, 4096 tokens, batch 1, float16:
 2 x 48 x 64 x 128 x 4096 x 2 = 6,442,450,944 bytes (6 GiB). Grouped-query
 attention divides this by H / KVH, which is why KVH, not H, appears.
-The int8 scale layout matches `jaxkv.kv_cache` (k_scale, v_scale:
+The int8 scale layout matches `jaxkv.model.kv_cache` (k_scale, v_scale:
 L x [KVH, P, page_size] float32). Functions that take a model accept a `jaxkv.config.ModelConfig` (or any
 object with `num_layers`, `num_kv_heads`, `head_dim`), a mapping with those
 keys, or a plain `(num_layers, num_kv_heads, head_dim)` tuple.

@@ -88,7 +88,7 @@ class ProgramStore:
         self.dir = self.root / digest[:24]
         self.loaded = 0
         self.saved = 0
-        self._broken = False  # serialization unsupported here: stop trying
+        self._warned = False
 
     @classmethod
     def for_engine(cls, config) -> "ProgramStore | None":
@@ -138,9 +138,9 @@ class ProgramStore:
 
     def save(self, key, compiled) -> None:
         """Keep `compiled` (a jax.stages.Compiled) for the next run; a
-        failure is logged and turns the store off for this run."""
-        if self._broken:
-            return
+        failure (a program with a host callback, as Pallas interpret mode
+        makes, cannot be serialized) is logged once and that program
+        compiles again next time."""
         try:
             from jax.experimental import serialize_executable
 
@@ -153,9 +153,10 @@ class ProgramStore:
             os.replace(tmp, self.path(key))
             self.saved += 1
         except Exception as e:  # noqa: BLE001 - a cache that cannot write is only slower
-            log.warning("jaxkv: cannot store compiled program %s (%s: %s); programs compile "
-                        "at every start", key, type(e).__name__, e)
-            self._broken = True
+            if not self._warned:
+                log.warning("jaxkv: cannot store compiled program %s (%s: %s); it compiles "
+                            "again at the next start", key, type(e).__name__, e)
+                self._warned = True
 
 
 def _wrap(payload: bytes) -> bytes:

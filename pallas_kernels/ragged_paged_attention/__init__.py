@@ -40,13 +40,17 @@ chosen kernel (see `tpu.ragged_paged_attention` / `gpu.ragged_paged_attention`).
 The platform is `jax.default_backend()`, read at trace time, unless
 `platform` ("cpu", "gpu", "tpu") names the one the program is lowered for
 (ahead-of-time compiles without that device).
+
+Only the implementation a call picks is imported (the Pallas backends pull
+in Triton and Mosaic lowering that a CPU run never needs), the first time
+it is picked.
 """
 
 from __future__ import annotations
 
-import jax
+import importlib
 
-from pallas_kernels.ragged_paged_attention import gpu, mosaic_gpu, reference, tpu
+import jax
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_mosaic_gpu")
 PALLAS_TARGETS = ("tpu", "gpu", "mosaic_gpu")
@@ -104,17 +108,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    kernel = importlib.import_module(f"{__name__}.{impl}")
     if impl == "reference":
         if kernel_options:
             raise ValueError("kernel_options apply to Pallas kernels only")
         # "auto" on CPU: the reference with its dense prefill blocks in
         # native code (cpu.py) where that is built; "reference" stays jnp.
         native = backend == "auto" and (platform or jax.default_backend()) == "cpu"
-        return reference.ragged_paged_attention(*args, **kw, num_sink_tokens=num_sink_tokens,
-                                                all_decode=all_decode, native_cpu=native)
+        return kernel.ragged_paged_attention(*args, **kw, num_sink_tokens=num_sink_tokens,
+                                             all_decode=all_decode, native_cpu=native)
     if impl != "tpu":  # the TPU kernel has one configuration
         kw["all_decode"] = all_decode
-    kernel = dict(tpu=tpu, gpu=gpu, mosaic_gpu=mosaic_gpu)[impl]
     return kernel.ragged_paged_attention(*args, **kw, interpret=interpret,
                                          **(kernel_options or {}))
 

@@ -27,6 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.masks import in_window, visible
+
 DENSE_MIN_ROWS_PER_SEQ = 32  # T / S from which a step takes this path
 _MIN_BLOCK, _MAX_BLOCK = 32, 512
 _MAX_KEY_CHUNK = 512
@@ -130,13 +132,11 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             if masked:
                 key_pos = j * chunk + jnp.arange(chunk)  # [C]
-                mask = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
-                key_live = key_pos <= last
-                if sliding_window is not None:
-                    in_window = key_pos[None, :] > row_pos[:, None] - sliding_window
-                    mask &= in_window | (key_pos[None, :] < num_sink_tokens)
-                    oldest = pos0 - sliding_window + 1
-                    key_live &= (key_pos >= oldest) | (key_pos < num_sink_tokens)
+                mask = (visible(key_pos[None, :], row_pos[:, None], sliding_window,
+                                num_sink_tokens) & (key_pos[None, :] < kv_len))
+                # Keys the block's oldest row sees in its window (or sinks).
+                key_live = (key_pos <= last) & in_window(key_pos, pos0, sliding_window,
+                                                         num_sink_tokens)
                 # Unwritten or released slots may hold NaN: 0 * NaN must not
                 # reach the output through the PV product.
                 vb = jnp.where(key_live[None, :, None], vb, 0.0)

@@ -77,7 +77,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels.ragged_paged_attention.mosaic_gpu_kernel as mk
+from pallas_kernels.ragged_paged_attention import mosaic_gpu_kernel as mk
 from pallas_kernels.ragged_paged_attention.checks import check_inputs
 from pallas_kernels.ragged_paged_attention.gpu_kernel import work_blocks
 

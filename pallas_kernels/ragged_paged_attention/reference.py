@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention as native_attention
 from pallas_kernels.ragged_paged_attention.cpu import takes as native_takes
 from pallas_kernels.ragged_paged_attention.dense import dense_block, dense_prefill, use_dense
+from pallas_kernels.ragged_paged_attention.masks import in_window, visible
 
 _MIN_PREFILL_BLOCK = 16
 _MAX_PREFILL_BLOCK = 128
@@ -158,9 +159,8 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
         kb, vb, key_pos = _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
                                        chunk_pages)  # [KVH, NB, chunk, D]
         key_live = key_pos[None, :] < kv_len[:, None]  # [NB, chunk]
-        if sliding_window is not None:
-            key_live &= ((key_pos[None, :] >= oldest[:, None])
-                         | (key_pos[None, :] < num_sink_tokens))
+        # Keys the block's oldest row sees in its window (or sinks).
+        key_live &= in_window(key_pos[None, :], q_pos[:, :1], sliding_window, num_sink_tokens)
         # Unwritten slots may hold anything (NaN included); zero them so
         # 0 * NaN never reaches the output.
         vb = jnp.where(key_live[None, :, :, None], vb, 0.0)
@@ -168,10 +168,8 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
         s = jnp.einsum("knrd,kncd->knrc", qb, kb)  # [KVH, NB, R, chunk]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = key_live[:, None, :] & (key_pos[None, None, :] <= row_pos[:, :, None])
-        if sliding_window is not None:
-            in_window = key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
-            mask &= in_window | (key_pos[None, None, :] < num_sink_tokens)
+        mask = key_live[:, None, :] & visible(key_pos[None, None, :], row_pos[:, :, None],
+                                              sliding_window, num_sink_tokens)
         s = jnp.where(mask[None], s, _MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
@@ -227,10 +225,9 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
         m, l, acc = carry
         kb, vb, key_pos = _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
                                        chunk_pages)  # [KVH, S, chunk, D]
-        key_live = key_pos[None, :] < kv_len[:, None]  # [S, chunk]
-        if sliding_window is not None:
-            in_window = key_pos[None, :] > (kv_len - 1 - sliding_window)[:, None]
-            key_live &= in_window | (key_pos[None, :] < num_sink_tokens)
+        # The row is its sequence's last token, at kv_len - 1.
+        key_live = visible(key_pos[None, :], (kv_len - 1)[:, None], sliding_window,
+                           num_sink_tokens)  # [S, chunk]
         vb = jnp.where(key_live[None, :, :, None], vb, 0.0)  # unwritten slots may hold NaN
         s = jnp.sum(qs[:, :, :, None, :] * kb[:, :, None, :, :], axis=-1)  # [KVH, S, G, chunk]
         if soft_cap is not None:
