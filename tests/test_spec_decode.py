@@ -189,7 +189,9 @@ def _first_tokens(model, spec, seeds, monkeypatch=None, rule=None):
         monkeypatch.setattr(verify, "num_accepted", rule)
     eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=200, page_size=8,
                                               max_num_seqs=64, max_num_batched_tokens=256,
-                                              num_decode_steps=1, speculative_config=spec))
+                                              num_decode_steps=1, speculative_config=spec,
+                                              # a patched rule must be traced, not loaded
+                                              program_cache=rule is None))
     prompt = list(range(32)) * 2  # every token has been seen: n-gram lookup always proposes
     ids = [eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=int(s)))
            for s in seeds]

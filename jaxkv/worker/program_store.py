@@ -32,7 +32,7 @@ from typing import Any
 log = logging.getLogger("jaxkv")
 
 MAGIC = b"JAXKVPRG"
-VERSION = 1
+VERSION = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -124,10 +124,17 @@ class ProgramStore:
             return None
         try:
             payload = _unwrap(data)
-            blob, in_tree, out_tree = pickle.loads(payload)
+            blob, in_tree, out_tree, device_ids = pickle.loads(payload)
+            import jax
             from jax.experimental import serialize_executable
 
-            prog = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+            by_id = {d.id: d for d in jax.devices()}
+            # the devices it was compiled for (by default it would load onto
+            # every device, and a one-device program then asks for a shard
+            # on each)
+            devices = [by_id[i] for i in device_ids]
+            prog = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
+                                                             execution_devices=devices)
         except Exception as e:  # noqa: BLE001 - any bad entry is rebuilt, never fatal
             log.warning("jaxkv: stored program %s is stale or corrupt (%s: %s); compiling it "
                         "again", path, type(e).__name__, e)
@@ -145,7 +152,9 @@ class ProgramStore:
             from jax.experimental import serialize_executable
 
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-            payload = pickle.dumps((blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            payload = pickle.dumps((blob, in_tree, out_tree, device_ids),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)
             with os.fdopen(fd, "wb") as f:

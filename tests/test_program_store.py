@@ -1,0 +1,139 @@
+"""Compiled step programs kept on disk (jaxkv.worker.program_store): a second
+engine of the same model and shape loads every program without tracing
+(checked by making tracing fail) and decodes the very tokens of an engine
+that keeps nothing; a corrupt, truncated or foreign entry is ignored with a
+log line and rebuilt; a one-device program stored in a process with several
+devices loads onto its own device."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxkv.config import EngineConfig, ModelConfig
+from jaxkv.core.engine import LLMEngine
+from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.model.llama import Llama
+from jaxkv.worker import program_store
+from jaxkv.worker.programs import Programs
+
+CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                  max_position_embeddings=256, eos_token_ids=())
+OPTS = dict(num_pages=24, page_size=8, max_num_seqs=2, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama.random_init(CFG, seed=7)
+
+
+@pytest.fixture(autouse=True)
+def no_xla_cache():
+    """Without JAX's persistent cache (the suite turns it on), whose hits
+    the store does not keep."""
+    import jax
+    from jax._src import compilation_cache  # JAX decides once per process unless reset
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
+
+def _tokens(eng):
+    rng = np.random.default_rng(0)
+    ids = [eng.add_request([int(t) for t in rng.integers(0, 97, 5 + 7 * i)],
+                           SamplingParams(max_tokens=12, temperature=0.8 * (i % 2), seed=i))
+           for i in range(4)]
+    out = eng.run_to_completion()
+    return [list(out[i].outputs[0].token_ids) for i in ids]
+
+
+def _store(eng):
+    return eng.runner.programs.store
+
+
+def test_a_warm_engine_loads_every_program_without_tracing(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    want = _tokens(LLMEngine(model, None, EngineConfig(warmup=False, program_cache=False, **OPTS)))
+    assert not list(tmp_path.rglob("*.bin"))  # off keeps nothing
+
+    cold = LLMEngine(model, None, EngineConfig(warmup=True, **OPTS))
+    assert _store(cold).saved == len(cold.runner.programs.keys())
+    assert _tokens(cold) == want
+
+    def no_tracing(self, key, lowering_platforms=None):
+        raise AssertionError(f"program {key} was traced on a warm start")
+
+    monkeypatch.setattr(Programs, "lower", no_tracing)
+    warm = LLMEngine(model, None, EngineConfig(warmup=True, **OPTS))
+    assert _store(warm).loaded == len(warm.runner.programs.keys())
+    assert _tokens(warm) == want
+
+
+def test_bad_entries_are_logged_and_rebuilt(model, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    want = _tokens(LLMEngine(model, None, EngineConfig(warmup=True, **OPTS)))
+    files = sorted(tmp_path.rglob("*.bin"))
+    assert len(files) >= 3
+    head = len(program_store.MAGIC)
+    damaged = {
+        files[0]: b"\x00not a program" * 9,  # garbage
+        files[1]: files[1].read_bytes()[:1000],  # truncated
+        files[2]: (files[2].read_bytes()[:head] + (program_store.VERSION + 1).to_bytes(4, "little")
+                   + files[2].read_bytes()[head + 4:]),  # another format version
+    }
+    for f, data in damaged.items():
+        f.write_bytes(data)
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        eng = LLMEngine(model, None, EngineConfig(warmup=True, **OPTS))
+    for f in damaged:
+        assert f"stored program {f} is stale or corrupt" in caplog.text
+    assert _store(eng).loaded == len(files) - 3 and _store(eng).saved == 3
+    assert _tokens(eng) == want
+    again = LLMEngine(model, None, EngineConfig(warmup=True, **OPTS))  # rebuilt entries load
+    assert _store(again).loaded == len(files)
+
+
+SCRIPT = """
+import json
+import numpy as np
+from jaxkv.config import EngineConfig, ModelConfig
+from jaxkv.core.engine import LLMEngine
+from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.model.llama import Llama
+cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                  max_position_embeddings=256, eos_token_ids=())
+eng = LLMEngine(Llama.random_init(cfg, seed=7), None, EngineConfig(**json.loads(%r)))
+ids = [eng.add_request([1, 2, 3, 4 + i], SamplingParams(max_tokens=6)) for i in range(3)]
+out = eng.run_to_completion()
+store = eng.runner.programs.store
+print(json.dumps(dict(tokens=[list(out[i].outputs[0].token_ids) for i in ids],
+                      loaded=store.loaded, saved=store.saved)))
+"""
+
+
+def test_one_device_programs_of_a_many_device_process(tmp_path):
+    code = SCRIPT % json.dumps(dict(warmup=False, **OPTS))
+    env = dict(os.environ, JAXKV_CACHE=str(tmp_path),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["saved"] > 0 and second["loaded"] == first["saved"]
+    assert second["tokens"] == first["tokens"]
