@@ -11,10 +11,13 @@ logits of each of its rows, [len(token_ids), V], or of its last row only.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache, create_cache
@@ -45,15 +48,20 @@ def plan_for(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
 def scoring_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], page_size: int,
                   rows_per_seq: bool) -> StepBatch:
     """A StepBatch of `seqs` (token ids, first position, block table) with no
-    padding; with `rows_per_seq`, logits_indices holds every row (the
-    sequence axis of the per-sequence arrays is padded to T rows)."""
+    padding; with `rows_per_seq`, logits_indices holds every row (T of
+    them, beside the S sequences)."""
     plan = plan_for(seqs)
     T = plan.num_rows
     W = plan.block_tables.shape[1]
-    b = pack(plan, ProgramKey("mixed", T, T if rows_per_seq else len(seqs)), page_size, W)
+    b = pack(plan, ProgramKey("mixed", T, len(seqs)), page_size, W)
     if rows_per_seq:
-        b.logits_indices[:] = np.arange(T)
+        b = dataclasses.replace(b, logits_indices=np.arange(T, dtype=np.int32))
     return b
+
+
+@functools.lru_cache(maxsize=8)
+def _run(graphdef, attention):
+    return jax.jit(lambda state, c, b: nnx.merge(graphdef, state)(c, b, attention))
 
 
 def prefill_logits(model, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
@@ -64,7 +72,10 @@ def prefill_logits(model, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]
     attention is the model's own (its sliding window) unless given."""
     attention = attention or AttentionSpec(sliding_window=model.config.sliding_window)
     batch = scoring_batch(seqs, cache.page_size, rows_per_seq)
-    logits, cache = jax.jit(lambda c, b: model(c, b, attention))(cache, batch)
+    graphdef, state = nnx.split(model)
+    # the weights are an argument: closed over, they would be constants of
+    # the program (slow to compile, and hundreds of MB in JAX's cache)
+    logits, cache = _run(graphdef, attention)(state, cache, batch)
     logits = np.asarray(logits)
     if not rows_per_seq:
         return [logits[i] for i in range(len(seqs))], cache
