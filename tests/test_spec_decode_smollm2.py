@@ -1,5 +1,5 @@
 """Speculative decoding on the real model: SmolLM2-135M-Instruct's greedy
-answers to 32 chat prompts, batched with chunked prefill, prefix caching
+answers to 16 chat prompts, batched with chunked prefill, prefix caching
 and preemption, are the same tokens with n-gram speculation as without;
 with the model as its own draft too, where nearly every proposal must be
 accepted."""
@@ -39,14 +39,14 @@ def _run(model, tok, prompts, spec, draft=None, max_tokens=16):
 
 def test_ngram_and_self_draft_keep_smollm2s_greedy_answers(smollm2):
     model, tok = smollm2
-    prompts = _prompts(tok, 32)
+    prompts = _prompts(tok, 16)
     _, plain = _run(model, tok, prompts, None)
     eng, spec = _run(model, tok, prompts, {"method": "ngram", "num_speculative_tokens": 4,
                                            "adaptive": False})
     assert eng.scheduler.num_preemptions > 0, "no preemption happened"
     assert eng.bm.prefix_hit_tokens > 0 and eng.stats["partial_prefills"] > 0
     m = eng.speculative_metrics()
-    assert m["accepted"] > 20, m
+    assert m["accepted"] > 10, m
     diff = [i for i, (a, b) in enumerate(zip(plain, spec)) if a != b]
     assert not diff, f"requests {diff} differ with n-gram speculation"
     print(f"n-gram on SmolLM2: {m}")
