@@ -14,7 +14,9 @@ import time
 
 from jaxkv.core.detokenizer import Detokenizer
 from jaxkv.core.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxkv.core.sequence import Sequence
+from jaxkv.core.sequence import Sequence, Status
+
+FINISHED = Status.FINISHED
 
 
 class TextState:
@@ -79,9 +81,10 @@ class OutputProcessor:
         logprobs = res.logprobs.T.tolist()
         finite = res.finite.T.tolist()
         forks = []
+        generated = 0
         for i, sc in enumerate(scheduled):
             s = sc.seq
-            if s.finished:  # finished (or aborted) while this step was in flight
+            if s.status is FINISHED:  # finished (or aborted) while this step was in flight
                 continue
             if not sc.completes:  # a prefill chunk short of the prompt's end
                 stats["prompt_tokens_computed"] += sc.num_rows
@@ -91,9 +94,9 @@ class OutputProcessor:
                 continue
             if not s.num_output_tokens:
                 stats["prompt_tokens_computed"] += sc.num_rows
-            sched.chunk_ran(sc)
+            sched.chunk_completed(sc)
             count = counts[i]
-            if i in stuck:
+            if stuck and i in stuck:
                 count = 0
                 s.finish("error", error="structured_outputs: no token can continue the "
                                         "output (the rules allow none)")
@@ -104,12 +107,16 @@ class OutputProcessor:
                                             f"{s.num_output_tokens}: the model's weights or "
                                             "activations overflow")
                     break
-                accept(s, toks[k], lps[k], res.top_ids[k, i], res.top_logprobs[k, i])
-                stats["generated_tokens"] += 1
-                if s.finished:
+                if s.logprobs is None:
+                    accept(s, toks[k], lps[k])
+                else:
+                    accept(s, toks[k], lps[k], res.top_ids[k, i], res.top_logprobs[k, i])
+                generated += 1
+                if s.status is FINISHED:
                     break
             sched.tokens_taken(sc, counts[i])
             touched[id(s.parent)] = s.parent
+        stats["generated_tokens"] += generated
         return forks
 
     def start(self, s: Sequence) -> None:
@@ -118,7 +125,7 @@ class OutputProcessor:
             s.text = TextState(Detokenizer(self.tokenizer, s.params.skip_special_tokens),
                                s.params.stop_list)
 
-    def accept(self, s: Sequence, tok: int, logprob: float, top_ids, top_lps) -> None:
+    def accept(self, s: Sequence, tok: int, logprob: float, top_ids=None, top_lps=None) -> None:
         """Append a sampled token to `s` and apply its stop rules (it may
         finish)."""
         s.append_token(tok)

@@ -129,6 +129,11 @@ class Scheduler:
         self._computed(s, end)
         return s.fork_pending and end == s.prefill_target
 
+    def chunk_completed(self, sc: ScheduledSeq) -> None:
+        """`chunk_ran` of a chunk that reaches its sequence's last known
+        token (a decode row, or a prompt's last chunk)."""
+        self._computed(sc.seq, sc.known_end)
+
     def tokens_taken(self, sc: ScheduledSeq, count: int) -> None:
         """`count` sampled tokens of `sc`'s sequence were taken (it may have
         finished): every one but the newest has its K/V written, and slots
@@ -269,11 +274,16 @@ class Scheduler:
                 continue
             p = seq.progress
             start = p.num_scheduled
-            k = self._proposals(seq, budget) if seq.planned_tokens - start == 1 else 0
-            if k and not self.bm.can_append_slots(
-                    seq.request_id, max(0, start + 1 + k - p.num_reserved)):
-                k = 0  # proposals never preempt anyone
-            n = min(seq.prefill_target - start, budget, chunk_cap(seq, start)) + k
+            k = 0
+            if self.spec is not None and seq.planned_tokens - start == 1:
+                k = self.spec.max_proposals(seq, budget - 1)
+                if k and not self.bm.can_append_slots(
+                        seq.request_id, max(0, start + 1 + k - p.num_reserved)):
+                    k = 0  # proposals never preempt anyone
+            if seq.planned_tokens - start == 1 and not seq.fork_pending:  # a decode row
+                n = 1 + k
+            else:
+                n = min(seq.prefill_target - start, budget, chunk_cap(seq, start)) + k
             if not self._grow(seq, start + n, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, start, n, num_spec=k))

@@ -21,13 +21,13 @@ def chunk_cap(seq: Sequence, start: int) -> int:
     return 1 << 62
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
     num_rows: int  # rows this step (with the proposals)
     num_spec: int = 0  # rows reserved for proposals (the proposer fills spec_tokens)
-    spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposals, rows 1..k
+    spec_tokens: tuple | list = ()  # proposals, rows 1..k (the proposer sets them)
     prev_row: int = -1  # >= 0: its one row's token comes from this row of the step before
     inflight_tokens: int = 0  # tokens the step samples for it, counted while in flight
 

@@ -26,9 +26,9 @@ ROW_DTYPE = np.dtype([("temperature", np.float32), ("top_k", np.int32), ("top_p"
                       ("max_tokens", np.int32), ("stop_ids", np.int32, (STOP_WIDTH,))])
 
 
-def seq_row(params, seed: int, stop) -> np.ndarray:
-    """A sequence's sampling options and stop rule as one ROW_DTYPE record
-    [1]."""
+def seq_row(params, seed: int, stop) -> bytes:
+    """A sequence's sampling options and stop rule as the bytes of one
+    ROW_DTYPE record (a step joins its sequences' records in one copy)."""
     row = np.zeros(1, ROW_DTYPE)
     r = row[0]
     r["temperature"], r["top_k"], r["top_p"], r["min_p"] = (
@@ -42,7 +42,7 @@ def seq_row(params, seed: int, stop) -> np.ndarray:
     r["stop_ids"] = -1
     r["stop_ids"][:len(ids)] = ids
     r["min_tokens"], r["max_tokens"] = stop.min_tokens, stop.max_tokens
-    return row
+    return row.tobytes()
 
 
 def build_plan(scheduled: Seq, num_steps: int, *, pages_per_seq: int, vocab_size: int,
@@ -52,40 +52,33 @@ def build_plan(scheduled: Seq, num_steps: int, *, pages_per_seq: int, vocab_size
     `history_width(n)` buckets the penalty history of the longest
     sequence with penalties."""
     S = len(scheduled)
-    starts = np.empty(S, np.int32)
-    q_lens = np.empty(S, np.int32)
+    starts = np.fromiter([sc.start for sc in scheduled], np.int32, S)
+    q_lens = np.fromiter([sc.num_rows for sc in scheduled], np.int32, S)
+    prev = np.fromiter([sc.prev_row for sc in scheduled], np.int32, S)
+    num_output = np.fromiter([sc.seq.num_output_tokens + sc.seq.inflight_tokens for sc in scheduled],
+                             np.int32, S)
     num_spec = np.zeros(S, np.int32)
-    prev = np.full(S, -1, np.int32)
-    num_output = np.empty(S, np.int32)
-    T = 0
-    for i, sc in enumerate(scheduled):
-        starts[i] = sc.start
-        q_lens[i] = sc.num_rows
-        T += sc.num_rows
-    tokens = np.zeros(T, np.int32)
-    rows, tables = [], []
+    tokens = np.zeros(int(q_lens.sum()), np.int32)
     row = 0
     for i, sc in enumerate(scheduled):
-        seq, n = sc.seq, sc.num_rows
-        k = len(sc.spec_tokens)
-        if sc.prev_row >= 0:
-            prev[i] = sc.prev_row
-        elif n - k == 1:
-            tokens[row] = seq.all_token_ids[sc.start]
-        else:
-            tokens[row:row + n - k] = seq.all_token_ids[sc.start:sc.start + n - k]
+        n, k = sc.num_rows, len(sc.spec_tokens)
+        if sc.prev_row < 0:  # else its input is the token sampled in flight, on the device
+            ids = sc.seq.all_token_ids
+            if n - k == 1:
+                tokens[row] = ids[sc.start]
+            else:
+                tokens[row:row + n - k] = ids[sc.start:sc.start + n - k]
         if k:
             num_spec[i] = k
             tokens[row + n - k:row + n] = sc.spec_tokens
         row += n
-        num_output[i] = seq.num_output_tokens + seq.inflight_tokens
-        rows.append(seq.sampling_row)
-        tables.append(seq.progress.pages[:pages_per_seq])
-    rec = np.concatenate(rows) if rows else np.zeros(0, ROW_DTYPE)
+    rec = np.frombuffer(b"".join([sc.seq.sampling_row for sc in scheduled]), ROW_DTYPE)
     sampling = SamplingBatch(**{f: rec[f] for f in SAMPLING_FIELDS})
     stops = StopBatch(stop_ids=rec["stop_ids"], min_tokens=rec["min_tokens"],
                       max_tokens=rec["max_tokens"])
-    block_tables = (np.stack(tables) if tables else np.zeros((0, pages_per_seq), np.int32))
+    W = pages_per_seq
+    block_tables = (np.stack([sc.seq.progress.pages[:W] for sc in scheduled]) if S
+                    else np.zeros((0, W), np.int32))
     rules, stuck = _rules(scheduled, vocab_size)
     plan = StepPlan(token_ids=tokens, starts=starts, q_lens=q_lens, num_spec=num_spec,
                     prev_index=prev, block_tables=block_tables, num_output=num_output,
