@@ -63,7 +63,11 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
                 planned=planned, shards=len(eng.runner.cache.k[0].addressable_shards))
 
 
-def load(gguf: str | None):
+def load(gguf: str | None, layers: int | None = None):
+    """The tiny random model, or the GGUF's (its first `layers` layers
+    only, when given: the same weights and head layout, fewer to compile)."""
+    import dataclasses
+
     from jaxkv.model.llama import Llama
 
     if gguf is None:
@@ -71,6 +75,10 @@ def load(gguf: str | None):
     from checkpoints import load_checkpoint
 
     config, params, _ = load_checkpoint(gguf)
+    if layers is not None:
+        config = dataclasses.replace(config, num_layers=layers)
+        params = {k: v for k, v in params.items()
+                  if not k.startswith("layers.") or int(k.split(".")[1]) < layers}
     return Llama.from_params(config, params)
 
 
@@ -82,6 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", default=None)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--layers", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--process-id", type=int, default=0)
@@ -115,7 +124,7 @@ def main(argv=None) -> int:
         out["devices"] = tp
         out["processes"] = jax.process_count()
     else:
-        model = load(a.gguf)
+        model = load(a.gguf, a.layers)
         out = {tp: run(model, int(tp), a.backend, a.max_tokens, a.prompts, **engine)
                for tp in a.tp.split(",")}
     print(json.dumps(out), flush=True)

@@ -94,7 +94,7 @@ class OutputProcessor:
                 continue
             if not s.num_output_tokens:
                 stats["prompt_tokens_computed"] += sc.num_rows
-            sched.chunk_completed(sc)
+            sched.chunk_ran(sc)
             count = counts[i]
             if stuck and i in stuck:
                 count = 0

@@ -129,11 +129,6 @@ class Scheduler:
         self._computed(s, end)
         return s.fork_pending and end == s.prefill_target
 
-    def chunk_completed(self, sc: ScheduledSeq) -> None:
-        """`chunk_ran` of a chunk that reaches its sequence's last known
-        token (a decode row, or a prompt's last chunk)."""
-        self._computed(sc.seq, sc.known_end)
-
     def tokens_taken(self, sc: ScheduledSeq, count: int) -> None:
         """`count` sampled tokens of `sc`'s sequence were taken (it may have
         finished): every one but the newest has its K/V written, and slots
