@@ -267,8 +267,7 @@ class LLMEngine:
 
     def _output(self, s: Sequence) -> RequestOutput:
         """The request's output (all its sequences); `s` is its parent."""
-        if s.children[0].finished if len(s.children) == 1 else all(
-                c.finished for c in s.children):  # its final output: the engine forgets it
+        if all(c.finished for c in s.children):  # its final output: the engine forgets it
             self.intake.forget(s)
         return self.outputs.output(s)
 

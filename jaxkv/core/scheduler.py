@@ -269,13 +269,12 @@ class Scheduler:
                 continue
             p = seq.progress
             start = p.num_scheduled
-            k = 0
-            if self.spec is not None and seq.planned_tokens - start == 1:
-                k = self.spec.max_proposals(seq, budget - 1)
-                if k and not self.bm.can_append_slots(
-                        seq.request_id, max(0, start + 1 + k - p.num_reserved)):
-                    k = 0  # proposals never preempt anyone
-            if seq.planned_tokens - start == 1 and not seq.fork_pending:  # a decode row
+            decodes_one = seq.planned_tokens - start == 1
+            k = self._proposals(seq, budget) if decodes_one else 0
+            if k and not self.bm.can_append_slots(
+                    seq.request_id, max(0, start + 1 + k - p.num_reserved)):
+                k = 0  # proposals never preempt anyone
+            if decodes_one and not seq.fork_pending:  # a decode row
                 n = 1 + k
             else:
                 n = min(seq.prefill_target - start, budget, chunk_cap(seq, start)) + k

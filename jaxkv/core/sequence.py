@@ -65,7 +65,8 @@ class Sequence:
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.progress = None  # jaxkv.core.progress.Progress while it runs (the scheduler's)
-        self.sampling_row = None  # bytes of its jaxkv.core.step_plan.ROW_DTYPE record, built once when queued
+        # the bytes of its jaxkv.core.step_plan.ROW_DTYPE record, built once when queued
+        self.sampling_row = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
         self.spec_proposed = 0  # speculative tokens proposed / accepted for it

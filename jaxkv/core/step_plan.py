@@ -55,8 +55,8 @@ def build_plan(scheduled: Seq, num_steps: int, *, pages_per_seq: int, vocab_size
     starts = np.fromiter([sc.start for sc in scheduled], np.int32, S)
     q_lens = np.fromiter([sc.num_rows for sc in scheduled], np.int32, S)
     prev = np.fromiter([sc.prev_row for sc in scheduled], np.int32, S)
-    num_output = np.fromiter([sc.seq.num_output_tokens + sc.seq.inflight_tokens for sc in scheduled],
-                             np.int32, S)
+    num_output = np.fromiter([sc.seq.num_output_tokens + sc.seq.inflight_tokens
+                              for sc in scheduled], np.int32, S)
     num_spec = np.zeros(S, np.int32)
     tokens = np.zeros(int(q_lens.sum()), np.int32)
     row = 0
