@@ -27,8 +27,8 @@ preemption.
 
 When the page pool runs dry, the most recently admitted running sequence is
 preempted by recompute: its pages are freed and it goes back to the front
-of the queue (its prompt and the tokens generated so far are prefilled
-again, mostly from the prefix cache).
+of the queue (its prompt and tokens so far prefilled again, mostly from the
+prefix cache). A request with n > 1 holds n seats from its admission on.
 
 Each running sequence's progress (`jaxkv.core.progress.Progress`: pages,
 K/V reserved and written, tokens in flight) is this scheduler's record:
@@ -95,8 +95,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    # ------------------------------------------------------------ progress
-
     def dispatched(self, out: "SchedulerOutput") -> None:
         """`out` was dispatched and is in flight: count the tokens it
         samples for each sequence and the K/V it writes."""
@@ -149,8 +147,6 @@ class Scheduler:
             self.bm.release_range(s.request_id, self.num_sink_tokens,
                                   num_computed - self.window + 1)
 
-    # ------------------------------------------------------------ planning
-
     def schedule(self, lookahead: bool = False) -> SchedulerOutput:
         """The next step; with `lookahead`, planned while a step is in
         flight (no preemption, no sequence at its last token)."""
@@ -179,10 +175,14 @@ class Scheduler:
     def _decode_only(self) -> bool:
         """Every running sequence decodes and nothing waiting could be
         admitted: a step of decodes only."""
-        if not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
+        if not self.running or (self.waiting and self._seats() < self.max_num_seqs):
             return False
         return len(self.running) <= self.max_num_batched_tokens and all(
             s.planned_tokens - s.progress.num_scheduled == 1 for s in self.running)
+
+    def _seats(self) -> int:
+        """Sequences running, counting the siblings a pending fork adds."""
+        return len(self.running) + sum(s.params.n - 1 for s in self.running if s.fork_pending)
 
     def _proposals(self, seq: Sequence, budget: int) -> int:
         """Proposals a decoding sequence may bring within `budget` rows
@@ -282,10 +282,11 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledSeq(seq, start, n, num_spec=k))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+        seats = self._seats()
+        while self.waiting and budget > 0 and seats < self.max_num_seqs \
                 and not out.preempted and not out.needs_preemption:
             seq = self.waiting[0]
-            if seq.fork_pending and len(self.running) + seq.params.n > self.max_num_seqs:
+            if seq.fork_pending and seats + seq.params.n > self.max_num_seqs:
                 break  # its n sequences run together once it forks
             target = seq.prefill_target
             if not self.chunked and target > budget:
@@ -313,4 +314,5 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, cached, n))
             budget -= n
+            seats += seq.params.n if seq.fork_pending else 1
         return out
