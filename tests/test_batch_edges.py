@@ -65,6 +65,21 @@ def test_odd_lines_each_get_their_own_record(eng, tmp_path):
     assert "JSON" in by[8]["error"] and by[9]["finish_reason"] == "length"
 
 
+
+def test_a_deeply_nested_line_gets_an_error_record_and_the_job_resumes(eng, tmp_path):
+    # ~1500 levels: json.loads raises RecursionError, which once ended the job
+    # before any record was written, on every resume too.
+    deep = b'{"prompt": "hi", "id": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+    lines = [b'{"prompt": "what is a cache", "id": "a"}', deep, b"[" * 100000,
+             b'{"prompt": "tail", "id": "z"}']
+    recs, counts = run(eng, tmp_path, b"\n".join(lines) + b"\n")
+    assert counts == {"written": 4, "errors": 2, "skipped": 0}
+    assert [r["finish_reason"] for r in recs] == ["length", "error", "error", "length"]
+    assert "nested too deeply" in recs[1]["error"] and "nested too deeply" in recs[2]["error"]
+    assert recs[3]["id"] == "z"
+    again, counts = run(eng, tmp_path, b"\n".join(lines) + b"\n")
+    assert counts["skipped"] == 4 and again == recs
+
 LINE = st.one_of(
     st.builds(lambda w, extra: json.dumps({"prompt": " ".join(w), **extra}),
               st.lists(st.sampled_from(WORDS), min_size=1, max_size=12),

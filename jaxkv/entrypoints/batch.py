@@ -60,12 +60,29 @@ def _record_line(rec: dict) -> str:
     return line
 
 
-def _parse_line(line: str, defaults: dict[str, Any], tokenizer) -> tuple[Any, SamplingParams]:
-    """-> (prompt for the engine, SamplingParams); ValueError names the field."""
+def _loads(line: str | bytes) -> Any:
+    """The line's JSON value; ValueError for a line that is not JSON or is
+    nested too deeply to parse (or to write back)."""
     try:
-        rec = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"line is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("line is nested too deeply to parse as JSON") from None
+
+
+def _checked_id(value: Any) -> Any:
+    """A line's "id", if it can be written back."""
+    try:
+        json.dumps(value)
+    except (RecursionError, ValueError, TypeError):
+        raise ValueError("id: nested too deeply to write back") from None
+    return value
+
+
+def _parse_line(rec: Any, defaults: dict[str, Any], tokenizer) -> tuple[Any, SamplingParams]:
+    """A parsed line -> (prompt for the engine, SamplingParams); ValueError
+    names the field."""
     if not isinstance(rec, dict):
         raise ValueError("line must be a JSON object")
     extra = set(rec) - _FIELDS - {"prompt", "messages", "prompt_token_ids", "id"}
@@ -110,21 +127,20 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
     for i in range(done, len(lines)):
         rec = {"index": i}
         try:
-            raw = json.loads(lines[i])
-            if isinstance(raw, dict) and "id" in raw:
-                rec["id"] = raw["id"]
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            pass
-        try:
             if isinstance(lines[i], bytes):
                 lines[i].decode("utf-8")  # raises: the line is not UTF-8
-            prompt, params = _parse_line(lines[i], defaults, engine.tokenizer)
+            raw = _loads(lines[i])
+            if isinstance(raw, dict) and "id" in raw:
+                rec["id"] = _checked_id(raw["id"])
+            prompt, params = _parse_line(raw, defaults, engine.tokenizer)
             rid = engine.add_request(prompt, params, request_id=f"batch-{i}")
             rid_of[rid] = i
         except UnicodeDecodeError as e:
             rec.update(error=f"line is not valid UTF-8 (byte {e.start})", finish_reason="error")
         except (ValueError, TypeError) as e:
             rec.update(error=str(e), finish_reason="error")
+        except Exception as e:  # noqa: BLE001 - one line never ends the job
+            rec.update(error=f"line: {type(e).__name__}: {e}"[:500], finish_reason="error")
         pending[i] = rec
     bar = None
     if progress:
