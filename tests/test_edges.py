@@ -50,6 +50,7 @@ def lone(model, prompt, params=GREEDY):
     (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop="\ud800"), "stop"),
     (dict(n=0), "n"), (dict(n=9), "n"),  # the engine holds 8 sequences
     (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={3: "big"}), "logit_bias"),
+    (dict(logit_bias={"\u00b2": 1}), "logit_bias"), (dict(logit_bias={"\u0663": 1}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"), (dict(bad_words="no"), "bad_words"),

@@ -84,9 +84,23 @@ def test_bad_grammars_are_named_errors(smollm2):
     eng = LLMEngine(module, tok, EngineConfig(kv_cache_memory=SMOLLM2_KV_BYTES, warmup=False))
     bad = [{"regex": "(unclosed"}, {"grammar": "start: undefined_rule"},
            {"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
-           {"json": "{not json"}, {"choice": []}, {"regex": "a", "choice": ["b"]}, "json"]
+           {"json": "{not json"}, {"choice": []}, {"regex": "a", "choice": ["b"]}, "json",
+           {"choice": [f"c{i}" for i in range(10_001)]},
+           # 2,001 literals in one rule: too many parser items after one token
+           # (once accepted, then a 23 KB error after the answer's first token)
+           {"grammar": "start: " + " | ".join(json.dumps(f"{w} {i}") for i, w in enumerate(
+               ["apple", "river", "stone", "cloud"] * 501))}]
     for spec in bad:
         rid = eng.add_request("hi", SamplingParams(max_tokens=4, structured_outputs=spec))
         out = eng.run_to_completion([rid])[rid]
         assert out.outputs[0].finish_reason == "error", spec
         assert out.error.startswith("structured_outputs:"), (spec, out.error)
+        assert out.outputs[0].token_ids == [] and len(out.error) < 500, out.error
+    # The same 2,001 answers as a choice list run (one regex), at temperature 1.
+    choices = [f"{w} {i}" for i, w in enumerate(["apple", "river", "stone", "cloud"] * 501)][:2001]
+    rids = [eng.add_request(_chat(tok, "Pick one."), SamplingParams(
+        max_tokens=12, temperature=1.0, seed=i, structured_outputs={"choice": choices}))
+        for i in range(4)]
+    outs = eng.run_to_completion(rids)
+    for r in rids:
+        assert outs[r].error is None and outs[r].outputs[0].text in choices, outs[r].outputs[0]

@@ -98,8 +98,9 @@ class OutputProcessor:
             count = counts[i]
             if stuck and i in stuck:
                 count = 0
-                s.finish("error", error="structured_outputs: no token can continue the "
-                                        "output (the rules allow none)")
+                why = getattr(s.rules, "error", None) or "the rules allow none"
+                s.finish("error", error=f"structured_outputs: no token can continue the "
+                                        f"output ({why})")
             toks, lps, fin = tokens[i], logprobs[i], finite[i]
             for k in range(count):
                 if not fin[k]:

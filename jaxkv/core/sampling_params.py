@@ -141,7 +141,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: must be an object of at most "
                                  f"{self.MAX_LOGIT_BIAS} token id -> bias entries")
             for k, v in bias.items():
-                t = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+                t = int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() else k
                 if not token_id(t):
                     raise ValueError(f"logit_bias: {k!r} is not a token id of this model")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not (

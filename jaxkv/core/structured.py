@@ -25,6 +25,17 @@ from typing import Any, Sequence
 import numpy as np
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_CHOICES = 10_000  # a choice list compiles to one regex: fast at this size
+MAX_CHOICE_CHARS = 1_000_000
+PROBE_TOKENS = 8  # tokens a new grammar is walked at intake (errors show there, not mid-answer)
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def grammar_error(matcher) -> str:
+    """A matcher's error, first line only (llguidance appends its parser
+    state, kilobytes of it)."""
+    text = (matcher.get_error() or "rejected").strip().splitlines()[0]
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def check_spec(spec: Any) -> None:
@@ -56,6 +67,10 @@ def check_spec(spec: Any) -> None:
                 isinstance(c, str) and c for c in v):
             raise ValueError("structured_outputs: choice must be a non-empty list of "
                              "non-empty strings")
+        if len(v) > MAX_CHOICES or sum(map(len, v)) > MAX_CHOICE_CHARS:
+            raise ValueError(f"structured_outputs: choice has {len(v)} entries of "
+                             f"{sum(map(len, v))} characters; at most {MAX_CHOICES} entries "
+                             f"and {MAX_CHOICE_CHARS} characters")
     elif v is not True:
         raise ValueError("structured_outputs: json_object must be true")
 
@@ -72,8 +87,9 @@ def grammar_source(spec: dict) -> str:
         return LLMatcher.grammar_from_json_schema({"type": "object"})
     if kind == "regex":
         return LLMatcher.grammar_from_regex(v)
-    if kind == "choice":  # Lark string literals are JSON strings
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in v))
+    if kind == "choice":  # one regex: the lexer's automaton, not thousands of parser items
+        return LLMatcher.grammar_from_regex("(" + "|".join(
+            "".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in v) + ")")
     return LLMatcher.grammar_from_lark(v)
 
 
@@ -124,12 +140,34 @@ class Grammars:
             if m is None:
                 m = LLMatcher(lltok, src, log_level=0)
                 if m.is_error():
-                    raise ValueError(f"structured_outputs: {m.get_error()}")
+                    raise ValueError(f"structured_outputs: {grammar_error(m)}")
+                self._probe(m.deep_copy())
                 self._cache[src] = m
                 if len(self._cache) > self._size:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(src)
             return m.deep_copy()
+
+
+    def _probe(self, m) -> None:
+        """Walk a new grammar's first tokens (the lowest allowed each time):
+        a grammar too complex for the parser fails here, at intake, not
+        after the answer's first token."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        mask = allocate_token_bitmask(1, self.vocab_size)
+        for _ in range(PROBE_TOKENS):
+            fill_next_token_bitmask(m, mask, 0)
+            words = np.flatnonzero(mask[0])
+            if not m.is_error() and len(words) and not m.is_stopped():
+                w = int(words[0])
+                t = w * 32 + (int(mask[0][w]) & -int(mask[0][w])).bit_length() - 1
+                if t < self.vocab_size and m.consume_token(t):
+                    continue
+            if m.is_error():
+                raise ValueError(f"structured_outputs: the grammar is too complex or invalid "
+                                 f"({grammar_error(m)})")
+            return
 
 
 def mask_width(vocab_size: int) -> int:
@@ -162,6 +200,7 @@ class TokenRules:
                     bad.add(tuple(ids))
         self.bad_words = sorted(bad)
         self.bias = params.logit_bias_pairs
+        self.error: str | None = None  # the grammar's, once it fails
 
     def fill(self, bitmask: np.ndarray, row: int, output_ids: Sequence[int]) -> bool:
         """Write this sequence's allowed tokens into `bitmask[row]` (all ones
@@ -169,6 +208,8 @@ class TokenRules:
         if self.matcher is not None:
             from llguidance.numpy import fill_next_token_bitmask
             fill_next_token_bitmask(self.matcher, bitmask, row)
+            if self.matcher.is_error():
+                self.error = grammar_error(self.matcher)
         if self.allowed is not None:
             bitmask[row] &= self.allowed
         words = bitmask[row].view(np.uint32)
@@ -186,5 +227,5 @@ class TokenRules:
             return None
         if not self.matcher.consume_token(int(token)):
             return (f"structured_outputs: token {token} was sampled outside the grammar "
-                    f"({self.matcher.get_error() or 'rejected'})")
+                    f"({grammar_error(self.matcher)})")
         return "stop" if self.matcher.is_stopped() else None
