@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.gguf_io import is_gguf, load_gguf
-from checkpoints.jaxkv_format import MARKER, is_jaxkv_checkpoint, restore, save
+from checkpoints.jaxkv_format import MARKER, is_jaxkv_checkpoint, read_config, restore, save
+from checkpoints.limits import check_tokenizer_fits
 from checkpoints.safetensors_io import load_hf_dir
 from checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from jaxkv.config import ModelConfig
@@ -41,33 +42,48 @@ def detect_kind(path: str | os.PathLike) -> str:
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """Only the ModelConfig of a checkpoint (no weights are read)."""
-    import json
-
     from checkpoints.gguf_io import read_gguf_metadata
     from checkpoints.safetensors_io import read_hf_config
     from checkpoints.model_config import from_gguf_metadata
 
     kind = detect_kind(path)
     if kind == "jaxkv":
-        return ModelConfig.from_dict(json.loads((Path(path) / "model_config.json").read_text()))
+        return read_config(path)
     if kind == "hf":
         return read_hf_config(path)
-    return from_gguf_metadata(read_gguf_metadata(path))
+    meta = read_gguf_metadata(path)
+    try:
+        return from_gguf_metadata(meta)
+    except ValueError as e:
+        raise ValueError(f"{path}: bad GGUF metadata: {e}") from None
 
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = None,
-                    progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+                    progress: bool = False, verify_checksums: bool = True,
+                    ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
     """Load any supported checkpoint as (config, params, tokenizer or None).
 
     ``dtype=None`` gives float32 for HF and GGUF sources and the stored dtype for
     jaxkv checkpoints. The tokenizer is None only for an HF dir without
-    tokenizer.json or a jaxkv checkpoint saved without one."""
+    tokenizer.json or a jaxkv checkpoint saved without one; one with ids
+    beyond the model's vocab_size is refused. ``verify_checksums=False``
+    skips hashing a jaxkv checkpoint's tensors (`restore`); HF and GGUF
+    files carry no checksums."""
     kind = detect_kind(path)
     if kind == "jaxkv":
-        return restore(path, dtype=dtype)
+        return restore(path, dtype=dtype, verify_checksums=verify_checksums)
     if kind == "hf":
         config, params = load_hf_dir(path, dtype=dtype, progress=progress)
-        tok = Tokenizer.from_hf_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
-        return config, params, tok
-    config, params, info = load_gguf(path, dtype=dtype, progress=progress)
-    return config, params, tokenizer_from_gguf(info)
+        # lexists: a tokenizer.json that is a FIFO, a device or a dangling link is an error.
+        tok = Tokenizer.from_hf_dir(path) if os.path.lexists(Path(path) / "tokenizer.json") else None
+    else:
+        config, params, info = load_gguf(path, dtype=dtype, progress=progress)
+        try:
+            tok = tokenizer_from_gguf(info)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    try:
+        check_tokenizer_fits(config, tok)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return config, params, tok

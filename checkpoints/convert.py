@@ -1,6 +1,10 @@
 """Convert a checkpoint (HF dir, GGUF file or jaxkv checkpoint) to jaxkv format.
 
     python -m checkpoints.convert SRC DST [--dtype float32|bfloat16] [--overwrite]
+                                  [--no-verify-checksums]
+
+A bad source is one line on stderr ("error: ..." naming the file, field or
+tensor) and exit status 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from checkpoints.dtypes import cast_params
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", *,
-            overwrite: bool = False, progress: bool = True) -> Path:
-    """Load ``src`` (any supported kind), cast to ``dtype`` and save it at ``dst``."""
-    config, params, tokenizer = load_checkpoint(src, dtype=dtype, progress=progress)
+            overwrite: bool = False, progress: bool = True, verify_checksums: bool = True) -> Path:
+    """Load ``src`` (any supported kind), cast to ``dtype`` and save it at
+    ``dst`` with fresh checksums; ``verify_checksums=False`` skips checking
+    a jaxkv source's."""
+    config, params, tokenizer = load_checkpoint(src, dtype=dtype, progress=progress,
+                                                verify_checksums=verify_checksums)
     params = cast_params(params, dtype)
     return save(dst, config, params, tokenizer, overwrite=overwrite)
 
@@ -29,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dst", help="output jaxkv checkpoint dir")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--no-verify-checksums", dest="verify", action="store_false",
+                        help="do not check a jaxkv SRC's tensor checksums (faster)")
     args = parser.parse_args(argv)
     try:
-        out = convert(args.src, args.dst, args.dtype, overwrite=args.overwrite)
+        out = convert(args.src, args.dst, args.dtype, overwrite=args.overwrite, verify_checksums=args.verify)
     except ValueError as e:
         parser.exit(1, f"error: {e}\n")
     print(f"wrote {out}")

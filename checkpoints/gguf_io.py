@@ -14,6 +14,7 @@ qwen2 files are not permuted.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, Callable
@@ -90,6 +91,12 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _open(path: Path) -> GGUFReader:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):  # a FIFO would block the reader, a device never end
+        raise ValueError(f"{path}: not a regular file; refusing to read it")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -170,7 +177,8 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
         hf_tensors[hf] = _loader(t, hf_shapes[hf], heads, path)
     if unknown:
         raise ValueError(f"{path}: unexpected tensors {sorted(unknown)}")
-    params = hf_to_params(config, hf_tensors, hf_shapes, dtype=dtype, source=str(path), progress=progress)
+    params = hf_to_params(config, hf_tensors, hf_shapes, dtype=dtype, source=str(path), progress=progress,
+                          layers_field=f"{meta['general.architecture']}.block_count")
     tokenizer_info = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     return config, params, tokenizer_info
 

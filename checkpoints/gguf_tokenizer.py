@@ -28,6 +28,11 @@ _SPLIT_PRE = {
     "llama-v3": (_LLAMA3_SPLIT, True), "smaug-bpe": (_LLAMA3_SPLIT, True),
     "qwen2": (_QWEN2_SPLIT, False), "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
 }  # pre -> (split regex, BPE ignore_merges)
+# Keys whose value, when present, must be a list of this type / a token id.
+_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str,
+          "tokenizer.ggml.scores": (int, float), "tokenizer.ggml.token_type": int}
+_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id",
+        "eom_token_id")
 
 
 def tokenizer_from_gguf(info: Mapping[str, Any]) -> Tokenizer:
@@ -35,6 +40,15 @@ def tokenizer_from_gguf(info: Mapping[str, Any]) -> Tokenizer:
     e.g. ``tokenizer.ggml.tokens``). Supports ``tokenizer.ggml.model`` "gpt2"
     (byte-level BPE, with the pre-tokenizers listed in this module) and
     "llama" (SentencePiece BPE with byte fallback)."""
+    for key, kind in _LISTS.items():  # a hostile file's wrong types: refused by name
+        v = info.get(key)
+        if v is not None and not (isinstance(v, list) and all(
+                isinstance(x, kind) and not isinstance(x, bool) for x in v)):
+            raise ValueError(f"{key}: must be a list of {getattr(kind, '__name__', 'number')}s")
+    for key in _IDS:
+        v = info.get(f"tokenizer.ggml.{key}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"tokenizer.ggml.{key}: must be a token id, got {str(v)[:80]}")
     kind = info.get("tokenizer.ggml.model")
     tokens = list(info.get("tokenizer.ggml.tokens") or [])
     if not tokens:

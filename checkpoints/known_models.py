@@ -32,11 +32,11 @@ def resolve_model_path(model: str) -> Path:
     converting it on first use); anything else must be an existing path."""
     if model.lower() in KNOWN_MODELS:
         from checkpoints.convert import convert
-        from checkpoints.jaxkv_format import is_jaxkv_checkpoint
+        from checkpoints.jaxkv_format import is_current
 
         dst = cache_dir() / "models" / model.lower()
-        if not is_jaxkv_checkpoint(dst):
-            convert(fetch_smollm2_gguf(), dst, "float32")
+        if not is_current(dst):  # absent, or written before checksums: convert (again)
+            convert(fetch_smollm2_gguf(), dst, "float32", overwrite=True)
         return dst
     path = Path(model).expanduser()
     if not path.exists():

@@ -9,17 +9,18 @@ from checkpoints import load_checkpoint
 from checkpoints.known_models import resolve_model_path
 
 
-def load_model(model: str, *, dtype: str = "float32", quantize: str | None = None
-               ) -> tuple[Any, Any]:
+def load_model(model: str, *, dtype: str = "float32", quantize: str | None = None,
+               verify_checksums: bool = True) -> tuple[Any, Any]:
     """-> (`jaxkv.model.llama.Llama` in `dtype`, `jaxkv.tokenizer.Tokenizer` or
     None). `model` is a known name (see `checkpoints.known_models`) or a path:
-    a Hugging Face folder, a GGUF file or a jaxkv checkpoint."""
+    a Hugging Face folder, a GGUF file or a jaxkv checkpoint (whose tensor
+    checksums are checked unless ``verify_checksums=False``)."""
     import jax.numpy as jnp
 
     from jaxkv.model.llama import Llama
     from jaxkv.model.params import check_params
 
-    config, params, tokenizer = load_checkpoint(resolve_model_path(model))
+    config, params, tokenizer = load_checkpoint(resolve_model_path(model), verify_checksums=verify_checksums)
     check_params(config, params)
     dt = jnp.dtype(dtype)
     # Each host tensor is dropped as soon as its device copy is made, so the

@@ -12,7 +12,6 @@ missing or unexpected tensors raise. Legend as in `jaxkv.model.params`.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Callable, Mapping
@@ -22,9 +21,11 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from checkpoints.dtypes import resolve_dtype
+from checkpoints.limits import check_layer_count
 from checkpoints.model_config import from_hf_config
 from jaxkv.config import ModelConfig
 from jaxkv.model.params import check_params, expected_shapes, shape_problems
+from jaxkv.tokenizer import MAX_INDEX_BYTES, read_json_file
 
 _ST_DTYPES = ("F64", "F32", "F16", "BF16")  # floating weights jaxkv loads
 
@@ -105,14 +106,21 @@ def hf_to_params(
     dtype: str | np.dtype | None = "float32",
     source: str = "checkpoint",
     progress: bool = False,
+    layers_field: str = "num_hidden_layers",
 ) -> dict[str, np.ndarray]:
     """Map HF-named tensors to jaxkv params.
 
     ``tensors`` maps HF name -> zero-argument loader of the array in HF layout;
     ``shapes`` gives each tensor's stored shape (checked before loading).
-    Raises ValueError naming missing, unexpected and wrong-shape tensors.
+    Raises ValueError naming missing, unexpected and wrong-shape tensors, and
+    first ``layers_field`` (the source's name for the layer count) when
+    ``config.num_layers`` is not the number of layers whose tensors exist.
     """
     dt = resolve_dtype(dtype)
+    try:
+        check_layer_count(config.num_layers, tensors, "model.layers.", layers_field)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     table = hf_tensor_map(config)
     names = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings and "lm_head.weight" in names:
@@ -166,13 +174,13 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
 
 def _shard_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     index = path / "model.safetensors.index.json"
-    if index.exists():
+    if os.path.lexists(index):  # a dangling link or a non-regular file is an error, not "absent"
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json_file(index, MAX_INDEX_BYTES)["weight_map"]
             if not isinstance(weight_map, dict) or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
                 raise TypeError("weight_map is not a {tensor: file} object")
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise ValueError(f"{index}: corrupt index file ({type(e).__name__}: {e})") from None
         files = sorted(set(weight_map.values()))
         for f in files:
@@ -207,16 +215,10 @@ def load_hf_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...],
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
-    """ModelConfig from ``path/config.json``."""
+    """ModelConfig from ``path/config.json`` (a regular file of at most
+    `jaxkv.tokenizer.MAX_CONFIG_BYTES`)."""
     cfg_path = Path(path) / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{cfg_path}: not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg_path}: corrupt config ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path}: corrupt config (not a JSON object)")
+    cfg = read_json_file(cfg_path)
     try:
         return from_hf_config(cfg)
     except ValueError as e:

@@ -85,14 +85,14 @@ class ModelConfig:
                 f"num_kv_heads: num_heads ({self.num_heads}) is not a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta: must be positive, got {self.rope_theta}")
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps: must be positive, got {self.rms_norm_eps}")
+        for name in ("rope_theta", "rms_norm_eps"):  # NaN fails every comparison: refused too
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name}: must be a positive finite number, got {v!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window: must be positive or None, got {self.sliding_window}")
         for tok in self.eos_token_ids + ((self.bos_token_id,) if self.bos_token_id is not None else ()):
-            if not 0 <= tok < self.vocab_size:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
                 raise ValueError(f"bos/eos token id {tok} outside vocab_size {self.vocab_size}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +168,7 @@ class EngineConfig:
         None, "int8: weight-only int8 matmul weights with per-channel scales (a quarter of "
               "the fp32 bytes; for accelerators). w8a8: int8 x int8 dots for steps of 16+ "
               "rows (faster batched decode on CPU), fp32 below", choices=("int8", "w8a8"))
+    verify_checksums: bool = _opt(True, "check a jaxkv checkpoint's tensor checksums on load")
     num_decode_steps: int = _opt(8, "decode steps per jitted call when only decodes run")
     async_scheduling: bool | None = _opt(
         None, "overlapped scheduling: plan and dispatch the next step before reading this one's "

@@ -135,7 +135,8 @@ class LLMEngine:
 
         cfg = EngineConfig(**config)
         init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
-        module, tokenizer = load_model(model, dtype=cfg.dtype, quantize=cfg.quantize)
+        module, tokenizer = load_model(model, dtype=cfg.dtype, quantize=cfg.quantize,
+                                       verify_checksums=cfg.verify_checksums)
         return cls(module, tokenizer, cfg)
 
     # ------------------------------------------------------------ requests

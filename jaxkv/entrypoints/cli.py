@@ -181,7 +181,7 @@ def cmd_serve(a) -> int:
 
 def cmd_convert(a) -> int:
     from checkpoints.convert import convert
-    convert(a.src, a.dst, a.dtype)
+    convert(a.src, a.dst, a.dtype, verify_checksums=a.verify_checksums)
     return 0
 
 
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="stored weight dtype (default: %(default)s)")
+    v.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="do not check a jaxkv SRC's tensor checksums (faster)")
     v.set_defaults(func=cmd_convert)
 
     add_estimate_command(sub)
