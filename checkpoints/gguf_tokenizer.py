@@ -107,6 +107,10 @@ def _byte_level_bpe(info: Mapping[str, Any], vocab: dict[str, int]) -> tokenizer
     return tok
 
 
+MAX_PIECE_CHARS = 1024  # real vocabularies' longest pieces are far shorter
+MAX_VOCAB_CHARS = 16 * 2**20
+
+
 def _sentencepiece_bpe(info: Mapping[str, Any], tokens: list[str], unk: int | None) -> tokenizers.Tokenizer:
     """SentencePiece BPE (llama.cpp "llama" vocab): spaces become U+2581, one is
     prepended to the text when ``add_space_prefix``, pieces merge highest score
@@ -114,8 +118,13 @@ def _sentencepiece_bpe(info: Mapping[str, Any], tokens: list[str], unk: int | No
     scores = info.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ValueError("tokenizer.ggml.scores: a SentencePiece vocabulary needs one score per token")
+    longest = max(map(len, tokens), default=0)
+    if longest > MAX_PIECE_CHARS or sum(map(len, tokens)) > MAX_VOCAB_CHARS:
+        raise ValueError(f"tokenizer.ggml.tokens: pieces of up to {longest} characters, "
+                         f"{sum(map(len, tokens))} in all; a SentencePiece vocabulary here holds "
+                         f"pieces of at most {MAX_PIECE_CHARS} and {MAX_VOCAB_CHARS} in all")
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = _merges_from_scores(vocab, scores)
+    merges = _merges_from_scores(vocab, scores)  # work ~ sum of squared piece lengths
     tok = tokenizers.Tokenizer(models.BPE(
         vocab=vocab, merges=merges, unk_token=tokens[unk] if unk is not None else None,
         fuse_unk=True, byte_fallback=True))

@@ -290,6 +290,15 @@ def test_bad_gguf_tokenizer_types_are_refused_by_name(key, value):
         tokenizer_from_gguf(info)
 
 
+def test_a_sentencepiece_vocabulary_with_an_endless_piece_is_refused_fast():
+    # One 1 MB piece once made the merge search run for hours (every cut of it).
+    tokens = ["<unk>", "\u2581a", "a" * 2**20] + [f"t{i}" for i in range(V - 3)]
+    info = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0] * V}
+    with pytest.raises(ValueError, match=r"^tokenizer\.ggml\.tokens: pieces of up to 1048576"):
+        tokenizer_from_gguf(info)
+
+
 @pytest.mark.parametrize("file,entry,match", [
     ("generation_config.json", {"eos_token_id": {}}, r"generation_config\.json: eos_token_id"),
     ("generation_config.json", {"eos_token_id": [2, 10**6]}, r"generation_config\.json: eos_token_id"),
