@@ -4,6 +4,7 @@ bodies the `openai` package would refuse to send."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -51,6 +52,18 @@ class ThreadServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+@contextlib.contextmanager
+def serving(engine, **opts):
+    """A ThreadServer of `build_app(engine, ["tiny"], **opts)` for the block."""
+    from jaxkv.entrypoints.openai.server import build_app
+
+    srv = ThreadServer(build_app(engine, ["tiny"], **opts))
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def post(port: int, path: str, body, timeout: float = 120) -> tuple[int, dict]:
@@ -136,3 +149,60 @@ def start_cli_server(model: Path, *args: str, port: int | None = None):
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("jaxkv serve did not become healthy")
+
+
+@contextlib.contextmanager
+def slow_steps(engine, seconds: float = 0.02):
+    """Each step takes at least `seconds`, so a stream stays open a while."""
+    real = engine.runner.dispatch
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    engine.runner.dispatch = slow
+    try:
+        yield
+    finally:
+        del engine.runner.dispatch
+
+
+def request(port, method, path, body=None, headers=None, timeout=120):
+    """(status, headers, parsed JSON body); the body must be JSON."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        raw = r.read()
+        return r.status, dict(r.getheaders()), json.loads(raw)
+    finally:
+        conn.close()
+
+
+def raw_exchange(port, head: bytes, chunks=(), timeout=60):
+    """Send `head` and `chunks` over a bare socket; (status, parsed JSON)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head)
+        for c in chunks:
+            s.sendall(c)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        return r.status, json.loads(r.read())
+
+
+def openai_error(body: dict, status: int) -> dict:
+    """The error of an OpenAI-shaped error body, checked."""
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
+    assert err["code"] == status
+    return err
+
+
+def metrics_text(port, headers=None) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics", headers=headers or {})
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()

@@ -40,7 +40,7 @@ def test_kv_page_draws_the_running_requests(tmp_path):
         return real(*a, **k)
 
     eng.runner.dispatch = slow
-    srv = ThreadServer(build_app(eng, ["tiny"]))
+    srv = ThreadServer(build_app(eng, ["tiny"], enable_kv_map=True))
     system = " ".join(WORDS[:40])
     bodies = [{"prompt": system + " one", "max_tokens": 1500, "ignore_eos": True},
               {"prompt": system + " two", "max_tokens": 1500, "ignore_eos": True},

@@ -132,21 +132,26 @@ class Grammars:
 
         with self._lock:
             lltok = self._ll_tokenizer()
-            try:
-                src = grammar_source(spec)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"structured_outputs: {e}") from None
+        try:
+            src = grammar_source(spec)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+        with self._lock:
             m = self._cache.get(src)
-            if m is None:
-                m = LLMatcher(lltok, src, log_level=0)
-                if m.is_error():
-                    raise ValueError(f"structured_outputs: {grammar_error(m)}")
-                self._probe(m.deep_copy())
-                self._cache[src] = m
-                if len(self._cache) > self._size:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(src)
-            return m.deep_copy()
+            if m is not None:
+                self._cache.move_to_end(src)
+                return m.deep_copy()
+        # Compiled outside the lock: a large grammar in a server's handler
+        # thread never stalls the engine thread's lookups.
+        m = LLMatcher(lltok, src, log_level=0)
+        if m.is_error():
+            raise ValueError(f"structured_outputs: {grammar_error(m)}")
+        self._probe(m.deep_copy())
+        with self._lock:
+            self._cache[src] = m
+            if len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        return m.deep_copy()
 
 
     def _probe(self, m) -> None:

@@ -21,7 +21,7 @@ import logging
 import sys
 
 from checkpoints.known_models import DEFAULT_MODEL
-from jaxkv.entrypoints.cli_options import add_options, values
+from jaxkv.entrypoints.cli_options import add_options, parse_size, values
 from jaxkv.entrypoints.estimate import add_estimate_command
 
 
@@ -175,7 +175,8 @@ def cmd_serve(a) -> int:
     names = a.served_model_name or [a.model]
     return serve(engine, names, host=a.host, port=a.port,
                  max_queued_requests=a.max_queued_requests or None,
-                 shutdown_timeout=a.shutdown_timeout,
+                 shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
+                 api_key=a.api_key, enable_kv_map=a.enable_kv_map,
                  log_level="info" if a.verbose else "warning")
 
 
@@ -229,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before aborting them "
                         "(default: %(default)s)")
+    s.add_argument("--max-request-bytes", type=parse_size, default=16 * 2**20,
+                   help="largest request body accepted; a larger one is answered 413 "
+                        "(default: %(default)s)")
+    s.add_argument("--api-key", default=None,
+                   help="every endpoint but /health needs 'Authorization: Bearer KEY' (401 "
+                        "otherwise); default: $JAXKV_API_KEY if set, else no key")
+    s.add_argument("--enable-kv-map", action="store_true",
+                   help="serve the live KV page map (GET / and /v1/kv_map): it shows every "
+                        "running request's length and timing to whoever may read it")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -22,6 +22,7 @@ import time
 import uuid
 
 from jaxkv.core.outputs import CompletionOutput, RequestOutput
+from jaxkv.entrypoints.openai.metrics import request_counts
 
 log = logging.getLogger("jaxkv.serve")
 
@@ -44,8 +45,10 @@ class RequestStream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     t_arrival: float
+    n: int = 1  # answers (sequences)
     last: RequestOutput | None = None  # engine thread: the latest output
-    t_last: float | None = None  # engine thread: when it arrived
+    t_first: float | None = None  # engine thread: when the first token of any answer came
+    t_last: dict = dataclasses.field(default_factory=dict)  # answer -> its latest token's time
     prompt_counted: bool = False
 
     def put(self, out: RequestOutput) -> None:
@@ -60,7 +63,8 @@ class EngineLoop:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._pending = 0  # submitted, not yet handed to the engine
-        self._waiting = 0  # in the scheduler's waiting queue after the last step
+        self._waiting = 0  # requests in the scheduler's waiting queue after the last step
+        self._multi = 0  # requests of n > 1 in self._streams (engine thread only)
         self._lock = threading.Lock()
         self._deadline: float | None = None  # abort what is left after this (shutdown)
         self.accepting = True
@@ -162,11 +166,12 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, params, request_id=stream.request_id,
                                         cache_salt=salt)
+                stream.n = params.n
+                self._multi += stream.n > 1
             except Exception as e:  # noqa: BLE001 - the request's error, not the server's
                 self._streams.pop(stream.request_id)
                 stream.put(_error_output(stream, f"request: {e}"))
-            with self._lock:
-                self._waiting = len(self.engine.scheduler.waiting)
+            self._count()
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
         elif cmd[0] == "deadline":
@@ -187,22 +192,22 @@ class EngineLoop:
             st = self._streams.get(o.request_id)
             if st is None:
                 continue
-            new = len(o.outputs[0].delta_token_ids)
+            new = sum(len(c.delta_token_ids) for c in o.outputs)  # every answer's
             if not st.prompt_counted and (new or o.finished) and o.error is None:
                 m.prompt_tokens.inc(len(o.prompt_token_ids))
                 st.prompt_counted = True
             if new:
                 m.generation_tokens.inc(new)
-                if st.t_last is None:
+                if st.t_first is None:
                     m.ttft.observe(now - st.t_arrival)
-                    new -= 1
-                for _ in range(new):
-                    m.itl.observe((now - (st.t_last or now)) / max(new, 1))
-                st.t_last = now
+                    st.t_first = now
+                for c in o.outputs:
+                    _observe_itl(m, st, c.index, len(c.delta_token_ids), now)
             st.last = o
             st.put(o)
             if o.finished:
                 del self._streams[o.request_id]
+                self._multi -= st.n > 1
                 m.e2e.observe(now - st.t_arrival)
                 reason = o.outputs[0].finish_reason
                 if reason == "error":
@@ -210,9 +215,14 @@ class EngineLoop:
                             else "engine_error")
                 else:
                     m.finished(reason)
-        m.refresh(self.engine)
+        self._count()
+
+    def _count(self) -> None:
+        """Refresh the gauges and the waiting count the queue bound reads."""
+        counts = request_counts(self.engine.scheduler, exact=self._multi > 0)
+        self.metrics.refresh(self.engine, counts)
         with self._lock:
-            self._waiting = len(self.engine.scheduler.waiting)
+            self._waiting = counts[1]
 
     def _fail_all(self, reason: str, error: str | None) -> None:
         """End every request in flight with `reason` (the engine's state for
@@ -225,12 +235,27 @@ class EngineLoop:
                 log.exception("jaxkv serve: abort of %s failed", rid)
             st.put(_error_output(st, error, reason))
         self._streams.clear()
+        self._multi = 0
         try:  # flush the aborted requests' outputs out of the engine
             while eng.has_unfinished_requests() and not eng.scheduler.has_unfinished():
                 eng.step()
         except Exception:  # noqa: BLE001
             log.exception("jaxkv serve: engine flush failed")
-        self.metrics.refresh(eng)
+        self._count()
+
+
+def _observe_itl(m, st: RequestStream, answer: int, new: int, now: float) -> None:
+    """One inter-token gap per token of `answer` after its first; tokens
+    that came in one step share the step's gap."""
+    if not new:
+        return
+    prev = st.t_last.get(answer)
+    st.t_last[answer] = now
+    if prev is None:  # the answer's first token: no gap before it
+        new -= 1
+        prev = now
+    for _ in range(new):
+        m.itl.observe((now - prev) / max(new, 1))
 
 
 def _error_output(st: RequestStream, error: str | None, reason: str = "error") -> RequestOutput:

@@ -1,103 +1,42 @@
-"""The two generation endpoints: check the body, tokenize, hand the
-requests to the engine loop, then answer at once (JSON) or as they run
-(server-sent events ending in `data: [DONE]`)."""
+"""The two generation endpoints: the body made into engine requests in a
+worker thread (`prepare`), handed to the engine loop, then answered at once
+(JSON) or as they run (server-sent events ending in `data: [DONE]`).
+
+A choice carries `token_ids` (vLLM's field: all of them in a response, the
+new ones in a chunk) when the body asks `return_token_ids: true`, and always
+for a model without a tokenizer, whose answers have no text: its stream
+then sends each step's tokens as they come."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import logging
 import uuid
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from jaxkv.core.requests import parse_prompt
-from jaxkv.core.sampling_params import SamplingParams, is_unicode
 from jaxkv.entrypoints.openai.engine_loop import QueueFull, ShuttingDown
-from jaxkv.entrypoints.openai.protocol import (APIError, chat_messages, check_common,
-                                               completion_prompts, from_value_error,
-                                               sampling_params)
+from jaxkv.entrypoints.openai.prepare import Context, Item, chat_items, completion_items
+from jaxkv.entrypoints.openai.protocol import APIError
 from jaxkv.entrypoints.openai.responses import now, sse, usage
 
-COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-@dataclasses.dataclass
-class Context:
-    engine: object
-    loop: object  # EngineLoop
-    fmt: object  # Formatter
-    served: list[str]
-    created: int = dataclasses.field(default_factory=now)
-
-
-@dataclasses.dataclass
-class Item:
-    """One engine request of an HTTP call."""
-
-    text: str | None  # the prompt text (echo)
-    ids: list[int]
-    params: SamplingParams
-
-
-def _prepare(ctx: Context, prompt, params: SamplingParams, salt, rename) -> Item:
-    eng = ctx.engine
-    try:
-        text, ids = parse_prompt(prompt, eng.tokenizer, eng.model_config.vocab_size)
-        if params.max_tokens is None:  # the rest of the context
-            params = dataclasses.replace(params, max_tokens=max(1, eng.max_model_len - len(ids)))
-        eng.check_request({"prompt_token_ids": ids}, params, salt)
-    except ValueError as e:
-        raise from_value_error(e, rename) from None
-    except TypeError as e:
-        raise APIError(f"request: {e}") from None
-    if text is None and eng.tokenizer is not None:
-        text = eng.tokenizer.decode(ids, skip_special_tokens=False)
-    return Item(text, ids, params)
-
-
-def render_chat(ctx: Context, messages: list[dict], body: dict) -> str:
-    tok = ctx.engine.tokenizer
-    if tok is None or not tok.chat_template:
-        raise APIError("messages: this model has no chat template; use /v1/completions",
-                       "messages")
-    for i, m in enumerate(messages):
-        if not is_unicode(m["content"]) or not is_unicode(m["role"]):
-            raise APIError(f"messages[{i}]: not valid Unicode text (a lone surrogate)",
-                           f"messages[{i}].content")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise APIError("chat_template_kwargs: must be an object", "chat_template_kwargs")
-    try:
-        return tok.apply_chat_template(messages, add_generation_prompt=body.get(
-            "add_generation_prompt", True), **kwargs)
-    except (ValueError, TypeError) as e:
-        raise APIError(f"messages: the chat template refused them ({e})", "messages") from None
+log = logging.getLogger("jaxkv.serve")
 
 
 async def completions(ctx: Context, request: Request, body) -> Response | dict:
-    check_common(body, chat=False, served=ctx.served)
-    prompts = completion_prompts(body)
-    params = sampling_params(body, chat=False, default_max_tokens=COMPLETIONS_MAX_TOKENS)
-    items = [_prepare(ctx, p, params, body.get("cache_salt"), {"prompt_token_ids": "prompt"})
-             for p in prompts]
-    echo = bool(body.get("echo"))
-    if echo and params.logprobs is not None:
-        raise APIError("echo: echo with logprobs needs prompt logprobs, not supported yet", "echo")
+    items, echo = await asyncio.to_thread(completion_items, ctx, body)
     return await _run(ctx, request, body, items, chat=False, echo=echo)
 
 
 async def chat(ctx: Context, request: Request, body) -> Response | dict:
-    check_common(body, chat=True, served=ctx.served)
-    text = render_chat(ctx, chat_messages(body), body)
-    params = sampling_params(body, chat=True, default_max_tokens=None)
-    rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
-    if body.get("max_completion_tokens") is not None:
-        rename["max_tokens"] = "max_completion_tokens"
-    ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
-    item = _prepare(ctx, {"prompt_token_ids": ids}, params, body.get("cache_salt"), rename)
-    item.text = text
-    return await _run(ctx, request, body, [item], chat=True, echo=False)
+    items = await asyncio.to_thread(chat_items, ctx, body)
+    return await _run(ctx, request, body, items, chat=True, echo=False)
+
+
+def _with_ids(ctx: Context, body: dict) -> bool:
+    """Whether choices carry `token_ids`: asked for, or there is no text."""
+    return bool(body.get("return_token_ids")) or ctx.engine.tokenizer is None
 
 
 async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *, chat: bool,
@@ -122,7 +61,7 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
     finals = await _collect(ctx, request, q, streams)
     if finals is None:  # the client went away; its requests are aborted
         return Response(status_code=499)
-    fmt, choices = ctx.fmt, []
+    fmt, choices, with_ids = ctx.fmt, [], _with_ids(ctx, body)
     for i, (it, out) in enumerate(zip(items, finals)):
         if any(c.finish_reason == "error" for c in out.outputs):
             raise APIError(out.error or "engine: the request failed", None, 500,
@@ -134,11 +73,13 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
                     c.logprobs, len(it.text or "") if echo else 0)
             idx = i * it.params.n + c.index
             if chat:
-                choices.append(fmt.chat_choice(idx, c, logprobs=lps))
+                choice = fmt.chat_choice(idx, c, logprobs=lps)
             else:
                 text = ((it.text or "") if echo else "") + c.text
-                choices.append(fmt.completion_choice(idx, c, text=text, logprobs=lps,
-                                                     final=True))
+                choice = fmt.completion_choice(idx, c, text=text, logprobs=lps, final=True)
+            if with_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
     u = usage(sum(len(it.ids) for it in items),
               sum(len(c.token_ids) for o in finals for c in o.outputs),
               sum(o.num_cached_tokens for o in finals))
@@ -180,6 +121,7 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
     created = now()
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    with_ids = _with_ids(ctx, body)
     pending = {s.index: s for s in streams}
     closed: set = set()  # (item, answer) whose final chunk is out
     offset = {(i, k): len(it.text or "") if echo else 0
@@ -219,7 +161,7 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
                     lps = fmt.chat_logprobs(new) if chat else fmt.completion_logprobs(
                         new, offset[key])
                 done = c.finish_reason is not None
-                if not (c.delta_text or lps or done):
+                if not (c.delta_text or lps or done or with_ids and c.delta_token_ids):
                     continue
                 idx = i * items[i].params.n + c.index
                 if chat:
@@ -230,6 +172,8 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
                 else:
                     choice = fmt.completion_choice(idx, c, text=c.delta_text, logprobs=lps,
                                                    final=done)
+                if with_ids:
+                    choice["token_ids"] = list(c.delta_token_ids)
                 offset[key] += len(c.delta_text)
                 if done:
                     closed.add(key)
@@ -238,6 +182,12 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
             yield sse(fmt.envelope(rid, obj, created, [],
                                    usage(sum(len(it.ids) for it in items), sum(generated),
                                          sum(cached))))
+        yield sse("[DONE]")
+    except Exception as e:  # a fault here ends this stream, named, not the server
+        log.exception("jaxkv serve: stream %s failed", rid)
+        yield sse({"error": {"message": f"internal server error ({type(e).__name__}); the "
+                                        "server logged it", "type": "InternalServerError",
+                             "param": None, "code": 500}})
         yield sse("[DONE]")
     finally:  # finished, or the client went away (the task is cancelled)
         for s in pending.values():

@@ -1,6 +1,9 @@
 """The live page of the KV cache: `GET /` (a chat box beside the page pool
 drawn as a grid) and `GET /v1/kv_map` (the pool's state as JSON, read by the
-engine thread between two steps).
+engine thread between two steps). Both are served only when the server is
+started with `enable_kv_map` (`--enable-kv-map`): the map shows every
+running request's length and timing to whoever reads it. With an API key
+the page's own fetches send the key typed into its key box.
 
 Each page is one code in `pages`: -1 the trash page (page 0), -2 free, -3
 cached but held by nobody (a prefix-cache page, evicted least recently used
@@ -65,6 +68,7 @@ PAGE = """<!doctype html>
 <body>
 <div id="chat">
  <h3>Chat</h3>
+ <input id="key" type="password" placeholder="API key (if the server asks one)">
  <textarea id="prompt">What is a KV cache?</textarea>
  <button id="send">Send</button>
  <div id="answer"></div>
@@ -79,9 +83,13 @@ PAGE = """<!doctype html>
 <script>
 const color = k => `hsl(${(k * 137) % 360}, 65%, 50%)`;
 const cls = {"-1": "trash", "-2": "free", "-3": "cached", "-4": "shared"};
+const auth = () => {
+  const k = document.getElementById("key").value;
+  return k ? {Authorization: "Bearer " + k} : {};
+};
 async function refresh() {
   try {
-    const m = await (await fetch("/v1/kv_map")).json();
+    const m = await (await fetch("/v1/kv_map", {headers: auth()})).json();
     const grid = document.getElementById("grid");
     while (grid.children.length < m.pages.length) grid.appendChild(document.createElement("div"));
     m.pages.forEach((code, p) => {
@@ -102,7 +110,7 @@ setInterval(refresh, 500); refresh();
 document.getElementById("send").onclick = async () => {
   const out = document.getElementById("answer"); out.textContent = "";
   const resp = await fetch("/v1/chat/completions", {method: "POST",
-    headers: {"Content-Type": "application/json"},
+    headers: {"Content-Type": "application/json", ...auth()},
     body: JSON.stringify({messages: [{role: "user",
       content: document.getElementById("prompt").value}], stream: true, max_tokens: 256})});
   const reader = resp.body.getReader(); const dec = new TextDecoder(); let buf = "";

@@ -41,8 +41,9 @@ class ServerMetrics:
                 model_name)
 
         self.running = gauge("num_requests_running", "Requests admitted to the engine (holding "
-                                                     "KV pages).")
-        self.waiting = gauge("num_requests_waiting", "Requests queued for admission.")
+                                                     "KV pages); n answers count once.")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for admission; n answers "
+                                                     "count once.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages held by requests "
                                                      "(1 = full).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
@@ -50,7 +51,8 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix "
                                                         "cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated, every answer "
+                                                              "of n counted.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later) "
                                                       "when the page pool ran dry.")
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified (a "
@@ -77,11 +79,13 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def refresh(self, engine) -> None:
-        """Read the engine's state after a step (engine thread only)."""
+    def refresh(self, engine, counts: tuple[int, int] | None = None) -> None:
+        """Read the engine's state after a step (engine thread only);
+        `counts`: (running, waiting) requests, from `request_counts`."""
         sched, bm = engine.scheduler, engine.bm
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
+        counts = counts if counts is not None else request_counts(sched, exact=True)
+        self.running.set(counts[0])
+        self.waiting.set(counts[1])
         self.kv_usage.set(bm.num_used_pages / (bm.num_pages - 1))
         spec = engine.spec.stats if engine.spec is not None else SpecStats()
         for key, now, metric in (("queries", bm.prefix_query_tokens, self.prefix_queries),
@@ -96,3 +100,14 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def request_counts(sched, *, exact: bool) -> tuple[int, int]:
+    """(running, waiting) requests in the scheduler (engine thread only): the
+    n sequences of a request count once, as running while any of them runs.
+    With `exact` False (no request of n > 1 in flight) every sequence is a
+    request, and the queues' lengths are the answer without a scan."""
+    if not exact:
+        return len(sched.running), len(sched.waiting)
+    running = {s.parent.request_id for s in sched.running}
+    return len(running), len({s.parent.request_id for s in sched.waiting} - running)

@@ -6,7 +6,8 @@ OpenAI's names map onto SamplingParams (max_tokens / max_completion_tokens,
 temperature, top_p, seed, stop, presence / frequency penalties, logprobs /
 top_logprobs); every other SamplingParams field (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-skip_special_tokens) is accepted as an extra body field, as vLLM does.
+skip_special_tokens) is accepted as an extra body field, as vLLM does, and
+so is vLLM's `return_token_ids` (choices carry their token ids).
 Fields this server does not implement are refused by name rather than
 ignored, unless ignoring them changes nothing (user, a text
 response_format, tool_choice "none")."""
@@ -25,7 +26,7 @@ SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # vLLM's older names
 COMMON = {"model", "stream", "stream_options", "n", "user", "cache_salt", "max_tokens",
-          "response_format", *GUIDED}
+          "response_format", "return_token_ids", *GUIDED}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                         "tools", "tool_choice", "parallel_tool_calls",
@@ -91,9 +92,10 @@ def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
     if not isinstance(body, dict):
         raise APIError("request body: must be a JSON object", None)
     known = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | SAMPLING_FIELDS
-    ignored = sorted(set(body) - known)
-    if ignored:
-        log.warning("jaxkv serve: ignoring unknown request fields %s", ignored)
+    ignored = set(body) - known
+    if ignored:  # at most 20 names: a body may hold a million
+        log.warning("jaxkv serve: ignoring %d unknown request fields %s", len(ignored),
+                    sorted(ignored)[:20] if len(ignored) <= 1000 else "(too many to name)")
     model = body.get("model")
     if model is not None and model not in served:
         raise APIError(f"model: {model!r} is not served here (served: {', '.join(served)})",
@@ -108,6 +110,7 @@ def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
         raise APIError(f"best_of: only equal to n is supported, got {body['best_of']!r}",
                        "best_of")
     _check_type(body, "cache_salt", str, "a string")
+    _check_type(body, "return_token_ids", bool, "true or false")
     for name in ("max_tokens", "max_completion_tokens"):
         _check_type(body, name, int, "an integer")
     if chat:

@@ -2,51 +2,59 @@
 
     POST /v1/completions, /v1/chat/completions (stream: server-sent events)
     GET  /v1/models, /health, /metrics (Prometheus text)
-    GET  / (the KV cache, live: a chat box and the page pool), /v1/kv_map
+    GET  / (the KV cache, live: a chat box and the page pool), /v1/kv_map,
+         only with `enable_kv_map`
     POST /tokenize, /detokenize
 
 One engine thread owns the LLMEngine (`engine_loop.EngineLoop`); handlers
-check a request (naming the bad field in a 400), hand it over and read its
-outputs back. A client that goes away aborts its requests. SIGTERM stops
-accepting, lets the requests in flight finish (aborting them after the
-shutdown timeout) and exits 0.
+read the body (at most `max_request_bytes`, else 413), make it into engine
+requests in a worker thread (naming the bad field in a 400), hand them over
+and read their outputs back. A client that goes away aborts its requests.
+With `api_key` every endpoint but /health (and the page's static HTML)
+needs `Authorization: Bearer <key>` (`guard.Guard`). SIGTERM stops
+accepting requests: the server keeps listening and answers new ones 503
+(and /health 503) while the requests in flight finish, aborts what is left
+after the shutdown timeout, then closes and exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
+import os
 import signal
+import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from jaxkv.entrypoints.openai import generate, kv_map
+from jaxkv.entrypoints.openai import generate, kv_map, prepare
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
+from jaxkv.entrypoints.openai.guard import (DEFAULT_MAX_REQUEST_BYTES, Guard,
+                                            install_error_handlers, read_json)
 from jaxkv.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from jaxkv.entrypoints.openai.protocol import APIError, chat_messages
 from jaxkv.entrypoints.openai.responses import Formatter
 
 log = logging.getLogger("jaxkv.serve")
 
 
-async def _json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"request body: not valid JSON ({e})", None) from None
-
-
 def build_app(engine, served_model_names: list[str], *, max_queued_requests: int | None = None,
-              ) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
+              enable_kv_map: bool = False) -> FastAPI:
     """The app and its engine loop (`app.state.engine_loop`); the loop starts
-    and stops with the app's lifespan."""
+    and stops with the app's lifespan. `max_request_bytes`: the largest body
+    accepted (413 beyond). `api_key`: when set, what every endpoint but
+    /health needs as `Authorization: Bearer <key>` (401 without).
+    `enable_kv_map`: serve the page map (`/`, `/v1/kv_map`), which shows
+    every running request's length and progress to whoever may read it."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes: must be at least 1, got {max_request_bytes}")
     metrics = ServerMetrics(served_model_names[0])
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
-    ctx = generate.Context(engine, loop, Formatter(engine.tokenizer, served_model_names[0]),
-                           list(served_model_names))
+    ctx = prepare.Context(engine, loop, Formatter(engine.tokenizer, served_model_names[0]),
+                          list(served_model_names))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -59,19 +67,20 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     app = FastAPI(title="jaxkv", lifespan=lifespan)
     app.state.engine_loop = loop
     app.state.metrics = metrics
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       metrics=metrics)
+    install_error_handlers(app, metrics)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        metrics.error({429: "queue_full", 503: "shutting_down"}.get(e.status, "invalid_request"))
-        return JSONResponse(e.body(), status_code=e.status)
+    async def body(request: Request):
+        return await read_json(request, max_request_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate.completions(ctx, request, await _json(request))
+        return await generate.completions(ctx, request, await body(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate.chat(ctx, request, await _json(request))
+        return await generate.chat(ctx, request, await body(request))
 
     @app.get("/v1/models")
     async def models():
@@ -80,18 +89,21 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
              "root": name, "max_model_len": engine.max_model_len}
             for name in served_model_names]}
 
-    @app.get("/", response_class=HTMLResponse)
-    async def kv_page():
-        return kv_map.PAGE
+    if enable_kv_map:
+        @app.get("/", response_class=HTMLResponse)
+        async def kv_page():
+            return kv_map.PAGE
 
-    @app.get("/v1/kv_map")
-    async def kv_map_json():
-        return await loop.call(kv_map.snapshot)
+        @app.get("/v1/kv_map")
+        async def kv_map_json():
+            return await loop.call(kv_map.snapshot)
 
     @app.get("/health")
     async def health():
         if not loop.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if not loop.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -100,66 +112,64 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _json(request)
-        tok = _tokenizer(engine)
-        if not isinstance(body, dict):
-            raise APIError("request body: must be a JSON object")
-        add_special = body.get("add_special_tokens", "messages" not in body)
-        if not isinstance(add_special, bool):
-            raise APIError("add_special_tokens: must be true or false", "add_special_tokens")
-        if "messages" in body:
-            text = generate.render_chat(ctx, chat_messages(body), body)
-        else:
-            text = body.get("prompt")
-            if not isinstance(text, str):
-                raise APIError("prompt: must be a string", "prompt")
-        try:
-            ids = tok.encode(text, add_special_tokens=add_special)
-        except (TypeError, ValueError) as e:
-            raise APIError(f"prompt: cannot be tokenized ({e})", "prompt") from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        return await asyncio.to_thread(prepare.tokenize, ctx, await body(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _json(request)
-        tok = _tokenizer(engine)
-        ids = body.get("tokens") if isinstance(body, dict) else None
-        vocab = engine.model_config.vocab_size
-        if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise APIError(f"tokens: must be a list of token ids below {vocab}", "tokens")
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        return await asyncio.to_thread(prepare.detokenize, ctx, await body(request))
 
     return app
 
 
-def _tokenizer(engine):
-    if engine.tokenizer is None:
-        raise APIError("this model has no tokenizer", None)
-    return engine.tokenizer
+def resolve_api_key(api_key: str | None) -> str | None:
+    """The key given, else $JAXKV_API_KEY, else None (no key asked)."""
+    return api_key if api_key is not None else os.environ.get("JAXKV_API_KEY") or None
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on the first SIGTERM / SIGINT, goes on listening (new
+    requests get 503, /health 503, so a load balancer moves on) until the
+    engine loop holds no request or the shutdown timeout (plus 5 s) passed,
+    and only then stops as uvicorn does: closes the listener and waits for
+    the open responses to be written. Plain uvicorn closes the listener at
+    once, so a request sent during the drain would find the port refused.
+    A second signal stops at once (uvicorn's own handling)."""
+
+    def __init__(self, config, engine_loop: EngineLoop, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_until: float | None = None
+
+    def handle_exit(self, sig, frame):
+        if self.drain_until is not None or self.should_exit:
+            return super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).append(sig)  # uvicorn re-raises it at the end
+        log.warning("jaxkv serve: signal %d, finishing %d requests (at most %.0f s)",
+                    sig, self.engine_loop.num_in_flight(), self.shutdown_timeout)
+        self.engine_loop.begin_shutdown(self.shutdown_timeout)
+        self.drain_until = time.monotonic() + self.shutdown_timeout + 5
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and not self.should_exit and (
+                self.engine_loop.num_in_flight() == 0 or time.monotonic() > self.drain_until):
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def serve(engine, served_model_names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
           max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
-          log_level: str = "info") -> int:
-    """Run the server until SIGTERM / SIGINT; returns the exit status (0)."""
-    import uvicorn
-
-    app = build_app(engine, served_model_names, max_queued_requests=max_queued_requests)
-    loop: EngineLoop = app.state.engine_loop
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if not self.should_exit:
-                log.warning("jaxkv serve: signal %d, finishing %d requests (at most %.0f s)",
-                            sig, loop.num_in_flight(), shutdown_timeout)
-                loop.begin_shutdown(shutdown_timeout)
-            super().handle_exit(sig, frame)
-
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
+          enable_kv_map: bool = False, log_level: str = "info") -> int:
+    """Run the server until SIGTERM / SIGINT; returns the exit status (0).
+    `api_key` None reads $JAXKV_API_KEY."""
+    app = build_app(engine, served_model_names, max_queued_requests=max_queued_requests,
+                    max_request_bytes=max_request_bytes, api_key=resolve_api_key(api_key),
+                    enable_kv_map=enable_kv_map)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(shutdown_timeout) + 5)
     # uvicorn re-raises the signal it stopped on once it is done; with this
     # handler in place that ends the process normally (exit 0).
     signal.signal(signal.SIGTERM, lambda *_: None)
-    Server(config).run()
+    DrainingServer(config, app.state.engine_loop, shutdown_timeout).run()
     return 0
