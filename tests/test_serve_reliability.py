@@ -43,6 +43,44 @@ def engine(tmp_path_factory):
     return LLMEngine.from_pretrained(str(path), **ENGINE)
 
 
+# ---------------------------------------------------------------- bug 1
+
+
+def test_a_wide_request_beside_streams_serves_every_one(engine):
+    # Once: a stream, then an n = 7 request still prefilling when another
+    # stream came: the fork overfilled the step and the failure ended all
+    # three with a 500. Each must equal its lone offline greedy run.
+    prompts = [PROMPT, "what is a page of the model and why " * 2, "hello world how"]
+    want = []
+    for p in prompts:
+        rid = engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0))
+        want.append(engine.run_to_completion([rid])[rid].outputs[0].text)
+    with serving(engine) as srv, slow_steps(engine, 0.2):
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        first = SSEStream(srv.port, "/v1/completions", {"model": "tiny", "prompt": prompts[0],
+                                                        "max_tokens": 8, "temperature": 0})
+        events = first.events()
+        head = next(events)  # the first stream runs
+        got = {}
+
+        def wide():
+            got["wide"] = client.completions.create(model="tiny", prompt=prompts[1], n=7,
+                                                    max_tokens=8, temperature=0)
+
+        t = threading.Thread(target=wide)
+        t.start()
+        time.sleep(0.02)  # both arrive within one (slowed) step: admitted together
+        late = client.completions.create(model="tiny", prompt=prompts[2], max_tokens=8,
+                                         temperature=0, stream=True)
+        got["late"] = "".join(ch.choices[0].text for ch in late)
+        t.join(timeout=120)
+        rest = [e for e in events if e != "[DONE]"]
+        first.close()
+    assert head["choices"][0]["text"] + "".join(e["choices"][0]["text"] for e in rest) == want[0]
+    assert [c.text for c in got["wide"].choices] == [want[1]] * 7
+    assert got["late"] == want[2]
+
+
 # ---------------------------------------------------------------- bug 3
 
 
