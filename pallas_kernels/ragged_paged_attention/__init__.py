@@ -2,12 +2,16 @@
 
     ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                            num_seqs, *, sm_scale, sliding_window=None,
-                           soft_cap=None, k_scale=None, v_scale=None,
+                           soft_cap=None, sinks=None, k_scale=None, v_scale=None,
                            num_sink_tokens=0, all_decode=None, backend="auto",
                            pallas_target=None, interpret=None,
                            kernel_options=None, platform=None) -> [T, H, D]
 
-The contract (shapes, masking, padding rows) is `reference.py`'s. Backends:
+The contract (shapes, masking, padding rows) is `reference.py`'s. sinks [H]
+(float, or None): learned attention sinks as in gpt-oss (`sinks.py`), one
+logit per query head in its rows' softmax denominator, carrying no value;
+every backend takes them. num_sink_tokens (StreamingLLM's sink tokens kept
+in a sliding window) is another thing, and the reference's alone. Backends:
 
 - "auto": the platform's kernel: TPU -> `tpu.py` (Mosaic), GPU -> `gpu.py`
   (Pallas Triton, CUDA), anything else (CPU) -> the reference, whose long
@@ -92,20 +96,21 @@ def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, num_sink_tokens=0, all_decode=None, backend="auto",
-                           pallas_target=None, interpret=None, kernel_options=None,
-                           platform=None):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           k_scale=None, v_scale=None, num_sink_tokens=0, all_decode=None,
+                           backend="auto", pallas_target=None, interpret=None,
+                           kernel_options=None, platform=None):
     """Ragged paged attention on the chosen backend (see the module docstring).
     q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
-    block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D]."""
+    block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs []; sinks
+    [H] or None -> [T, H, D]."""
     impl, interpret = resolve(backend, pallas_target, interpret, platform)
     if num_sink_tokens and impl != "reference":
-        raise ValueError("num_sink_tokens (attention sinks for streaming eviction) is supported "
-                         "by the reference backend only")
+        raise ValueError("num_sink_tokens (sink tokens for streaming eviction) is supported by "
+                         "the reference backend only (learned `sinks` logits: every backend)")
     if all_decode not in (None, True, False):
         raise ValueError(f"all_decode must be None, True or False, got {all_decode!r}")
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
               k_scale=k_scale, v_scale=v_scale)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     kernel = importlib.import_module(f"{__name__}.{impl}")

@@ -7,8 +7,24 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+def check_sinks(sinks, num_heads):
+    """Learned attention sinks (`sinks.py`) are None or a floating array
+    [H]: one logit per query head."""
+    if sinks is None:
+        return
+    shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
+    if shape is None or dtype is None:
+        raise ValueError(f"sinks must be None or a floating array [H] = [{num_heads}], "
+                         f"got {type(sinks).__name__}")
+    if tuple(shape) != (num_heads,):
+        raise ValueError(f"sinks must be [H] = [{num_heads}] (one logit per query head), "
+                         f"got shape {tuple(shape)}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"sinks must be a floating array, got {jnp.dtype(dtype).name}")
+
+
 def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                 sliding_window, soft_cap, k_scale, v_scale, q_dtypes, kernel: str):
+                 sliding_window, soft_cap, k_scale, v_scale, q_dtypes, kernel: str, sinks=None):
     """Validate a ragged paged attention call; returns (T, H, D, KVH, P,
     page_size, S)."""
     if q.ndim != 3:
@@ -53,4 +69,5 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    check_sinks(sinks, H)
     return T, H, D, KVH, P, page_size, S

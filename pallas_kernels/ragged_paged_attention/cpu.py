@@ -4,7 +4,8 @@
 (rows of sequences with q_len > 1); `ragged_paged_attention` serves every
 live row, prefill chunks and decodes (q_len == 1) alike, in one call (the
 contract of `reference.ragged_paged_attention` without int8 pages and sink
-tokens).
+tokens; learned sinks included: each row's online softmax starts from its
+head's sink logit).
 
 Why: the jnp dense path makes XLA pass over every score tile once per op;
 the kernel keeps each (query block x key chunk) tile in L2 between its two
@@ -22,7 +23,8 @@ online softmax per chunk of keys) in the same OpenMP region as the prefill
 tasks; no XLA loop over key chunks.
 
 Shapes: q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D] float32;
-kv_lens [S], block_tables [S, W], cu_q_lens [S + 1], num_seqs [] int32.
+kv_lens [S], block_tables [S, W], cu_q_lens [S + 1], num_seqs [] int32;
+sinks [H] (any float dtype, passed as float32) or None.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.native import load, unavailable
+from pallas_kernels.ragged_paged_attention.checks import check_sinks
 from pallas_kernels.ragged_paged_attention.dense import served_rows
+from pallas_kernels.ragged_paged_attention.sinks import NO_SINK
 
 _NAME = "rpa_cpu"
 _SYMBOL = "rpa_dense_prefill"
@@ -52,52 +56,58 @@ def available() -> bool:
 
 def takes(q, k_pages, k_scale=None, num_sink_tokens=0) -> bool:
     """Whether this kernel serves a call: float32 queries and pages, no
-    int8 scales, no attention sinks, and the kernel built here."""
+    int8 scales, no sink tokens (num_sink_tokens; learned `sinks` it takes),
+    and the kernel built here."""
     return (k_scale is None and not num_sink_tokens and q.dtype == jnp.float32
             and k_pages.dtype == jnp.float32 and available())
 
 
 def _call(symbol, who, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-          sm_scale, sliding_window, soft_cap):
+          sm_scale, sliding_window, soft_cap, sinks):
     if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
         raise ValueError(f"cpu.{who} takes float32 pages, got {k_pages.dtype}/"
                          f"{v_pages.dtype} (int8 pages stay on the jnp reference)")
     if not available():
         raise RuntimeError(f"native CPU attention unavailable: {unavailable(_NAME)}")
     T, H, D = q.shape
+    check_sinks(sinks, H)
+    # -inf: no sink (the kernel's plain softmax start).
+    sinks = (jnp.full((H,), NO_SINK, jnp.float32) if sinks is None
+             else jnp.asarray(sinks, jnp.float32))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return jax.ffi.ffi_call(f"jaxkv_{symbol}", jax.ShapeDtypeStruct((T, H, D), jnp.float32))(
         jnp.asarray(q, jnp.float32), k_pages, v_pages, i32(kv_lens), i32(block_tables),
-        i32(cu_q_lens), i32(num_seqs).reshape(()), sm_scale=np.float32(sm_scale),
+        i32(cu_q_lens), i32(num_seqs).reshape(()), sinks, sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
 
 
 def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                  sm_scale, sliding_window=None, soft_cap=None):
+                  sm_scale, sliding_window=None, soft_cap=None, sinks=None):
     """Attention of the rows of every sequence with q_len > 1 (causal, GQA,
-    optional sliding window and soft cap). q [T, H, D] (cast to float32);
-    k_pages, v_pages [KVH, P, page_size, D] float32; kv_lens [S];
-    block_tables [S, W]; cu_q_lens [S + 1]; num_seqs [] -> (out [T, H, D]
-    float32, served [T] bool: the rows computed; every other row of out is
-    zero). Requires `available()`."""
+    optional sliding window, soft cap and learned sinks). q [T, H, D] (cast
+    to float32); k_pages, v_pages [KVH, P, page_size, D] float32; kv_lens
+    [S]; block_tables [S, W]; cu_q_lens [S + 1]; num_seqs []; sinks [H] or
+    None -> (out [T, H, D] float32, served [T] bool: the rows computed;
+    every other row of out is zero). Requires `available()`."""
     out = _call(_SYMBOL, "dense_prefill", q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                sinks=sinks)
     cu_q_lens, num_seqs = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
     return out, served_rows(cu_q_lens, num_seqs, q.shape[0])
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None):
-    """Attention of every live row (causal, GQA, optional sliding window and
-    soft cap): sequences with q_len > 1 as in `dense_prefill`, and decodes
-    (q_len == 1: the query at position kv_len - 1 attends keys
-    [max(0, kv_len - sliding_window), kv_len)). q [T, H, D] (cast to
-    float32); k_pages, v_pages [KVH, P, page_size, D] float32; kv_lens [S];
-    block_tables [S, W]; cu_q_lens [S + 1]; num_seqs [] -> out [T, H, D]
-    float32. Rows of sequences with q_len 0 or index >= num_seqs, decodes
-    with kv_len 0 and padding rows are zero. No slot at or past kv_len, or
-    wholly before a row's window, is read (they may hold NaN). Requires
-    `available()`."""
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None):
+    """Attention of every live row (causal, GQA, optional sliding window,
+    soft cap and learned sinks): sequences with q_len > 1 as in
+    `dense_prefill`, and decodes (q_len == 1: the query at position
+    kv_len - 1 attends keys [max(0, kv_len - sliding_window), kv_len)).
+    q [T, H, D] (cast to float32); k_pages, v_pages [KVH, P, page_size, D]
+    float32; kv_lens [S]; block_tables [S, W]; cu_q_lens [S + 1]; num_seqs
+    []; sinks [H] or None -> out [T, H, D] float32. Rows of sequences with
+    q_len 0 or index >= num_seqs, decodes with kv_len 0 and padding rows
+    are zero. No slot at or past kv_len, or wholly before a row's window, is
+    read (they may hold NaN). Requires `available()`."""
     return _call(_RAGGED_SYMBOL, "ragged_paged_attention", q, k_pages, v_pages, kv_lens,
                  block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                 sliding_window=sliding_window, soft_cap=soft_cap)
+                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)

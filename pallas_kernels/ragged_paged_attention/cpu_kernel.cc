@@ -17,6 +17,12 @@
 // P V updates, the same online softmax per chunk of at most kKeyChunk keys.
 // No slot at or past kv_len, or before the window, is ever read.
 //
+// Learned sinks (sinks [H], gpt-oss; sinks.py): each row's online softmax
+// starts from its head's sink logit, m = sink and l = exp(sink - m) = 1,
+// so the sink joins the denominator and the rescaling carries it. A sink of
+// -inf (what cpu.py passes without sinks) is the plain start, m = -inf and
+// l = 0.
+//
 // All tasks run in one OpenMP parallel region (dynamic schedule, costliest
 // first; as many threads as the estimated work warrants), MKL sequential
 // inside each.
@@ -141,6 +147,12 @@ inline void softmax_row(float* s, int n, int lo, int hi, float cap, float* m, fl
   *m = m_new;
 }
 
+// The online softmax's start for a row of head h: the running max and sum.
+inline void start_row(const float* sinks, int h, float* m, float* l) {
+  *m = sinks[h];
+  *l = sinks[h] == -INFINITY ? 0.0f : 1.0f;  // exp(sink - m), without -inf - -inf
+}
+
 // Keys [k0, k0 + n) of sequence `seq`, KV head `kvh`, copied to dst [n, D].
 void gather_keys(const float* pages, const int32_t* table, const Dims& d, int kvh, int k0, int n,
                  float* dst) {
@@ -165,8 +177,8 @@ struct Scratch {
 };
 
 void run_task(const Task& t, const Dims& d, const float* q, const float* kp, const float* vp,
-              const int32_t* tables, int C, float scale, int window, float cap,
-              Scratch& w, float* out) {
+              const int32_t* tables, const float* sinks, int C, float scale, int window,
+              float cap, Scratch& w, float* out) {
   const int G = d.G, D = d.D, R = t.rows * G;
   const int64_t row_stride = int64_t(d.H) * D;
   for (int i = 0; i < t.rows; ++i)
@@ -176,8 +188,7 @@ void run_task(const Task& t, const Dims& d, const float* q, const float* kp, con
       for (int e = 0; e < D; ++e) dst[e] = src[e] * scale;
     }
   std::fill(w.acc.get(), w.acc.get() + size_t(R) * D, 0.0f);
-  std::fill(w.m.get(), w.m.get() + R, -INFINITY);
-  std::fill(w.l.get(), w.l.get() + R, 0.0f);
+  for (int r = 0; r < R; ++r) start_row(sinks, t.kvh * G + r % G, w.m.get() + r, w.l.get() + r);
   const int32_t* table = tables + int64_t(t.seq) * d.W;
   const int last = t.pos0 + t.rows - 1;  // the newest key any row sees
   const int kstart = window > 0 ? std::max(0, t.pos0 - window + 1) : 0;
@@ -249,8 +260,8 @@ inline void for_key_runs(const float* head, const int32_t* table, int ps, int D,
 // One decode row (sequence t.seq's query at position kv_len - 1, row t.row0)
 // for KV head t.kvh: its G heads against the keys in the window, read in place.
 void run_decode(const Task& t, const Dims& d, const float* q, const float* kp, const float* vp,
-                const int32_t* tables, int C, float scale, int window, float cap, Scratch& w,
-                float* out) {
+                const int32_t* tables, const float* sinks, int C, float scale, int window,
+                float cap, Scratch& w, float* out) {
   const int G = d.G, D = d.D;
   const bool vec = D % 16 == 0;  // whole 16-float vectors per key row
   const int64_t row_stride = int64_t(d.H) * D;
@@ -264,8 +275,7 @@ void run_decode(const Task& t, const Dims& d, const float* q, const float* kp, c
     for (int e = 0; e < D; ++e) qs[g * D + e] = src[e] * scale;
   }
   std::fill(acc, acc + size_t(G) * D, 0.0f);
-  std::fill(w.m.get(), w.m.get() + G, -INFINITY);
-  std::fill(w.l.get(), w.l.get() + G, 0.0f);
+  for (int g = 0; g < G; ++g) start_row(sinks, t.kvh * G + g, w.m.get() + g, w.l.get() + g);
   const int32_t* table = tables + int64_t(t.seq) * d.W;
   const int64_t head_off = static_cast<int64_t>(t.kvh) * d.P * d.ps * D;
   const float* kh = kp + head_off;
@@ -336,8 +346,9 @@ ffi::Error invalid(const char* name, const char* msg) {
 ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
                   ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
-                  ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
-                  int32_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                  ffi::Buffer<ffi::F32> sinks, float sm_scale, int32_t sliding_window,
+                  float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions();
   auto bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || bd.size() != 2 ||
@@ -349,6 +360,8 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
   if (kd[3] != d.D || !std::equal(kd.begin(), kd.end(), vd.begin()))
     return invalid(name, "k_pages and v_pages must be [KVH, P, page_size, D]");
   if (d.KVH <= 0 || d.H % d.KVH != 0) return invalid(name, "H % KVH != 0");
+  if (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != d.H)
+    return invalid(name, "sinks must be [H]");
   if (kv_lens.dimensions()[0] != d.S || cu_q_lens.dimensions()[0] != d.S + 1)
     return invalid(name, "kv_lens must be [S], cu_q_lens [S + 1]");
   auto od = out->dimensions();
@@ -413,11 +426,11 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
     for (int i = 0; i < num_tasks; ++i) {
       const Task& t = tasks[i];
       if (t.rows == 0)
-        run_decode(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt, C,
-                   sm_scale, sliding_window, cap, w, o);
+        run_decode(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt,
+                   sinks.typed_data(), C, sm_scale, sliding_window, cap, w, o);
       else
-        run_task(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt, C,
-                 sm_scale, sliding_window, cap, w, o);
+        run_task(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt,
+                 sinks.typed_data(), C, sm_scale, sliding_window, cap, w, o);
     }
     MKL_Set_Num_Threads_Local(prev);
   }
@@ -430,11 +443,11 @@ template <bool kDecodes>
 ffi::Error Handler(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                    ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                   ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
-                   float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                   ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks, float sm_scale,
+                   int32_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Attend(kDecodes ? "rpa_ragged" : "rpa_dense_prefill", kDecodes, q, k_pages, v_pages,
-                kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
-                out);
+                kv_lens, block_tables, cu_q_lens, num_seqs, sinks, sm_scale, sliding_window,
+                soft_cap, out);
 }
 
 }  // namespace
@@ -449,6 +462,7 @@ ffi::Error Handler(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
       .Arg<ffi::Buffer<ffi::S32>>() /* block_tables [S, W] */                          \
       .Arg<ffi::Buffer<ffi::S32>>() /* cu_q_lens [S + 1] */                            \
       .Arg<ffi::Buffer<ffi::S32>>() /* num_seqs [] */                                  \
+      .Arg<ffi::Buffer<ffi::F32>>() /* sinks [H] (-inf: none) */                       \
       .Attr<float>("sm_scale")                                                         \
       .Attr<int32_t>("sliding_window")                                                 \
       .Attr<float>("soft_cap")                                                         \

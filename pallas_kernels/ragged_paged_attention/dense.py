@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.masks import in_window, visible
+from pallas_kernels.ragged_paged_attention.sinks import head_sinks, softmax_start
 
 DENSE_MIN_ROWS_PER_SEQ = 32  # T / S from which a step takes this path
 _MIN_BLOCK, _MAX_BLOCK = 32, 512
@@ -75,12 +76,13 @@ def _chunk(k_pages, v_pages, k_scale, v_scale, table, j, chunk_pages):
 
 def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                   block_q, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                  v_scale=None, num_sink_tokens=0):
+                  v_scale=None, num_sink_tokens=0, sinks=None):
     """Attention of the rows of every sequence with q_len > 1, by dense
     causal blocks of `block_q` rows. q [T, H, D]; k_pages, v_pages [KVH, P,
     page_size, D]; kv_lens [S]; block_tables [S, W]; cu_q_lens [S + 1];
-    num_seqs [] -> (out [T, H, D] float32, served [T] bool: the rows this
-    path computed; every other row of out is zero)."""
+    num_seqs []; sinks [H] or None (learned sinks, `sinks.py`: the softmax's
+    starting state) -> (out [T, H, D] float32, served [T] bool: the rows
+    this path computed; every other row of out is zero)."""
     T, H, D = q.shape
     KVH, _, page_size, _ = k_pages.shape
     S, W = block_tables.shape
@@ -104,6 +106,8 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
     # Padded by one block so a block's slice never runs off the end (a
     # clamped dynamic slice would shift it).
     qp = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, bq), (0, 0), (0, 0)))
+    sink = head_sinks(sinks, KVH, G)  # [KVH, G] -> [KVH, R], rows (row, g) as qb's
+    sink = jnp.broadcast_to(sink[:, None, :], (KVH, bq, G)).reshape(KVH, R)
 
     def block(b, out):
         s = jnp.searchsorted(block_end, b, side="right")
@@ -134,7 +138,7 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
                 key_pos = j * chunk + jnp.arange(chunk)  # [C]
                 mask = (visible(key_pos[None, :], row_pos[:, None], sliding_window,
                                 num_sink_tokens) & (key_pos[None, :] < kv_len))
-                # Keys the block's oldest row sees in its window (or sinks).
+                # Keys the block's oldest row sees in its window (or sink tokens).
                 key_live = (key_pos <= last) & in_window(key_pos, pos0, sliding_window,
                                                          num_sink_tokens)
                 # Unwritten or released slots may hold NaN: 0 * NaN must not
@@ -150,8 +154,7 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
             acc = acc * alpha[..., None] + jnp.einsum("krc,kcd->krd", p, vb)
             return m_new, l, acc
 
-        init = (jnp.full((KVH, R), _MASK_VALUE, jnp.float32), jnp.zeros((KVH, R), jnp.float32),
-                jnp.zeros((KVH, R, D), jnp.float32))
+        init = (*softmax_start(sink, _MASK_VALUE), jnp.zeros((KVH, R, D), jnp.float32))
         # Chunks wholly before the block's first row are seen whole by every
         # row (written keys, no window): no mask. The rest are masked.
         full = start if sliding_window is not None else jnp.clip(pos0 // chunk, start, stop)

@@ -30,6 +30,11 @@ blocks; with num_splits > 1 (flash decoding: few queries, long context) every
 split writes its normalized partial output and log-sum-exp and the splits are
 merged by LSE weights afterwards.
 
+Learned sinks (`sinks.py`): without splits each row's online softmax starts
+from its head's sink logit (m = sink, l = 1); with splits the kernel runs
+without them and the sink joins the merge as one more split with output 0
+and log-sum-exp = sink, so it is counted once, not once per split.
+
 Two configurations are compiled and `lax.cond` picks one at run time, as the
 reference does: a decode batch (every q_len <= 1) runs block_q = 1 with
 context splits; a batch with prefill chunks runs block_q = 16 without splits.
@@ -55,12 +60,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention.checks import check_inputs
 from pallas_kernels.ragged_paged_attention.gpu_kernel import rpa_kernel, work_blocks
+from pallas_kernels.ragged_paged_attention.sinks import NO_SINK, head_sinks, sink_rows
 
-def _rpa_pallas_call(q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables,
+
+def _rpa_pallas_call(q_g, sinks_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables,
                      cu_q_lens, num_seqs, *, group, block_q, num_splits, pages_per_block,
                      sm_scale, sliding_window, soft_cap, num_warps, num_stages, interpret):
-    """q_g [T + block_q, KVH, G_pad, D] -> (out [splits, T + block_q, KVH, G_pad, D],
-    lse [splits, T + block_q, KVH, G_pad] f32 or None when num_splits == 1)."""
+    """q_g [T + block_q, KVH, G_pad, D], sinks_g [KVH, block_q * G_pad] f32 (each
+    row's softmax start) -> (out [splits, T + block_q, KVH, G_pad, D], lse
+    [splits, T + block_q, KVH, G_pad] f32 or None when num_splits == 1)."""
     T_pad, KVH, g_pad, D = q_g.shape
     T = T_pad - block_q
     S = kv_lens.shape[0]
@@ -85,7 +93,7 @@ def _rpa_pallas_call(q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
         num_splits=num_splits, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap)
     kernel = _adapt(kernel, quantized=quantized, with_lse=with_lse)
-    metadata = (blk_seq, blk_row, blk_len, kv_lens, cu_q_lens, block_tables)
+    metadata = (blk_seq, blk_row, blk_len, kv_lens, cu_q_lens, block_tables, sinks_g)
     operands = (q_g, k_pages, v_pages) + ((k_scale, v_scale) if quantized else ())
     outs = pl.pallas_call(
         kernel,
@@ -106,7 +114,7 @@ def _adapt(kernel, *, quantized, with_lse):
     def wrapped(*refs):
         refs = list(refs)
         if not quantized:
-            refs[9:9] = [None, None]
+            refs[10:10] = [None, None]
         if not with_lse:
             refs.append(None)
         return kernel(*refs)
@@ -118,7 +126,7 @@ def _next_pow2(n):
 
 
 def _attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale,
-               v_scale, *, block_q, num_splits, pages_per_block, num_warps, num_stages,
+               v_scale, sinks, *, block_q, num_splits, pages_per_block, num_warps, num_stages,
                sm_scale, sliding_window, soft_cap, interpret):
     """One compiled configuration; returns [T, H, D] with padding rows zeroed."""
     T, H, D = q.shape
@@ -127,18 +135,23 @@ def _attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, 
     g_pad = max(_next_pow2(G), -(-16 // block_q))  # Triton dots need >= 16 rows
     q_g = q.reshape(T, KVH, G, D)
     q_g = jnp.pad(q_g, ((0, block_q), (0, 0), (0, g_pad - G), (0, 0)))
+    # With splits the sink joins the merge below, once.
+    sinks_g = sink_rows(sinks if num_splits == 1 else None, KVH, G, g_pad, block_q)
     out, lse = _rpa_pallas_call(
-        q_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables, cu_q_lens, num_seqs,
-        group=G, block_q=block_q, num_splits=num_splits, pages_per_block=pages_per_block,
+        q_g, sinks_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables, cu_q_lens,
+        num_seqs, group=G, block_q=block_q, num_splits=num_splits, pages_per_block=pages_per_block,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if lse is None:
         out = out[0]
-    else:  # merge flash-decoding splits by their log-sum-exp
-        m = jnp.max(lse, axis=0)
-        w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
-        w = jnp.where(jnp.isfinite(lse), w, 0.0)
-        out = jnp.sum(out * w[..., None], axis=0) / jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]
+    else:  # merge the flash-decoding splits by log-sum-exp, the sink as one more (output 0)
+        sink = jnp.pad(head_sinks(sinks, KVH, G), ((0, 0), (0, g_pad - G)),
+                       constant_values=NO_SINK)  # [KVH, G_pad]
+        m = jnp.maximum(jnp.max(lse, axis=0), sink)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m), 0.0)
+        total = jnp.sum(w, axis=0) + jnp.exp(sink - m)  # exp(-inf) = 0: no sink
+        out = jnp.sum(out * w[..., None], axis=0) / jnp.maximum(total, 1e-30)[..., None]
     out = out[:T, :, :G].reshape(T, H, D)
     S = kv_lens.shape[0]
     live = jnp.arange(T) < cu_q_lens[jnp.minimum(num_seqs, S)]
@@ -156,8 +169,8 @@ def _default_splits(num_seqs, num_kv_heads, num_kv_blocks, target_programs=264):
     "sm_scale", "sliding_window", "soft_cap", "pages_per_block", "decode_splits",
     "prefill_block_q", "num_warps", "num_stages", "all_decode", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, pages_per_block=None, decode_splits=None,
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           k_scale=None, v_scale=None, pages_per_block=None, decode_splits=None,
                            prefill_block_q=16, num_warps=4, num_stages=2, all_decode=None,
                            interpret=False):
     """Ragged paged attention on GPU via Pallas Triton (contract: `reference.py`).
@@ -165,7 +178,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     q [T, H, D] float32/bfloat16/float16; k_pages, v_pages [KVH, P, page_size, D]
     in q's dtype, or int8 with k_scale, v_scale [KVH, P, page_size] float32;
     kv_lens [S], block_tables [S, pages_per_seq], cu_q_lens [S + 1] int32;
-    num_seqs [] or [1] int32 -> [T, H, D] in q's dtype.
+    num_seqs [] or [1] int32; sinks [H] float (learned attention sinks) or
+    None -> [T, H, D] in q's dtype.
 
     Static: sm_scale, sliding_window, soft_cap; tuning: pages_per_block (KV
     tokens per step = pages_per_block * page_size, default 64 tokens),
@@ -178,7 +192,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     T, H, D, KVH, P, page_size, S = check_inputs(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
         sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-        q_dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), kernel="GPU")
+        q_dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), kernel="GPU", sinks=sinks)
     if D < 16 or D & (D - 1):
         raise ValueError(f"GPU kernel needs head dim a power of two >= 16, got {D}")
     if page_size & (page_size - 1):
@@ -205,7 +219,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     kw = dict(pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages,
               sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               interpret=interpret)
-    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale)
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale,
+            sinks)
     decode = functools.partial(_attention, block_q=1, num_splits=decode_splits, **kw)
     prefill = functools.partial(_attention, block_q=prefill_block_q, num_splits=1, **kw)
     if all_decode is not None:

@@ -2,7 +2,8 @@
 and the public entry), read top-down: the kernel, then its named steps: the
 page fetch of one KV block (`_load_kv_block`), one online-softmax step
 (`_online_softmax_step`) and the write-back (`_write_back`); then how
-queries are cut into work blocks (`work_blocks`)."""
+queries are cut into work blocks (`work_blocks`). Learned sinks
+(`sinks.py`) are the online softmax's start: m = sink, l = exp(sink - m)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.ragged_paged_attention.sinks import softmax_start
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -22,6 +25,7 @@ def rpa_kernel(
     kv_lens_ref,  # [S]
     cu_q_lens_ref,  # [S + 1]
     block_tables_ref,  # [S, pages_per_seq_pad]
+    sinks_ref,  # [KVH, block_q * G_pad] f32: each row's sink logit (-inf: none)
     q_ref,  # [T + block_q, KVH, G_pad, D] (whole array)
     k_ref,  # [P, page_size, D] (this KV head)
     v_ref,
@@ -81,8 +85,7 @@ def rpa_kernel(
                                     soft_cap=soft_cap)
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m = jnp.full((rows,), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
+    m, l = softmax_start(sinks_ref[h, :], MASK_VALUE)
     acc, m, l = lax.fori_loop(kb_start, kb_stop, body, (acc, m, l))
 
     _write_back(o_ref, lse_ref, acc, m, l, row0=row0, h=h, n_tok=n_tok, block_q=block_q)

@@ -2,7 +2,8 @@
 blocked and decode attention, the dense prefill blocks): a key at position
 k is seen by a query at position q when k <= q (causal) and, with a
 sliding window W, k > q - W or k is one of the first `num_sink_tokens`
-(attention sinks). Every function broadcasts its position arrays."""
+(StreamingLLM's sink tokens; learned sink logits are `sinks.py`'s). Every
+function broadcasts its position arrays."""
 
 from __future__ import annotations
 

@@ -29,7 +29,10 @@ tile, then walks the KV blocks of `block_kv` keys its rows can see (from
 the oldest key in the sliding window to the newest query's position), each
 gathered by one TMA copy per page through the block table into a shared
 memory slot. Two slots: KV block j + 1 is in flight while block j is
-computed on. Per block: S = Q K^T by wgmma (K read through a transposed
+computed on. Learned sinks (`sinks.py`): the wrapper lays them out per row
+of a KV head's tile, [KVH, 64] float32; the program copies its head's row
+into shared memory with the queries and starts each row's online softmax
+there (m = sink, l = 1). Per block: S = Q K^T by wgmma (K read through a transposed
 view), scale, soft cap, causal / window / length mask, online softmax in
 registers (float32), P written to shared memory in the input dtype and
 O += P V by wgmma. Value rows outside [window start, kv_len) are zeroed in
@@ -80,6 +83,7 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention import mosaic_gpu_kernel as mk
 from pallas_kernels.ragged_paged_attention.checks import check_inputs
 from pallas_kernels.ragged_paged_attention.gpu_kernel import work_blocks
+from pallas_kernels.ragged_paged_attention.sinks import sink_rows
 
 Q_DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
@@ -134,9 +138,10 @@ def _kernel_call(body, out_type, scratch, *, grid, grid_names, interpret, name):
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, interpret=interpret, **kw)
 
 
-def _rpa_kernel_call(meta, tables, q_blk, k_pages, v_pages, *, group_pad, block_kv, sm_scale,
-                     sliding_window, soft_cap, interpret):
-    """q_blk [NB, KVH, 64, D] -> out [NB, KVH, 64, D] (q's dtype)."""
+def _rpa_kernel_call(meta, tables, sinks_rows, q_blk, k_pages, v_pages, *, group_pad, block_kv,
+                     sm_scale, sliding_window, soft_cap, interpret):
+    """q_blk [NB, KVH, 64, D], sinks_rows [KVH, 64] f32 -> out [NB, KVH, 64, D]
+    (q's dtype)."""
     plgpu = _api()
     NB, KVH, rows, D = q_blk.shape
     dtype = q_blk.dtype
@@ -149,7 +154,9 @@ def _rpa_kernel_call(meta, tables, q_blk, k_pages, v_pages, *, group_pad, block_
         _smem((mk.NUM_SLOTS, block_kv, D), dtype),  # v
         _smem((rows, block_kv), dtype),  # p
         _smem((D, block_kv), dtype) if params is not None else None,  # K^T (interpret)
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.SMEM((rows,), jnp.float32),  # the rows' sink logits
+        plgpu.Barrier(num_arrivals=1),  # q
+        plgpu.Barrier(num_arrivals=1),  # sinks
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=mk.NUM_SLOTS),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=mk.NUM_SLOTS),
     ]
@@ -159,7 +166,7 @@ def _rpa_kernel_call(meta, tables, q_blk, k_pages, v_pages, *, group_pad, block_
     kernel = _kernel_call(body, jax.ShapeDtypeStruct(q_blk.shape, dtype), scratch,
                           grid=(NB, KVH), grid_names=("block", "kv_head"), interpret=params,
                           name=f"jaxkv_rpa_mgpu_g{group_pad}_kv{block_kv}")
-    return kernel(meta, tables, q_blk, k_pages, v_pages)
+    return kernel(meta, tables, sinks_rows, q_blk, k_pages, v_pages)
 
 
 def _next_pow2(n):
@@ -188,14 +195,16 @@ def _block_metadata(kv_lens, cu_q_lens, num_seqs, *, block_q, num_blocks, block_
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "all_decode", "interpret", "block_kv"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, all_decode=None, interpret=False, block_kv=64):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           k_scale=None, v_scale=None, all_decode=None, interpret=False,
+                           block_kv=64):
     """Ragged paged attention on Hopper via Pallas Mosaic GPU (contract:
     `reference.py`; limits: the module docstring).
 
     q [T, H, D] bfloat16/float16; k_pages, v_pages [KVH, P, page_size, D] in
     q's dtype; kv_lens [S], block_tables [S, pages_per_seq], cu_q_lens [S + 1]
-    int32; num_seqs [] or [1] int32 -> [T, H, D] in q's dtype.
+    int32; num_seqs [] or [1] int32; sinks [H] float (learned attention
+    sinks) or None -> [T, H, D] in q's dtype.
 
     Static: sm_scale, sliding_window, soft_cap; all_decode (True: the
     caller promises every live sequence brings at most one query row, so
@@ -209,7 +218,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     T, H, D, KVH, P, page_size, S = check_inputs(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
         sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-        q_dtypes=Q_DTYPES, kernel="Mosaic GPU")
+        q_dtypes=Q_DTYPES, kernel="Mosaic GPU", sinks=sinks)
     if k_scale is not None:
         raise ValueError("Mosaic GPU kernel: int8 pages (k_scale/v_scale) are not supported; "
                          "use the Triton kernel")
@@ -248,9 +257,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     q_blk = jnp.where(live[:, :, None, None, None], q_g[jnp.minimum(rows, T - 1)], 0)
     q_blk = q_blk.transpose(0, 2, 1, 3, 4).reshape(num_blocks, KVH, mk.ROWS, D)
 
-    out = _rpa_kernel_call(meta, tables, q_blk, k_pages, v_pages, group_pad=group_pad,
-                           block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap, interpret=interpret)
+    # Row r of a KV head's tile is query head r % group_pad of that KV head.
+    sinks_rows = sink_rows(sinks, KVH, G, group_pad, block_q)
+    out = _rpa_kernel_call(meta, tables, sinks_rows, q_blk, k_pages, v_pages,
+                           group_pad=group_pad, block_kv=block_kv, sm_scale=sm_scale,
+                           sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     out = out.reshape(num_blocks, KVH, block_q, group_pad, D)[:, :, :, :G]
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_blocks * block_q, H, D)
     dest = jnp.where(live, rows, T).reshape(-1)  # T: out of range, dropped

@@ -3,7 +3,8 @@ design, the `plgpu.kernel` call and the public entry), read top-down: the
 kernel, then its named steps: the TMA page fetch of one KV block
 (`_fetch_kv_block`), the score product (`_scores`), the online-softmax
 step (`_softmax_step`), the value product (`_values`) and the clean-up of
-dead value rows (`_zero_dead_values`)."""
+dead value rows (`_zero_dead_values`). Learned sinks (`sinks.py`) are the
+online softmax's start: m = sink, l = exp(sink - m)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.ragged_paged_attention.sinks import softmax_start
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -31,6 +34,7 @@ def rpa_kernel(
     # inputs (GMEM)
     meta_ref,  # [NB, META_FIELDS] int32: sequence, first row's position, kv_hi, KV block range
     tables_ref,  # [S, pages_per_seq_pad] int32
+    sinks_ref,  # [KVH, ROWS] f32: each row's sink logit (-inf: none)
     q_ref,  # [NB, KVH, ROWS, D] the work blocks' queries, rows (token, group) token major
     k_ref,  # [KVH, P, page_size, D]
     v_ref,
@@ -42,7 +46,9 @@ def rpa_kernel(
     v_smem,
     p_smem,  # [ROWS, block_kv] probabilities, the A operand of the value product
     kt_smem,  # [D, block_kv] K transposed through registers (interpret mode) or None
+    sink_smem,  # [ROWS] f32
     q_bar,
+    sink_bar,
     k_bars,  # [NUM_SLOTS], one arrival per page copy
     v_bars,
     *,
@@ -74,6 +80,7 @@ def rpa_kernel(
                         h=h, kb=kb, slot=slot, n_pages=n_pages)
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(sinks_ref.at[h], sink_smem, sink_bar)
 
     @pl.when(kb_lo < kb_hi)
     def _():
@@ -116,11 +123,12 @@ def rpa_kernel(
 
     head_dim = q_smem.shape[1]
     acc = layout(jnp.zeros((ROWS, head_dim), jnp.float32), WGMMA)
-    m = layout(jnp.full((ROWS,), MASK_VALUE, jnp.float32), WGMMA_ROW)
-    l = layout(jnp.zeros((ROWS,), jnp.float32), WGMMA_ROW)
+    plgpu.barrier_wait(sink_bar)
+    m, l = softmax_start(layout(sink_smem[...], WGMMA_ROW), MASK_VALUE)
     acc, m, l = lax.fori_loop(kb_lo, kb_hi, body, (acc, m, l))
 
-    # Rows that saw no key (empty blocks, padding rows) have l == 0: write 0.
+    # Rows that saw no key (empty blocks, padding rows) have acc == 0, and
+    # l == 0 without a sink: write 0.
     inv_l = jnp.where(l > 0.0, 1.0 / jnp.where(l > 0.0, l, 1.0), 0.0)
     q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(q_smem.dtype)
     plgpu.commit_smem()

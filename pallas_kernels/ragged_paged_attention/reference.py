@@ -6,7 +6,7 @@ Contract (shared by every backend)::
     ragged_paged_attention(q[T, H, D], k_pages[KVH, P, page_size, D], v_pages,
                            kv_lens[S], block_tables[S, pages_per_seq],
                            cu_q_lens[S + 1], num_seqs[], *, sm_scale,
-                           sliding_window=None, soft_cap=None,
+                           sliding_window=None, soft_cap=None, sinks=None,
                            k_scale=None, v_scale=None) -> [T, H, D]
 
 Sequence s (s < num_seqs) owns query rows cu_q_lens[s] : cu_q_lens[s + 1] and
@@ -16,7 +16,9 @@ position kv_lens[s] - q_len + i and attends causally to positions <= its own
 (and > position - sliding_window when a window is set). Query head h reads KV
 head h // (H // KVH): GQA without repeating K/V. Rows outside every sequence
 (padding) come back as zeros. k_scale / v_scale [KVH, P, page_size] float32
-dequantize int8 pages (value = int8 * scale).
+dequantize int8 pages (value = int8 * scale). sinks [H] (learned attention
+sinks, gpt-oss; `sinks.py`): one logit per query head that joins each of its
+rows' softmax denominator with no value, neither scaled nor soft-capped.
 
 How it stays cheap without a kernel: queries are cut into blocks that never
 span two sequences, and each block walks its sequence's pages once, in
@@ -25,7 +27,7 @@ blocks x context, not tokens x context), over only the chunks some query
 can see: not the padded width of the block table, nothing past the newest
 query's position, nothing behind every row's sliding window. A batch of
 decodes (every q_len <= 1) takes a one-row-per-sequence path
-(`_decode_attention`, multiply-and-reduce); a batch with prefill chunks
+(`decode.py`, multiply-and-reduce); a batch with prefill chunks
 takes blocks of `prefill_block(T, S)` rows, or, where the step's shape
 holds long chunks (T / S >= 32: a lone prompt's buckets), dense causal
 blocks one after another (`dense.py`: each block only its own keys, work
@@ -43,10 +45,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.checks import check_sinks
 from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention as native_attention
 from pallas_kernels.ragged_paged_attention.cpu import takes as native_takes
+from pallas_kernels.ragged_paged_attention.decode import (MASK_VALUE, decode_attention,
+                                                          fetch_chunk, key_chunks)
 from pallas_kernels.ragged_paged_attention.dense import dense_block, dense_prefill, use_dense
 from pallas_kernels.ragged_paged_attention.masks import in_window, visible
+from pallas_kernels.ragged_paged_attention.sinks import head_sinks, softmax_start
 
 _MIN_PREFILL_BLOCK = 16
 _MAX_PREFILL_BLOCK = 128
@@ -64,51 +70,16 @@ def prefill_block(num_tokens: int, num_seqs: int) -> int:
     return min(b, num_tokens)
 
 
-_MASK_VALUE = -1e30
-_KEY_CHUNK = 128  # keys per online-softmax step of the prefill path
-
-
-def _gather_pages(k_pages, v_pages, k_scale, v_scale, pages):
-    """K and V of `pages` [N, n] as float32 [KVH, N, n * page_size, D],
-    dequantized when the cache is int8."""
-    KVH, _, page_size, D = k_pages.shape
-    kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, N, n, page_size, D]
-    vb = v_pages[:, pages].astype(jnp.float32)
-    if k_scale is not None:
-        kb = kb * k_scale[:, pages][..., None]
-        vb = vb * v_scale[:, pages][..., None]
-    shape = (KVH, pages.shape[0], pages.shape[1] * page_size, D)
-    return kb.reshape(shape), vb.reshape(shape)
-
-
-def _key_chunks(tables, page_size):
-    """Key chunks of about `_KEY_CHUNK` keys over block tables [N, W]: (pages
-    per chunk, keys per chunk, the tables padded to whole chunks)."""
-    W = tables.shape[1]
-    chunk_pages = max(1, min(W, _KEY_CHUNK // page_size))
-    num_chunks = -(-W // chunk_pages)
-    return (chunk_pages, chunk_pages * page_size,
-            jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_pages - W))))
-
-
-def _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j, chunk_pages):
-    """K and V [KVH, N, chunk, D] of key chunk j of each row of `tables`,
-    and the chunk's key positions [chunk]."""
-    pages = jax.lax.dynamic_slice_in_dim(tables, j * chunk_pages, chunk_pages, axis=1)
-    kb, vb = _gather_pages(k_pages, v_pages, k_scale, v_scale, pages)
-    chunk = kb.shape[2]
-    return kb, vb, j * chunk + jnp.arange(chunk)
-
-
 def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                        num_seqs, *, block_q, num_blocks, sm_scale, sliding_window,
-                       soft_cap, k_scale, v_scale, num_sink_tokens):
+                       soft_cap, k_scale, v_scale, num_sink_tokens, sinks=None):
     """Attention over `num_blocks` query blocks of `block_q` rows, each inside
-    one sequence, with an online softmax over chunks of about `_KEY_CHUNK`
+    one sequence, with an online softmax over chunks of about `decode.KEY_CHUNK`
     keys. The loop runs only over chunks some block can see (from the
     oldest in-window key to the newest query's position), not the whole
     padded block table. Each (KV head, block) pair is one matrix product of
-    its G * block_q query rows against the chunk. Returns [T, H, D] float32."""
+    its G * block_q query rows against the chunk. sinks [H] or None: learned
+    sinks, the softmax's starting state. Returns [T, H, D] float32."""
     T, H, D = q.shape
     KVH, P, page_size, _ = k_pages.shape
     S, pages_per_seq = block_tables.shape
@@ -141,12 +112,12 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     qb = qb.reshape(KVH, num_blocks, R, D)
     row_pos = jnp.broadcast_to(q_pos[:, None, :], (num_blocks, G, block_q)).reshape(num_blocks, R)
 
-    chunk_pages, chunk, tables = _key_chunks(block_tables[blk_seq], page_size)  # [NB, ...]
+    chunk_pages, chunk, tables = key_chunks(block_tables[blk_seq], page_size)  # [NB, ...]
 
     newest = jnp.max(jnp.where(row_valid, q_pos, -1))  # the last key any row sees
     stop = (newest + chunk) // chunk
     if sliding_window is not None:
-        # Keys before every row's window (and not a sink) are dead for the
+        # Keys before every row's window (and not a sink token) are dead for the
         # whole block; their pages may already be handed back (trash page).
         oldest = q_pos[:, 0] - sliding_window + 1  # [NB]
         first = jnp.min(jnp.where(blk_valid, oldest, newest))
@@ -156,10 +127,10 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
 
     def step(j, carry):
         m, l, acc = carry
-        kb, vb, key_pos = _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
-                                       chunk_pages)  # [KVH, NB, chunk, D]
+        kb, vb, key_pos = fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
+                                      chunk_pages)  # [KVH, NB, chunk, D]
         key_live = key_pos[None, :] < kv_len[:, None]  # [NB, chunk]
-        # Keys the block's oldest row sees in its window (or sinks).
+        # Keys the block's oldest row sees in its window (or sink tokens).
         key_live &= in_window(key_pos[None, :], q_pos[:, :1], sliding_window, num_sink_tokens)
         # Unwritten slots may hold anything (NaN included); zero them so
         # 0 * NaN never reaches the output.
@@ -170,7 +141,7 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = key_live[:, None, :] & visible(key_pos[None, None, :], row_pos[:, :, None],
                                               sliding_window, num_sink_tokens)
-        s = jnp.where(mask[None], s, _MASK_VALUE)
+        s = jnp.where(mask[None], s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
@@ -178,9 +149,9 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
         acc = acc * alpha[..., None] + jnp.einsum("knrc,kncd->knrd", p, vb)
         return m_new, l, acc
 
-    init = (jnp.full((KVH, num_blocks, R), _MASK_VALUE, jnp.float32),
-            jnp.zeros((KVH, num_blocks, R), jnp.float32),
-            jnp.zeros((KVH, num_blocks, R, D), jnp.float32))
+    sink = jnp.broadcast_to(head_sinks(sinks, KVH, G)[:, None, :, None],
+                            (KVH, num_blocks, G, block_q)).reshape(KVH, num_blocks, R)
+    init = (*softmax_start(sink, MASK_VALUE), jnp.zeros((KVH, num_blocks, R, D), jnp.float32))
     _, l, acc = jax.lax.fori_loop(start, stop, step, init)
     o = acc / jnp.maximum(l, 1e-30)[..., None]
     o = o.reshape(KVH, num_blocks, G, block_q, D).transpose(1, 3, 0, 2, 4)
@@ -189,84 +160,26 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     return out.at[rows.reshape(-1)].set(o, mode="drop")
 
 
-def _decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                      sm_scale, sliding_window, soft_cap, k_scale, v_scale, num_sink_tokens):
-    """The all-decode case (every live q_len <= 1): one query row per
-    sequence. Each sequence's pages are read in chunks of about
-    `_KEY_CHUNK` keys with an online softmax, over only the chunks some
-    sequence can see (not the padded width of the block table); scores and
-    outputs are multiply-and-reduce over the chunk, laid out [KVH, S, ...]
-    so nothing is transposed (about 3x faster than `_blocked_attention`
-    with block_q=1 on XLA's CPU backend at 16 sequences). Returns [T, H, D]
-    float32."""
-    T, H, D = q.shape
-    KVH, P, page_size, _ = k_pages.shape
-    S, pages_per_seq = block_tables.shape
-    G = H // KVH
-
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    live = (jnp.arange(S) < num_seqs) & (q_lens > 0)
-    rows = jnp.where(live, cu_q_lens[:-1], T)  # T = out of range: dropped on scatter
-    qs = q[jnp.minimum(rows, T - 1)].astype(jnp.float32) * sm_scale
-    qs = qs.reshape(S, KVH, G, D).transpose(1, 0, 2, 3)  # [KVH, S, G, D]
-    kv_len = jnp.where(live, kv_lens, 0)
-
-    chunk_pages, chunk, tables = _key_chunks(block_tables, page_size)
-    stop = (jnp.max(kv_len) + chunk - 1) // chunk  # the row is its sequence's last token
-    if sliding_window is not None and not num_sink_tokens:
-        # Keys before every row's window are dead; their pages may already be
-        # handed back (trash page).
-        first = jnp.min(jnp.where(live, kv_len - sliding_window, jnp.iinfo(jnp.int32).max))
-        start = jnp.clip(first // chunk, 0, stop)
-    else:
-        start = 0
-
-    def step(j, carry):
-        m, l, acc = carry
-        kb, vb, key_pos = _fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
-                                       chunk_pages)  # [KVH, S, chunk, D]
-        # The row is its sequence's last token, at kv_len - 1.
-        key_live = visible(key_pos[None, :], (kv_len - 1)[:, None], sliding_window,
-                           num_sink_tokens)  # [S, chunk]
-        vb = jnp.where(key_live[None, :, :, None], vb, 0.0)  # unwritten slots may hold NaN
-        s = jnp.sum(qs[:, :, :, None, :] * kb[:, :, None, :, :], axis=-1)  # [KVH, S, G, chunk]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = key_live[None, :, None, :]
-        s = jnp.where(mask, s, _MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.sum(p[..., None] * vb[:, :, None, :, :], axis=-2)
-        return m_new, l, acc
-
-    init = (jnp.full((KVH, S, G), _MASK_VALUE, jnp.float32), jnp.zeros((KVH, S, G), jnp.float32),
-            jnp.zeros((KVH, S, G, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(start, stop, step, init)
-    o = acc / jnp.maximum(l, 1e-30)[..., None]  # [KVH, S, G, D]
-    o = o.transpose(1, 0, 2, 3).reshape(S, H, D)
-    out = jnp.zeros((T, H, D), jnp.float32)
-    return out.at[rows].set(o, mode="drop")
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "num_sink_tokens", "all_decode", "native_cpu"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                            num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
-                           k_scale=None, v_scale=None, num_sink_tokens=0, all_decode=None,
-                           native_cpu=False):
+                           sinks=None, k_scale=None, v_scale=None, num_sink_tokens=0,
+                           all_decode=None, native_cpu=False):
     """Reference ragged paged attention; see the module docstring for the
     contract. q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
     block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D].
 
-    `num_sink_tokens` (with `sliding_window`) also lets every query see the
-    first tokens of its sequence (attention sinks, for streaming eviction).
+    `sinks` [H] or None: learned attention sinks (gpt-oss), one logit per
+    query head in every row's softmax denominator (module docstring).
+    `num_sink_tokens` (with `sliding_window`), a different thing: every
+    query also sees the first tokens of its sequence (StreamingLLM's sink
+    tokens, for streaming eviction).
     `all_decode` (static): True traces only the decode path (every live
     q_len <= 1, the caller's promise), False only the blocked path, None
     both, picked at run time. `native_cpu` (static; the CPU "auto" backend
     sets it): the whole call runs as `cpu.py`'s native kernel where that
-    takes the case (float32, no int8 scales, no sinks) and is built."""
+    takes the case (float32, no int8 scales, no sink tokens) and is built."""
     T, H, D = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
@@ -284,22 +197,23 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         raise ValueError("num_sink_tokens needs a sliding_window")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("k_scale and v_scale must be given together")
+    check_sinks(sinks, H)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     if native_cpu and native_takes(q, k_pages, k_scale, num_sink_tokens):
         return native_attention(*args, sm_scale=sm_scale, soft_cap=soft_cap,
-                                sliding_window=sliding_window).astype(q.dtype)
+                                sliding_window=sliding_window, sinks=sinks).astype(q.dtype)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-              k_scale=k_scale, v_scale=v_scale, num_sink_tokens=num_sink_tokens)
+              k_scale=k_scale, v_scale=v_scale, num_sink_tokens=num_sink_tokens, sinks=sinks)
 
     def decode(args):
-        return _decode_attention(*args, **kw)
+        return decode_attention(*args, **kw)
 
     def prefill(args):
         if use_dense(T, S):  # long chunks: dense causal blocks, decodes apart
             out, served = dense_prefill(*args, block_q=dense_block(T, S), **kw)
             q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-            dec = _decode_attention(q, k_pages, v_pages, jnp.where(q_lens == 1, kv_lens, 0),
-                                    block_tables, cu_q_lens, num_seqs, **kw)
+            dec = decode_attention(q, k_pages, v_pages, jnp.where(q_lens == 1, kv_lens, 0),
+                                   block_tables, cu_q_lens, num_seqs, **kw)
             return jnp.where(served[:, None, None], out, dec)
         bq = prefill_block(T, S)
         # sum_s ceil(q_s / bq) <= (T + S (bq - 1)) / bq when sum_s q_s <= T

@@ -18,7 +18,10 @@ sequences in order; for each it streams only the KV blocks its rows can see
 (causal end, sliding-window start) through VMEM. The online-softmax state
 (m, l, acc) is per row, and rows of other sequences are masked to probability
 zero, so one state tile serves every sequence of the block and the output tile
-is written exactly once. Rows of no sequence end with l = 0 and come out as 0.
+is written exactly once. Rows of no sequence end with acc = 0 and come out as
+0. Learned sinks (`sinks.py`) start each row's state at its head's sink logit
+(m = sink, l = 1): the wrapper lays them out per row of a KV head's tile,
+[KVH, block_q * G, 128] lane-replicated, one VMEM block per KV head.
 
 Memory:
   SMEM (scalar prefetch): kv_lens [S], block_tables flattened [S * pages_per_seq],
@@ -26,9 +29,10 @@ Memory:
     sequence whose rows reach each query block).
   HBM (memory_space ANY): k_pages, v_pages, k_scale, v_scale; pages are copied
     one DMA per page into
-  VMEM: k/v buffers [2, pages_per_block, page_size, D] (double buffered: the
-    next KV block, possibly the next sequence's first, is in flight while the
-    current one is computed), scale buffers [2, pages_per_block, page_size] f32,
+  VMEM: the sink rows [block_q * G, 128] f32 (BlockSpec, fetched again only
+    when the KV head changes), k/v buffers [2, pages_per_block, page_size, D]
+    (double buffered: the next KV block, possibly the next sequence's first, is
+    in flight while the current one is computed), scale buffers [2, pages_per_block, page_size] f32,
     m / l [block_q * G, 128] f32 (lane-replicated), acc [block_q * G, D] f32, and
     the q / out tiles managed by the BlockSpec pipeline.
 
@@ -47,8 +51,8 @@ bfloat16; pages in q's dtype or int8 with scales. ``block_tables`` is copied
 to SMEM, so S * pages_per_seq int32 must fit there (keep it well under 1 MiB,
 i.e. < ~200K entries with the other tables). VMEM use is about
 4 * pages_per_block * page_size * D * itemsize (K/V double buffers) plus
-(block_q * G) * (D + 256) * 4 bytes; the default 256-token KV block stays far
-below the default scoped-VMEM limit.
+(block_q * G) * (D + 512) * 4 bytes (m, l and the sink rows' two buffers);
+the default 256-token KV block stays far below the default scoped-VMEM limit.
 """
 
 from __future__ import annotations
@@ -61,13 +65,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.checks import check_inputs
+from pallas_kernels.ragged_paged_attention.sinks import sink_rows
 from pallas_kernels.ragged_paged_attention.tpu_kernel import LANES, rpa_kernel
 
-def _rpa_pallas_call(q_t, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables_flat,
-                     cu_q_lens, num_seqs, first_seq, *, group, pages_per_seq, block_q,
-                     pages_per_block, sm_scale, sliding_window, soft_cap, vmem_limit_bytes,
-                     interpret):
-    """q_t [KVH, T_pad * G, D] -> [KVH, T_pad * G, D]."""
+
+def _rpa_pallas_call(q_t, sinks_t, k_pages, v_pages, k_scale, v_scale, kv_lens,
+                     block_tables_flat, cu_q_lens, num_seqs, first_seq, *, group, pages_per_seq,
+                     block_q, pages_per_block, sm_scale, sliding_window, soft_cap,
+                     vmem_limit_bytes, interpret):
+    """q_t [KVH, T_pad * G, D], sinks_t [KVH, block_q * G, 128] f32 -> [KVH,
+    T_pad * G, D]."""
     kvh, total_rows, head_dim = q_t.shape
     _, _, page_size, _ = k_pages.shape
     rows = block_q * group
@@ -75,6 +82,7 @@ def _rpa_pallas_call(q_t, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
     quantized = k_scale is not None
 
     q_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    sink_spec = pl.BlockSpec((None, rows, LANES), lambda h, i, *_: (h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kv_buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
     scale_buf = pltpu.VMEM((2, pages_per_block, page_size), jnp.float32) if quantized else None
@@ -85,13 +93,13 @@ def _rpa_pallas_call(q_t, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
     if not quantized:
         kernel = _with_none_args(kernel)
     scalars = (kv_lens, block_tables_flat, cu_q_lens, num_seqs, first_seq)
-    operands = (q_t, k_pages, v_pages) + ((k_scale, v_scale) if quantized else ())
+    operands = (q_t, sinks_t, k_pages, v_pages) + ((k_scale, v_scale) if quantized else ())
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(kvh, num_q_blocks),
-            in_specs=[q_spec, hbm, hbm] + ([hbm, hbm] if quantized else []),
+            in_specs=[q_spec, sink_spec, hbm, hbm] + ([hbm, hbm] if quantized else []),
             out_specs=q_spec,
             scratch_shapes=[kv_buf, kv_buf] + ([scale_buf, scale_buf] if quantized else [])
             + [pltpu.SemaphoreType.DMA((2, 4)), stat, stat,
@@ -107,9 +115,9 @@ def _rpa_pallas_call(q_t, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tab
 
 def _with_none_args(kernel):
     """Adapts the kernel to a call without scale operands / scratch."""
-    def wrapped(kv_lens, bt, cu, ns, fs, q, k, v, o, k_buf, v_buf, sems, m, l, acc):
-        return kernel(kv_lens, bt, cu, ns, fs, q, k, v, None, None, o, k_buf, v_buf, None,
-                      None, sems, m, l, acc)
+    def wrapped(kv_lens, bt, cu, ns, fs, q, sink, k, v, o, k_buf, v_buf, sems, m, l, acc):
+        return kernel(kv_lens, bt, cu, ns, fs, q, sink, k, v, None, None, o, k_buf, v_buf,
+                      None, None, sems, m, l, acc)
     return wrapped
 
 
@@ -121,15 +129,16 @@ def _default_pages_per_block(page_size, pages_per_seq):
     "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block",
     "vmem_limit_bytes", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, block_q=16, pages_per_block=None,
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           k_scale=None, v_scale=None, block_q=16, pages_per_block=None,
                            vmem_limit_bytes=None, interpret=False):
     """Ragged paged attention on TPU (contract: `reference.py`).
 
     q [T, H, D] float32/bfloat16; k_pages, v_pages [KVH, P, page_size, D] in
     q's dtype, or int8 with k_scale, v_scale [KVH, P, page_size] float32;
     kv_lens [S], block_tables [S, pages_per_seq], cu_q_lens [S + 1] int32;
-    num_seqs [] or [1] int32 -> [T, H, D] in q's dtype.
+    num_seqs [] or [1] int32; sinks [H] float (learned attention sinks) or
+    None -> [T, H, D] in q's dtype.
 
     Static: sm_scale, sliding_window, soft_cap; tuning: block_q (query tokens per
     grid cell; block_q * G rows must be a multiple of 16), pages_per_block (pages
@@ -139,7 +148,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     T, H, D, KVH, P, page_size, S = check_inputs(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
         sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-        q_dtypes=(jnp.float32, jnp.bfloat16), kernel="TPU")
+        q_dtypes=(jnp.float32, jnp.bfloat16), kernel="TPU", sinks=sinks)
     if D % 64:
         raise ValueError(f"TPU kernel needs head dim a multiple of 64, got {D}")
     if page_size % 8:
@@ -164,8 +173,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     live_ends = jnp.where(jnp.arange(S) < num_seqs[0], cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
     first_seq = jnp.searchsorted(live_ends, jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q,
                                  side="right").astype(jnp.int32)
+    # Row r of a KV head's tile is query head r % G of that KV head.
+    sinks_t = jnp.broadcast_to(sink_rows(sinks, KVH, G, G, block_q)[..., None],
+                               (KVH, block_q * G, LANES))
     out = _rpa_pallas_call(
-        q_t, k_pages, v_pages,
+        q_t, sinks_t, k_pages, v_pages,
         None if k_scale is None else k_scale.astype(jnp.float32),
         None if v_scale is None else v_scale.astype(jnp.float32),
         kv_lens, block_tables.reshape(-1), cu_q_lens, num_seqs, first_seq,

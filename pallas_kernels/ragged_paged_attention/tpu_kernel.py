@@ -6,7 +6,8 @@ heads of that KV head). It walks the sequences whose rows fall in the block;
 for each it streams the KV blocks those rows can see through two VMEM slots
 (`_Cell.fetch`: page DMAs, the next block in flight while one is used), folds
 each block into the per-row online-softmax state (`_Cell.attend`), and
-finally writes the normalized output tile once (`_write_back`).
+finally writes the normalized output tile once (`_write_back`). Learned
+sinks (`sinks.py`) are the state's start: m = sink, l = exp(sink - m).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention.sinks import softmax_start
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
@@ -31,6 +34,7 @@ def rpa_kernel(
     first_seq_ref,  # [num_q_blocks]
     # inputs
     q_ref,  # [R, D] VMEM, R = block_q * G
+    sink_ref,  # [R, 128] f32 VMEM: each row's sink logit, lane-replicated (-inf: none)
     k_hbm,  # [KVH, P, page_size, D] HBM
     v_hbm,
     k_scale_hbm,  # [KVH, P, page_size] HBM, or None
@@ -60,8 +64,7 @@ def rpa_kernel(
                  block_q=block_q, group=group, pages_per_seq=pages_per_seq,
                  num_seqs=num_seqs_ref[0], sm_scale=sm_scale, sliding_window=sliding_window,
                  soft_cap=soft_cap)
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    m_ref[...], l_ref[...] = softmax_start(sink_ref[...], MASK_VALUE)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def seq_body(carry):
@@ -98,7 +101,7 @@ def rpa_kernel(
 
 def _write_back(o_ref, l_ref, acc_ref):
     """Normalize the accumulated rows and store the output tile; rows of no
-    sequence (l = 0) come out as 0."""
+    sequence (acc = 0; l = 0 without a sink) come out as 0."""
     l = l_ref[...]
     inv = jnp.where(l > 0.0, 1.0 / jnp.where(l > 0.0, l, 1.0), 0.0)
     o_ref[...] = (acc_ref[...] * lane_bcast(inv, o_ref.shape[1])).astype(o_ref.dtype)

@@ -31,7 +31,8 @@ from pallas_kernels.ragged_paged_attention import gpu, tpu
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
 
-# (id, q dtype, pages dtype, head_dim, page_size, H, KVH, attention kwargs)
+# (id, q dtype, pages dtype, head_dim, page_size, H, KVH, attention kwargs);
+# sinks=True passes learned attention sinks, a float32 [H] argument.
 CONFIGS = [
     ("bf16-d128-p16-h32kv8", "bfloat16", "bfloat16", 128, 16, 32, 8, {}),
     ("bf16-d64-p8-h8kv1", "bfloat16", "bfloat16", 64, 8, 8, 1, {}),
@@ -39,11 +40,16 @@ CONFIGS = [
      dict(sliding_window=64, soft_cap=30.0)),
     ("bf16-int8-d128-p32-h24kv8", "bfloat16", "int8", 128, 32, 24, 8, {}),
     ("f32-int8-d128-p16-h4kv4", "float32", "int8", 128, 16, 4, 4, {}),
+    ("bf16-d128-p16-h16kv2-win-sinks", "bfloat16", "bfloat16", 128, 16, 16, 2,
+     dict(sliding_window=128, sinks=True)),
+    ("f32-int8-d64-p8-h8kv1-cap-sinks", "float32", "int8", 64, 8, 8, 1,
+     dict(soft_cap=30.0, sinks=True)),
 ]
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, NUM_PAGES = 64, 8, 32, 300
 
 
-def _specs(q_dtype, kv_dtype, head_dim, page_size, num_heads, num_kv_heads, sharding=None):
+def _specs(q_dtype, kv_dtype, head_dim, page_size, num_heads, num_kv_heads, sharding=None,
+           sinks=False):
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
     pages = (num_kv_heads, NUM_PAGES, page_size, head_dim)
     specs = [sds((NUM_TOKENS, num_heads, head_dim), q_dtype), sds(pages, kv_dtype),
@@ -52,14 +58,22 @@ def _specs(q_dtype, kv_dtype, head_dim, page_size, num_heads, num_kv_heads, shar
              sds((), "int32")]
     if kv_dtype == "int8":
         specs += [sds((num_kv_heads, NUM_PAGES, page_size), "float32")] * 2
+    if sinks:
+        specs.append(sds((num_heads,), "float32"))
     return specs
 
 
 def _fn(kernel, head_dim, kw):
-    def f(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *scales):
-        scale_kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales else {}
+    kw = dict(kw)
+    with_sinks = kw.pop("sinks", False)
+
+    def f(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *extra):
+        extra = list(extra)
+        extra_kw = dict(sinks=extra.pop()) if with_sinks else {}
+        if extra:
+            extra_kw.update(k_scale=extra[0], v_scale=extra[1])
         return kernel.ragged_paged_attention(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                             sm_scale=head_dim ** -0.5, **kw, **scale_kw)
+                                             sm_scale=head_dim ** -0.5, **kw, **extra_kw)
     return f
 
 
@@ -75,7 +89,8 @@ def compile_for_topology(topology):
     with jax.set_mesh(Mesh(np.array([device]), ("x",))):
         for cid, q_dt, kv_dt, d, ps, h, kvh, kw in CONFIGS:
             try:
-                specs = _specs(q_dt, kv_dt, d, ps, h, kvh, SingleDeviceSharding(device))
+                specs = _specs(q_dt, kv_dt, d, ps, h, kvh, SingleDeviceSharding(device),
+                               sinks=kw.get("sinks", False))
                 compiled = jax.jit(_fn(tpu, d, kw)).trace(*specs).lower().compile()
                 text = compiled.as_text()
                 results[cid] = "ok" if "tpu_custom_call" in text else "no Mosaic kernel in HLO"
@@ -115,7 +130,8 @@ def test_tpu_kernel_lowers_to_mosaic(config):
     device = jax.sharding.AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(_fn(tpu, d, kw)).trace(*_specs(q_dt, kv_dt, d, ps, h, kvh)).lower(
+        text = jax.jit(_fn(tpu, d, kw)).trace(
+            *_specs(q_dt, kv_dt, d, ps, h, kvh, sinks=kw.get("sinks", False))).lower(
             lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
 
@@ -128,7 +144,8 @@ def test_gpu_kernel_lowers_for_cuda(config):
                                          platform="gpu")
     with jax.sharding.use_abstract_mesh(
             jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        text = jax.jit(_fn(gpu, d, kw)).trace(*_specs(q_dt, kv_dt, d, ps, h, kvh)).lower(
+        text = jax.jit(_fn(gpu, d, kw)).trace(
+            *_specs(q_dt, kv_dt, d, ps, h, kvh, sinks=kw.get("sinks", False))).lower(
             lowering_platforms=("cuda",)).as_text()
     # Two Triton kernels: the decode (split context) and the prefill configuration.
     assert text.count("__gpu$xla.gpu.triton") == 2

@@ -140,13 +140,15 @@ def test_mosaic_gpu_kernel_rejects_unsupported_inputs(change, match):
 
 
 # (q dtype, head_dim, page_size, H, KVH, kwargs): what a Hopper serving
-# config looks like, plus window / cap, 128-key blocks and the decode grid.
+# config looks like, plus window / cap, 128-key blocks, the decode grid and
+# learned sinks (sinks=True: a float32 [H] argument).
 LOWERING_CONFIGS = [
     ("bfloat16", 128, 16, 32, 8, {}),
     ("bfloat16", 64, 8, 8, 1, {}),
     ("float16", 64, 8, 6, 2, dict(sliding_window=64, soft_cap=30.0)),
     ("bfloat16", 128, 64, 4, 4, dict(block_kv=128)),
     ("bfloat16", 64, 16, 4, 4, dict(all_decode=True)),
+    ("bfloat16", 64, 16, 16, 2, dict(sinks=True, sliding_window=128)),
 ]
 
 
@@ -158,14 +160,17 @@ def test_mosaic_gpu_kernel_lowers_for_cuda(config):
     # compiles on a GPU. The layout, swizzle and TMA checks of Mosaic GPU run
     # here (a mismatched wgmma swizzle fails at this step).
     dtype, d, ps, h, kvh, kw = config
+    kw = dict(kw)
+    with_sinks = kw.pop("sinks", False)
     T, S, W, P = 64, 8, 32, 300
     sds = jax.ShapeDtypeStruct
     specs = [sds((T, h, d), dtype), sds((kvh, P, ps, d), dtype), sds((kvh, P, ps, d), dtype),
              sds((S,), jnp.int32), sds((S, W), jnp.int32), sds((S + 1,), jnp.int32),
-             sds((), jnp.int32)]
+             sds((), jnp.int32)] + ([sds((h,), jnp.float32)] if with_sinks else [])
 
     def f(*args):
-        return mosaic_gpu.ragged_paged_attention(*args, sm_scale=d ** -0.5, **kw)
+        extra = dict(sinks=args[7]) if with_sinks else {}
+        return mosaic_gpu.ragged_paged_attention(*args[:7], sm_scale=d ** -0.5, **kw, **extra)
 
     # As for the Triton kernel: newer jax reads the target GPU from the mesh.
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
