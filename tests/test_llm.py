@@ -65,6 +65,13 @@ def test_chat_renders_the_template_like_transformers(tiny):
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("messages", [5, None, [], "hello", [{"role": "user"}], [[]]])
+def test_a_malformed_chat_is_refused_naming_messages(tiny, messages):
+    # 5 once raised "'int' object is not subscriptable" (found by scripts/probe.py)
+    with pytest.raises(ValueError, match="^messages: "):
+        tiny[2].chat(messages, GREEDY)
+
+
 def test_a_generate_call_that_fails_leaves_nothing_queued(tiny, monkeypatch):
     _, _, llm = tiny
     real = llm.engine.add_request

@@ -105,7 +105,10 @@ class LLM:
         malformed conversation raises ValueError before anything runs."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer or chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages: must be a non-empty list of {{'role', 'content'}} dicts "
+                             f"or a list of such lists, got {type(messages).__name__}")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         for i, c in enumerate(convs):
             if not isinstance(c, (list, tuple)) or not c or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str)
