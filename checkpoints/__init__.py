@@ -28,8 +28,11 @@ def detect_kind(path: str | os.PathLike) -> str:
     if p.is_dir():
         if is_jaxkv_checkpoint(p):
             return "jaxkv"
-        if (p / "config.json").is_file() and ((p / "model.safetensors").is_file()
-                                              or (p / "model.safetensors.index.json").is_file()):
+        weights = [p / "model.safetensors", p / "model.safetensors.index.json"]
+        if os.path.lexists(p / "config.json") and any(map(os.path.lexists, weights)):
+            for f in [p / "config.json"] + weights:  # a FIFO or device named, not taken for absent
+                if os.path.lexists(f) and not f.is_file():
+                    raise ValueError(f"{f}: not a regular file ({_what(f)}); refusing to read it")
             return "hf"
         raise ValueError(f"{p}: directory is neither a jaxkv checkpoint ({MARKER}) "
                          "nor a Hugging Face dir (config.json + model.safetensors[.index.json])")
@@ -38,6 +41,16 @@ def detect_kind(path: str | os.PathLike) -> str:
     if not p.exists():
         raise ValueError(f"{p}: no such file or directory")
     raise ValueError(f"{p}: not a GGUF file (no .gguf suffix, no GGUF magic)")
+
+
+def _what(path: Path) -> str:
+    """What a non-regular file is, in words."""
+    from jaxkv.tokenizer import _file_kind
+
+    try:
+        return _file_kind(path.stat().st_mode)
+    except OSError:
+        return "a dangling link"
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
@@ -73,9 +86,11 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = N
     if kind == "jaxkv":
         return restore(path, dtype=dtype, verify_checksums=verify_checksums)
     if kind == "hf":
-        config, params = load_hf_dir(path, dtype=dtype, progress=progress)
-        # lexists: a tokenizer.json that is a FIFO, a device or a dangling link is an error.
+        # The side files first (lexists: a tokenizer.json that is a FIFO, a
+        # device or a dangling link is an error), so a bad one is refused
+        # before gigabytes of tensors are read.
         tok = Tokenizer.from_hf_dir(path) if os.path.lexists(Path(path) / "tokenizer.json") else None
+        config, params = load_hf_dir(path, dtype=dtype, progress=progress)
     else:
         config, params, info = load_gguf(path, dtype=dtype, progress=progress)
         try:

@@ -128,7 +128,10 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     heads = _num(cfg, "num_attention_heads", int)
     if heads <= 0:
         raise ValueError(f"num_attention_heads: must be positive, got {heads}")
-    kv_heads = _num(cfg, "num_key_value_heads", int, heads)
+    kv_heads = _num(cfg, "num_key_value_heads", int, heads, positive=True)
+    if heads % kv_heads:
+        raise ValueError(f"num_key_value_heads: num_attention_heads {heads} is not a multiple of "
+                         f"num_key_value_heads {kv_heads}")
     head_dim = _num(cfg, "head_dim", int, None, positive=True)
     if head_dim is None:
         if hidden % heads:
@@ -206,6 +209,9 @@ def from_gguf_metadata(meta: Mapping[str, Any], *, vocab_size: int | None = None
     hidden = get("embedding_length", int)
     heads = get("attention.head_count", int)
     kv_heads = get("attention.head_count_kv", int, heads)
+    if heads % kv_heads:
+        raise ValueError(f"{arch}.attention.head_count_kv: attention.head_count {heads} is not a "
+                         f"multiple of attention.head_count_kv {kv_heads}")
     head_dim = get("attention.key_length", int, None)
     if head_dim is None:
         if hidden % heads:

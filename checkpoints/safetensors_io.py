@@ -130,7 +130,8 @@ def hf_to_params(
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
     params = {}
-    for hf in tqdm(sorted(table), desc="loading tensors", disable=not progress, unit="tensor"):
+    for hf in tqdm(sorted(table), desc="loading tensors", disable=None if progress else True,
+                   unit="tensor"):
         name, how, _ = table[hf]
         w = _transform(how, np.asarray(tensors[hf]()), config)
         # Always a fresh C-order copy: sources may be memory-mapped files.

@@ -330,7 +330,25 @@ BAD_SOURCES = {
     "hf_rope": (lambda root: write_hf(root / "hf", rope_parameters={"rope_theta": 0}),
                 r"rope_parameters\.rope_theta"),
     "manifest_shape": (lambda root: _hostile(root, "manifest_shape"), "embed"),
+    # Found by scripts/probe.py: named by jaxkv's field, not the file's key.
+    "hf_kv_heads": (lambda root: write_hf(root / "hf", num_key_value_heads=3), "num_key_value_heads"),
+    # Found by scripts/probe.py: a progress bar's lines came before the error.
+    "hf_tokenizer_zero": (lambda root: _side_file(write_hf(root / "hf"), "tokenizer.json", "zero"),
+                          r"tokenizer\.json.*not a regular file"),
+    # Found by scripts/probe.py: once "neither a jaxkv checkpoint nor a Hugging Face dir".
+    "hf_config_fifo": (lambda root: _side_file(write_hf(root / "hf"), "config.json", "fifo"),
+                       r"config\.json: not a regular file \(a FIFO\)"),
 }
+
+
+def _side_file(path: Path, name: str, how: str) -> Path:
+    """`path` with its file `name` replaced by a link to /dev/zero or a FIFO."""
+    (path / name).unlink()
+    if how == "zero":
+        (path / name).symlink_to("/dev/zero")
+    else:
+        os.mkfifo(path / name)
+    return path
 
 
 @pytest.mark.parametrize("name", sorted(BAD_SOURCES))
