@@ -178,6 +178,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function"}]}, "tools", 400),
     ("/detokenize", {"tokens": [-1]}, "tokens", 400),
+    # Found by scripts/probe.py: once "tokens: must be a list of token ids" for a list body.
+    ("/detokenize", [1, 2], None, 400),
+    ("/tokenize", {"prompt": "a \ud800"}, "prompt", 400),
 ]
 
 

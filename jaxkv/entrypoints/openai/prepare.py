@@ -165,6 +165,8 @@ def tokenize(ctx: Context, body) -> dict:
         text = body.get("prompt")
         if not isinstance(text, str):
             raise APIError("prompt: must be a string", "prompt")
+    if not is_unicode(text):
+        raise APIError("prompt: not valid Unicode text (a lone surrogate)", "prompt")
     try:
         ids = encode(tok, text, add_special_tokens=add_special)
     except (TypeError, ValueError) as e:
@@ -175,7 +177,9 @@ def tokenize(ctx: Context, body) -> dict:
 def detokenize(ctx: Context, body) -> dict:
     """POST /detokenize: `tokens` -> text."""
     tok = _tokenizer(ctx.engine)
-    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        raise APIError("request body: must be a JSON object")
+    ids = body.get("tokens")
     vocab = ctx.engine.model_config.vocab_size
     if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
