@@ -57,7 +57,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     """Only the ModelConfig of a checkpoint (no weights are read)."""
     from checkpoints.gguf_io import read_gguf_metadata
     from checkpoints.safetensors_io import read_hf_config
-    from checkpoints.model_config import from_gguf_metadata
+    from checkpoints.gguf_config import from_gguf_metadata
 
     kind = detect_kind(path)
     if kind == "jaxkv":

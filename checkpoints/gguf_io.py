@@ -8,7 +8,9 @@ explicit table below and then mapped like a safetensors checkpoint.
 llama.cpp's converter permutes the rows of the q and k weights of llama-arch
 models: within each head it interleaves the two "rotate_half" halves, so HF
 rows (c * D/2 + i) land at GGUF rows (2 * i + c). `unpermute_qk` undoes that.
-qwen2 files are not permuted.
+qwen2, qwen3 and gemma files are not permuted. Gemma's norm weights are
+stored as 1 + w (llama.cpp's converter adds the 1 that HF's Gemma RMSNorm
+adds at run time); loading subtracts it, so every source gives HF's w.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from checkpoints.model_config import from_gguf_metadata
+from checkpoints.gguf_config import from_gguf_metadata
 from checkpoints.safetensors_io import hf_to_params
 from jaxkv.config import ModelConfig
 
@@ -54,7 +56,20 @@ GGUF_LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma's four norms: llama.cpp's ffn_norm is the pre-MLP norm, and its
+# post_attention_norm the norm of the attention's output (HF's
+# post_attention_layernorm there; Llama's pre-MLP norm elsewhere).
+GGUF_GEMMA_LAYER_MAP = {
+    **GGUF_LAYER_MAP,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# llama.cpp's converter stores Gemma norms as 1 + w; loading subtracts it.
+NORM_SHIFTED_ARCHS = {"gemma2", "gemma3"}
 GGUF_TOP_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -73,13 +88,15 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF name for a GGUF tensor name, None when the table has no entry."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """HF name for a GGUF tensor name of architecture `arch`, None when the
+    table has no entry."""
     if name in GGUF_TOP_MAP:
         return GGUF_TOP_MAP[name]
+    table = GGUF_GEMMA_LAYER_MAP if arch in NORM_SHIFTED_ARCHS else GGUF_LAYER_MAP
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_LAYER_MAP:
-        return f"model.layers.{parts[1]}.{GGUF_LAYER_MAP[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in table:
+        return f"model.layers.{parts[1]}.{table[parts[2]]}"
     return None
 
 
@@ -162,19 +179,21 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
     hf_tensors: dict[str, Callable[[], np.ndarray]] = {}
     hf_shapes: dict[str, tuple[int, ...]] = {}
     unknown = []
+    arch = meta["general.architecture"]
     for name, t in tensors.items():
-        hf = gguf_to_hf_name(name)
+        hf = gguf_to_hf_name(name, arch)
         if hf is None:
             unknown.append(name)
             continue
         heads = None
-        if meta["general.architecture"] in PERMUTED_ARCHS:
+        if arch in PERMUTED_ARCHS:
             if name.endswith("attn_q.weight"):
                 heads = config.num_heads
             elif name.endswith("attn_k.weight"):
                 heads = config.num_kv_heads
+        shift = arch in NORM_SHIFTED_ARCHS and name.endswith("norm.weight")
         hf_shapes[hf] = tuple(int(s) for s in reversed(t.shape.tolist()))
-        hf_tensors[hf] = _loader(t, hf_shapes[hf], heads, path)
+        hf_tensors[hf] = _loader(t, hf_shapes[hf], heads, path, shift)
     if unknown:
         raise ValueError(f"{path}: unexpected tensors {sorted(unknown)}")
     params = hf_to_params(config, hf_tensors, hf_shapes, dtype=dtype, source=str(path), progress=progress,
@@ -183,12 +202,15 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
     return config, params, tokenizer_info
 
 
-def _loader(t, shape: tuple[int, ...], heads: int | None, path: Path) -> Callable[[], np.ndarray]:
+def _loader(t, shape: tuple[int, ...], heads: int | None, path: Path,
+            shift: bool = False) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         except (ValueError, IndexError) as e:
             raise ValueError(f"{path}: corrupt GGUF tensor {t.name!r} ({e})") from None
+        if shift:  # stored as 1 + w (Gemma): back to HF's w
+            w = w - np.float32(1.0)
         if heads is not None:
             if shape[0] % heads or (shape[0] // heads) % 2:
                 raise ValueError(f"{path}: tensor {t.name!r} rows {shape[0]} do not split into "

@@ -1,6 +1,6 @@
 """ModelConfig from a checkpoint's own description: one explicit function per
-source, `from_hf_config` for a Hugging Face ``config.json`` dict and
-`from_gguf_metadata` for GGUF key/values. Both raise ValueError naming the
+source, `from_hf_config` here for a Hugging Face ``config.json`` dict and
+`checkpoints.gguf_config.from_gguf_metadata` for GGUF key/values. Both raise ValueError naming the
 field they cannot use (an unknown architecture, a missing size, an
 unsupported RoPE scaling or activation). Only an absent value gets a
 default: a present but invalid one (a head count or rope_theta of 0, NaN,
@@ -12,16 +12,23 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from jaxkv.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from jaxkv.model_config import LAYER_TYPES, ModelConfig, RopeScaling
 
 # Hugging Face `architectures` / `model_type` values we can run: all are the
-# same decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP); they differ only in
-# biases, windows and defaults, which the config fields carry.
+# one decoder; what they differ in (biases, windows per layer, norms, RoPE
+# bases, scales, caps, defaults) the ModelConfig fields carry.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text part; the vision tower is not loaded
 }
+# `model_type` -> jaxkv architecture, read when `architectures` is absent.
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 
 _REQUIRED = object()
@@ -105,25 +112,117 @@ def _rope_scaling_from_hf(rs: Mapping[str, Any] | None, where: str) -> RopeScali
                        original_max_position_embeddings=field("original_max_position_embeddings", int))
 
 
-def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face ``config.json`` dict."""
+def _family(cfg: Mapping[str, Any]) -> str:
+    """The jaxkv architecture of an HF config, from `architectures` or else
+    `model_type`; ValueError naming the field and the supported list."""
     archs = cfg.get("architectures")
     if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
         raise ValueError(f"architectures: must be a list of class names, got {str(archs)[:80]}")
-    model_type = cfg.get("model_type")
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs or () if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        if archs:
-            raise ValueError(
-                f"architectures: unknown architecture {archs!r}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type: unknown architecture {model_type!r}; supported: "
-                f"{sorted(SUPPORTED_MODEL_TYPES)}"
-            )
-        arch = model_type
+    if arch is not None:
+        return arch
+    if archs:
+        raise ValueError(f"architectures: unknown architecture {archs!r}; supported: "
+                         f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    model_type = cfg.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"model_type: unknown architecture {str(model_type)[:80]!r}; supported: "
+                         f"{sorted(HF_MODEL_TYPES)}")
+    return HF_MODEL_TYPES[model_type]
+
+
+def _text_part(cfg: Mapping[str, Any]) -> dict:
+    """Gemma 3's multimodal config: its `text_config`, with the token ids
+    and tying kept from the top level where the text part lacks them."""
+    text = _object(cfg, "text_config")
+    if text is None:
+        raise ValueError("text_config: missing from a gemma3 multimodal config")
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text
+
+
+def _rope(cfg: Mapping[str, Any], arch: str) -> tuple[float, RopeScaling | None, float | None]:
+    """(rope_theta, rope_scaling, rope_local_theta). transformers 5 writes
+    "rope_parameters" (rope_theta inside; for Gemma 3 one object per layer
+    type); 4.x wrote "rope_theta" and "rope_scaling" at the top level, and
+    Gemma 3's "rope_local_base_freq"."""
+    rope = _object(cfg, "rope_parameters") or {}
+    default_theta = 1e6 if arch == "gemma3" else 10000.0
+    local = None
+    if set(rope) & {"full_attention", "sliding_attention"}:  # keyed by layer type
+        extra = sorted(set(rope) - {"full_attention", "sliding_attention"})
+        if extra:
+            raise ValueError(f"rope_parameters: unknown layer types {extra}")
+        full = _object(rope, "full_attention") or {}
+        slide = _object(rope, "sliding_attention")
+        if slide is not None:
+            if slide.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_parameters.sliding_attention: unsupported rope_type "
+                                 f"{slide.get('rope_type')!r} (supported: 'default')")
+            local = _num(slide, "rope_theta", float, 10000.0, name="rope_parameters.sliding_attention.rope_theta",
+                         positive=True)
+        theta = _num(full, "rope_theta", float, default_theta, name="rope_parameters.full_attention.rope_theta",
+                     positive=True)
+        full.pop("rope_theta", None)
+        scaling = _rope_scaling_from_hf(full, "rope_parameters.full_attention")
+    elif rope.get("rope_theta") is not None:
+        theta = _num(rope, "rope_theta", float, name="rope_parameters.rope_theta", positive=True)
+        rope.pop("rope_theta")
+        scaling = _rope_scaling_from_hf(rope, "rope_parameters")
+    else:
+        theta = _num(cfg, "rope_theta", float, default_theta, positive=True)
+        rope.pop("rope_theta", None)
+        scaling = (_rope_scaling_from_hf(rope, "rope_parameters") if rope
+                   else _rope_scaling_from_hf(_object(cfg, "rope_scaling"), "rope_scaling"))
+    if arch == "gemma3" and local is None:
+        local = _num(cfg, "rope_local_base_freq", float, 10000.0, positive=True)
+    return theta, scaling, local
+
+
+def _layer_types(cfg: Mapping[str, Any], arch: str, num_layers: int, window: int | None) -> tuple[str, ...]:
+    """Each layer's attention type: the config's `layer_types` when given,
+    else the family's pattern (Gemma 2: sliding, full, ...; Gemma 3: five
+    sliding then one full, `sliding_window_pattern`; Qwen3: sliding from
+    `max_window_layers` on when `use_sliding_window`)."""
+    given = cfg.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list) or len(given) != num_layers or not all(
+                t in LAYER_TYPES for t in given):
+            raise ValueError(f"layer_types: must be a list of {num_layers} of {list(LAYER_TYPES)}, "
+                             f"got {str(given)[:80]}")
+        return tuple(given) if window is not None or "sliding_attention" not in given else ()
+    if arch == "gemma2":
+        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))
+    if arch == "gemma3":
+        n = _num(cfg, "sliding_window_pattern", int, None, positive=True)
+        n = n or _num(cfg, "_sliding_window_pattern", int, 6, positive=True)
+        return tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers))
+    if arch == "qwen3" and window is not None:
+        first = _num(cfg, "max_window_layers", int, 28)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+    return ()
+
+
+def _activation(cfg: Mapping[str, Any], arch: str) -> str:
+    gemma = arch.startswith("gemma")
+    key = "hidden_activation" if gemma and cfg.get("hidden_activation") is not None else "hidden_act"
+    act = cfg.get(key, "gelu_pytorch_tanh" if gemma else "silu")
+    names = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if act not in names:
+        raise ValueError(f"{key}: unsupported activation {str(act)[:40]!r} "
+                         f"(supported: {sorted(names)})")
+    return names[act]
+
+
+def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face ``config.json`` dict. Absent
+    values take the defaults of the family's transformers config class."""
+    arch = _family(cfg)
+    if arch == "gemma3" and "text_config" in cfg:
+        cfg = _text_part(cfg)
+    gemma = arch in ("gemma2", "gemma3")
     hidden = _num(cfg, "hidden_size", int)
     heads = _num(cfg, "num_attention_heads", int)
     if heads <= 0:
@@ -137,118 +236,54 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         if hidden % heads:
             raise ValueError(f"head_dim: hidden_size {hidden} not divisible by num_attention_heads {heads}")
         head_dim = hidden // heads
+    num_layers = _num(cfg, "num_hidden_layers", int)
     window = None
-    if arch == "qwen2":
-        bias, out_bias = True, False
+    if arch in ("qwen2", "qwen3"):
+        bias, out_bias = arch == "qwen2" or _bool(cfg, "attention_bias"), False
         if _bool(cfg, "use_sliding_window"):
             window = _num(cfg, "sliding_window", int, None, positive=True)
     else:
         bias = out_bias = _bool(cfg, "attention_bias")
-        if arch == "mistral":
-            window = _num(cfg, "sliding_window", int, None, positive=True)
+        if arch == "mistral" or gemma:
+            window = _num(cfg, "sliding_window", int, 4096 if gemma else None, positive=True)
     if _bool(cfg, "mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act: unsupported activation {act!r} (supported: 'silu')")
-    # transformers 5 writes "rope_parameters" (rope_theta inside); 4.x wrote
-    # "rope_theta" and "rope_scaling" at the top level.
-    rope = _object(cfg, "rope_parameters") or {}
-    if rope.get("rope_theta") is not None:
-        rope_theta = _num(rope, "rope_theta", float, name="rope_parameters.rope_theta", positive=True)
-    else:
-        rope_theta = _num(cfg, "rope_theta", float, 10000.0, positive=True)
-    rope.pop("rope_theta", None)
-    where = "rope_parameters" if rope else "rope_scaling"
-    rope_scaling = rope if rope else _object(cfg, "rope_scaling")
+    if _bool(cfg, "use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: only causal decoders are supported")
+    rope_theta, rope_scaling, rope_local = _rope(cfg, arch)
+    caps = {}
+    if gemma:
+        for key, field, default in (("attn_logit_softcapping", "attn_logit_softcap", 50.0),
+                                    ("final_logit_softcapping", "final_logit_softcap", 30.0)):
+            caps[field] = _num(cfg, key, float, default if arch == "gemma2" and key not in cfg else None,
+                               positive=True)
     return ModelConfig(
         architecture=arch,
         vocab_size=_num(cfg, "vocab_size", int),
         hidden_size=hidden,
         intermediate_size=_num(cfg, "intermediate_size", int),
-        num_layers=_num(cfg, "num_hidden_layers", int),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling_from_hf(rope_scaling, where),
-        rms_norm_eps=_num(cfg, "rms_norm_eps", float, 1e-6),
-        tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=_num(cfg, "rms_norm_eps", float, 1e-6, positive=True),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", gemma),
         attention_bias=bias,
         attention_out_bias=out_bias,
         max_position_embeddings=_num(cfg, "max_position_embeddings", int, 2048),
         sliding_window=window,
         bos_token_id=_token_id(cfg.get("bos_token_id"), "bos_token_id"),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id"), "eos_token_id"),
-    )
-
-
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-
-
-def from_gguf_metadata(meta: Mapping[str, Any], *, vocab_size: int | None = None,
-                       tied: bool | None = None) -> ModelConfig:
-    """Build a ModelConfig from decoded GGUF metadata (``general.architecture``,
-    ``{arch}.block_count``, ...). ``vocab_size`` and ``tied`` come from the tensor
-    list when the metadata lacks them (llama.cpp omits ``vocab_size``; tied models
-    simply have no ``output.weight`` tensor)."""
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"general.architecture: unknown architecture {arch!r}; supported: "
-            f"{sorted(GGUF_ARCHITECTURES)}"
-        )
-
-    def get(key, kind, default=_REQUIRED):
-        """``{arch}.key`` as a positive `kind`; `default` only when absent."""
-        full = f"{arch}.{key}"
-        if meta.get(full) is None and default is _REQUIRED:
-            raise ValueError(f"{full}: missing from GGUF metadata")
-        return _num(meta, full, kind, default, positive=True)
-
-    hidden = get("embedding_length", int)
-    heads = get("attention.head_count", int)
-    kv_heads = get("attention.head_count_kv", int, heads)
-    if heads % kv_heads:
-        raise ValueError(f"{arch}.attention.head_count_kv: attention.head_count {heads} is not a "
-                         f"multiple of attention.head_count_kv {kv_heads}")
-    head_dim = get("attention.key_length", int, None)
-    if head_dim is None:
-        if hidden % heads:
-            raise ValueError(f"{arch}.attention.key_length: missing, and embedding_length {hidden} "
-                             f"is not divisible by attention.head_count {heads}")
-        head_dim = hidden // heads
-    vocab = vocab_size if vocab_size is not None else get("vocab_size", int, None)
-    if vocab is None:
-        tokens = meta.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list):
-            raise ValueError("vocab_size: not in GGUF metadata and no tokenizer.ggml.tokens")
-        vocab = len(tokens)
-    rope_scaling = None
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        if meta.get(f"{arch}.rope.scaling.factor") is None:
-            raise ValueError(f"{arch}.rope.scaling.factor: missing for linear RoPE scaling")
-        rope_scaling = RopeScaling(factor=get("rope.scaling.factor", float), rope_type="linear")
-    elif scaling not in (None, "none"):
-        raise ValueError(f"{arch}.rope.scaling.type: unsupported {scaling!r} "
-                         "(supported: 'none', 'linear')")
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length", int),
-        num_layers=get("block_count", int),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=get("rope.freq_base", float, 10000.0),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
-        tie_word_embeddings=bool(tied) if tied is not None else False,
-        attention_bias=arch == "qwen2",
-        max_position_embeddings=get("context_length", int, 2048),
-        sliding_window=get("attention.sliding_window", int, None),
-        bos_token_id=_token_id(meta.get("tokenizer.ggml.bos_token_id"), "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_tuple(meta.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id"),
+        layer_types=_layer_types(cfg, arch, num_layers, window),
+        rope_local_theta=rope_local,
+        norm_offset=1.0 if gemma else 0.0,
+        post_norms=gemma,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        hidden_act=_activation(cfg, arch),
+        embed_scale=gemma,
+        query_pre_attn_scalar=(_num(cfg, "query_pre_attn_scalar", float, 256.0, positive=True)
+                               if gemma else None),
+        **caps,
     )

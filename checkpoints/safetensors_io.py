@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -47,6 +47,18 @@ HF_LAYER_MAP = {
     "mlp.up_proj.weight": ("w_up", "T"),
     "mlp.down_proj.weight": ("w_down", "T"),
 }
+# Gemma's four norms per layer: post_attention_layernorm is the norm of the
+# attention's output there (Llama's pre-MLP norm elsewhere).
+HF_POST_NORM_MAP = {
+    "post_attention_layernorm.weight": ("post_attn_norm", "copy"),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", "copy"),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", "copy"),
+}
+HF_QK_NORM_MAP = {
+    "self_attn.q_norm.weight": ("q_norm", "copy"),
+    "self_attn.k_norm.weight": ("k_norm", "copy"),
+    "self_attn.sinks": ("sinks", "copy"),
+}
 HF_TOP_MAP = {
     "model.embed_tokens.weight": ("embed", "copy"),
     "model.norm.weight": ("final_norm", "copy"),
@@ -74,9 +86,10 @@ def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, str, tuple[int, .
     model needs. ``lm_head.weight`` is absent for tied embeddings."""
     want = expected_shapes(config)
     table: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    layer_map = {**HF_LAYER_MAP, **HF_QK_NORM_MAP, **(HF_POST_NORM_MAP if config.post_norms else {})}
     entries = list(HF_TOP_MAP.items()) + [
         (f"model.layers.{i}.{suffix}", (f"layers.{i}.{name}", how))
-        for i in range(config.num_layers) for suffix, (name, how) in HF_LAYER_MAP.items()]
+        for i in range(config.num_layers) for suffix, (name, how) in layer_map.items()]
     for hf, (name, how) in entries:
         if name in want:  # skips lm_head when tied and biases when absent
             table[hf] = (name, how, _hf_shape(how, want[name]))
@@ -215,6 +228,32 @@ def load_hf_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...],
     return tensors
 
 
+# A multimodal checkpoint's language model under its own prefix
+# (transformers 5, then 4.x), and the parts of it a text decoder leaves out.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def text_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """The tensors of the text decoder under the plain names
+    (``model.layers.0...``): a multimodal checkpoint's (Gemma 3) language
+    model renamed and its vision tower and projector dropped; any other
+    checkpoint as it is."""
+    if not any(n.startswith(p) for n in tensors for p, _ in _TEXT_PREFIXES):
+        return dict(tensors)
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(_NOT_TEXT):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = t
+    return out
+
+
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     """ModelConfig from ``path/config.json`` (a regular file of at most
     `jaxkv.tokenizer.MAX_CONFIG_BYTES`)."""
@@ -230,7 +269,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str | np.dtype | None = "floa
                 progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load an HF model dir (config.json + safetensors) into (config, params)."""
     config = read_hf_config(path)
-    tensors = load_hf_tensors(path)
+    tensors = text_tensors(load_hf_tensors(path))
     params = hf_to_params(
         config, {n: t[1] for n, t in tensors.items()}, {n: t[0] for n, t in tensors.items()},
         dtype=dtype, source=str(path), progress=progress)

@@ -1,9 +1,6 @@
 """Frozen configuration dataclasses.
 
-ModelConfig is built by exactly one function per source: `from_hf_config` for a
-Hugging Face ``config.json`` dict and `from_gguf_metadata` for GGUF key/values.
-Both live in `checkpoints.model_config` and validate with
-`ModelConfig.validate`, which names the offending field.
+ModelConfig and RopeScaling live in `jaxkv.model_config` (re-exported here).
 
 Shape legend used throughout jaxkv: B batch, T tokens, S sequences, L layers,
 H query heads, K/KVH kv heads, D head dim, P pages, V vocab, E embed,
@@ -15,100 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from jaxkv.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling  # noqa: F401 (re-exported)
 from jaxkv.units import parse_size
 from pallas_kernels.ragged_paged_attention import BACKENDS as ATTENTION_BACKENDS
-
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE scaling. "linear": every inverse frequency divided by `factor`
-    (positions interpolated). "llama3": frequency-dependent (long
-    wavelengths divided by `factor`, short ones kept, a smooth band between),
-    which also uses the three fields after `factor`."""
-
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    rope_type: str = "llama3"
-
-    def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"rope_scaling: unsupported rope_type {self.rope_type!r} "
-                             "(supported: 'llama3', 'linear')")
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling: factor must be positive, got {self.factor}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Shape and numerics of a Llama-family decoder."""
-
-    architecture: str  # "llama" | "mistral" | "qwen2"
-    vocab_size: int  # V
-    hidden_size: int  # E
-    intermediate_size: int  # F
-    num_layers: int  # L
-    num_heads: int  # H
-    num_kv_heads: int  # KVH
-    head_dim: int  # D
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projection biases
-    attention_out_bias: bool = False  # output projection bias (Llama's attention_bias)
-    max_position_embeddings: int = 2048
-    sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field."""
-        if self.architecture not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"architecture: unknown architecture {self.architecture!r}; "
-                f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-            )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: num_heads ({self.num_heads}) is not a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
-        for name in ("rope_theta", "rms_norm_eps"):  # NaN fails every comparison: refused too
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-                raise ValueError(f"{name}: must be a positive finite number, got {v!r}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window: must be positive or None, got {self.sliding_window}")
-        for tok in self.eos_token_ids + ((self.bos_token_id,) if self.bos_token_id is not None else ()):
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
-                raise ValueError(f"bos/eos token id {tok} outside vocab_size {self.vocab_size}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Inverse of `to_dict` (used by jaxkv's own checkpoint format)."""
-        d = dict(d)
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        return cls(**d)
-
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:

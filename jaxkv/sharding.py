@@ -17,7 +17,8 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
 
     array                    shape             spec             why
     embed                    [V, E]            (None, "model")  (1)
-    norms, inv_freq          [E], [D/2]        replicated       tiny
+    norms, inv_freq(_local)  [E] / [D], [D/2]  replicated       tiny
+    attn.sinks               [H]               ("model",)       a shard's query heads
     attn.wqkv w, w8          [E, t(Hl+2Kl)D]   (None, "model")  column parallel (2)
     attn.wqkv scales, bqkv   [t(Hl+2Kl)D]      ("model",)
     attn.wo w, w8            [H D, E]          ("model", None)  row parallel (3)
@@ -167,7 +168,7 @@ class ShardingPlan:
             return P(None, "model") if self.shard_embed else P()
         if owner in ("wqkv", "w_gate_up") or (owner == "lm_head" and self.shard_vocab):
             return P(None, "model") if leaf in ("w", "w8") else P("model")
-        if leaf == "bqkv":
+        if leaf in ("bqkv", "sinks"):  # sinks [H]: a shard's query heads are contiguous
             return P("model")
         if owner in ("wo", "w_down"):
             return P("model", None) if leaf in ("w", "w8") else P()

@@ -16,7 +16,8 @@ from jaxkv.worker.scoring import prefill_logits
 
 
 def make_hf_model(kind: str, tmp_path, **overrides):
-    """Save a random small HF model of `kind` (llama/qwen2/mistral) and return
+    """Save a random small HF model of `kind` (llama, qwen2, mistral, qwen3,
+    gemma2, gemma3: Gemma 3's text model) and return
     (torch model in eval mode, path)."""
     import torch
     import transformers as tf
@@ -26,9 +27,15 @@ def make_hf_model(kind: str, tmp_path, **overrides):
                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                 bos_token_id=1, eos_token_id=2)
     base.update(overrides)
+    if kind in ("gemma2", "gemma3"):  # their defaults are a large model's
+        base.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
+        base.update(overrides)
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+           "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[kind]
     torch.manual_seed(0)
     cfg = cls[0](**base)
     cfg._attn_implementation = "eager"

@@ -10,6 +10,7 @@ multi-process job. Prints one JSON line (process 0 only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -22,6 +23,14 @@ from jaxkv.config import EngineConfig, ModelConfig
 TINY = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256,
                    num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
                    max_position_embeddings=512, eos_token_ids=())
+# Every per-layer feature of the one decoder at once (Gemma 3's local and
+# global layers, RoPE bases, norms and scales, Gemma 2's soft caps, gpt-oss's
+# learned sinks), on TINY's shapes.
+FAMILY = dataclasses.replace(
+    TINY, architecture="gemma3", layer_types=("sliding_attention", "full_attention"), sliding_window=8,
+    rope_theta=1e6, rope_local_theta=1e4, norm_offset=1.0, post_norms=True, qk_norm=True,
+    hidden_act="gelu_tanh", embed_scale=True, query_pre_attn_scalar=48.0, attn_logit_softcap=20.0,
+    final_logit_softcap=15.0, attention_sinks=True, tie_word_embeddings=True)
 # A pool small enough that 16 prompts preempt, a token budget that chunks
 # the longer prompts, and shared prefixes that hit the prefix cache.
 ENGINE = dict(warmup=False, num_pages=24, page_size=8, max_num_seqs=16,
@@ -63,15 +72,14 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
                 planned=planned, shards=len(eng.runner.cache.k[0].addressable_shards))
 
 
-def load(gguf: str | None, layers: int | None = None):
-    """The tiny random model, or the GGUF's (its first `layers` layers
-    only, when given: the same weights and head layout, fewer to compile)."""
-    import dataclasses
-
+def load(gguf: str | None, layers: int | None = None, family: bool = False):
+    """The tiny random model (FAMILY's with `family`), or the GGUF's (its
+    first `layers` layers only, when given: the same weights and head
+    layout, fewer to compile)."""
     from jaxkv.model.llama import Llama
 
     if gguf is None:
-        return Llama.random_init(TINY, seed=1)
+        return Llama.random_init(FAMILY if family else TINY, seed=1)
     from checkpoints import load_checkpoint
 
     config, params, _ = load_checkpoint(gguf)
@@ -97,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--coordinator", default=None)
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--family", action="store_true", help="the FAMILY model instead of TINY")
     a = p.parse_args(argv)
     engine = {} if a.kv_cache_memory is None else dict(num_pages=None,
                                                        kv_cache_memory=a.kv_cache_memory)
@@ -124,7 +133,7 @@ def main(argv=None) -> int:
         out["devices"] = tp
         out["processes"] = jax.process_count()
     else:
-        model = load(a.gguf, a.layers)
+        model = load(a.gguf, a.layers, a.family)
         out = {tp: run(model, int(tp), a.backend, a.max_tokens, a.prompts, **engine)
                for tp in a.tp.split(",")}
     print(json.dumps(out), flush=True)

@@ -128,16 +128,16 @@ SMALL_PAGE = 2 * 4 * 2 * 16 * 16 * 4
 @pytest.fixture
 def host(monkeypatch):
     """A CPU-like host: devices report no memory; available RAM as set."""
-    from jaxkv.model import memory
-    monkeypatch.setattr(memory, "_free_device_memory", lambda: None)
+    from jaxkv.model import pool_plan
+    monkeypatch.setattr(pool_plan, "_free_device_memory", lambda: None)
     avail = {"bytes": 16 << 30}
-    monkeypatch.setattr(memory, "host_available_memory", lambda: avail["bytes"])
+    monkeypatch.setattr(pool_plan, "host_available_memory", lambda: avail["bytes"])
     return avail
 
 
 def test_cpu_pool_holds_what_the_run_can_use(host):
     from jaxkv.config import EngineConfig
-    from jaxkv.model.memory import HOST_POOL_MAX, plan_num_pages
+    from jaxkv.model.pool_plan import HOST_POOL_MAX, plan_num_pages
 
     m = ModelConfig(**SMALL)
     # 2 sequences of 1000 tokens: 63 pages each, + the trash page.

@@ -22,6 +22,14 @@ CONFIGS = {
                                                               "factor": 4.0})),
     "qwen2-gqa-bias-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=8)),
+    # The families of one decoder configured per layer (issue 27).
+    "qwen3-qk-norm": ("qwen3", dict(num_key_value_heads=2, head_dim=24)),
+    "gemma2-caps-windows": ("gemma2", dict(num_key_value_heads=2, attn_logit_softcapping=5.0,
+                                           final_logit_softcapping=3.0)),
+    "gemma3-local-global": ("gemma3", dict(num_key_value_heads=1, layer_types=[
+        "sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 PAGE = 8

@@ -47,7 +47,7 @@ from jaxkv.core.spec_decode import SpecControl
 from jaxkv.core.structured import Grammars
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
-from jaxkv.model.memory import max_model_len, plan_num_pages
+from jaxkv.model.pool_plan import max_model_len, plan_num_pages
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
 from jaxkv.worker.distributed import Follower, Leader, init_distributed, scale_out

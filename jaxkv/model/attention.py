@@ -40,51 +40,70 @@ class AttentionSpec:
 
     @classmethod
     def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> "AttentionSpec":
-        """The one place the window is decided: the model's own (Mistral's
-        `sliding_window`), or streaming eviction's recent window beside a
-        few sink tokens."""
+        """The one place the engine's window is decided: the model's own
+        when every layer slides the same one (Mistral's `sliding_window`), or
+        streaming eviction's recent window beside a few sink tokens. A model
+        whose layers differ (Gemma's sliding and global layers) keeps every
+        page; each layer still applies its own window (`layer_window`)."""
         if engine.kv_eviction == "streaming":
             return cls(engine.attention_backend, engine.streaming_window, engine.num_sink_tokens,
                        mesh)
-        return cls(engine.attention_backend, model.sliding_window, 0, mesh)
+        return cls(engine.attention_backend, model.uniform_window, 0, mesh)
+
+    def layer_window(self, own: int | None) -> tuple[int | None, int]:
+        """(window, sink tokens) of a layer whose model window is `own`: the
+        narrower of it and the engine's; sink tokens only with the engine's."""
+        if own is not None and (self.sliding_window is None or own < self.sliding_window):
+            return own, 0
+        return self.sliding_window, self.num_sink_tokens
 
 
 def attend(q, k, v, cache: KVCache, layer: int, batch, spec: AttentionSpec, *,
-           all_decode: bool | None = None, soft_cap: float | None = None):
+           all_decode: bool | None = None, soft_cap: float | None = None,
+           sm_scale: float | None = None, window: int | None = None, sinks=None):
     """Write this step's k, v [T, KVH, D] into layer `layer` of the cache at
     batch.slot_mapping, then attend q [T, H, D] to it -> (o [T, H, D], cache).
     `batch` carries slot_mapping [T], kv_lens [S], block_tables [S, W],
     cu_q_lens [S + 1] and num_seqs []; `all_decode` is the kernel's static
-    hint (see there). Under `spec.mesh` each shard writes and reads its own
-    KV heads (q's heads and the cache's split alike over "model")."""
+    hint (see there). The layer's own numerics: `sm_scale` (None:
+    1/sqrt(D)), `soft_cap`, `window` (the model's window for this layer,
+    joined with the engine's by `AttentionSpec.layer_window`), `sinks` [H]
+    (learned sink logits). Under `spec.mesh` each shard writes and reads its
+    own KV heads (q's heads, the sinks and the cache's split alike over "model")."""
     meta = (batch.slot_mapping, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
             batch.num_seqs)
     arrays = layer_arrays(cache, layer)
-    fn = functools.partial(_write_and_attend, spec=spec, all_decode=all_decode,
-                           soft_cap=soft_cap)
+    window, num_sink_tokens = spec.layer_window(window)
+    fn = functools.partial(
+        _write_and_attend, spec=spec, all_decode=all_decode, soft_cap=soft_cap,
+        sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]), window=window,
+        num_sink_tokens=num_sink_tokens)
     if spec.mesh is not None:
         import jax
         from jax.sharding import PartitionSpec as P
 
         heads, rep = P(None, "model"), P()
         pages = tuple(None if a is None else P("model") for a in arrays)
-        fn = jax.shard_map(fn, mesh=spec.mesh, in_specs=(heads, heads, heads, pages, rep),
+        fn = jax.shard_map(fn, mesh=spec.mesh,
+                           in_specs=(heads, heads, heads, pages, rep, P() if sinks is None else P("model")),
                            out_specs=(heads, pages), check_vma=False)
-    o, arrays = fn(q, k, v, arrays, meta)
+    o, arrays = fn(q, k, v, arrays, meta, sinks)
     return o, replace_layer(cache, layer, *arrays)
 
 
-def _write_and_attend(q, k, v, arrays, meta, *, spec, all_decode, soft_cap):
+def _write_and_attend(q, k, v, arrays, meta, sinks, *, spec, all_decode, soft_cap, sm_scale, window,
+                      num_sink_tokens):
     from pallas_kernels import ragged_paged_attention
 
     slots, kv_lens, block_tables, cu_q_lens, num_seqs = meta
     kp, vp, ks, vs = write_pages(*arrays, k, v, slots)
-    kw = {"num_sink_tokens": spec.num_sink_tokens} if spec.num_sink_tokens else {}
+    kw = {"num_sink_tokens": num_sink_tokens} if num_sink_tokens else {}
     if ks is not None:
         kw.update(k_scale=ks, v_scale=vs)
+    if sinks is not None:
+        kw.update(sinks=sinks)
     o = ragged_paged_attention(
         q, kp, vp, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=1.0 / math.sqrt(q.shape[-1]), sliding_window=spec.sliding_window,
-        soft_cap=soft_cap, backend=spec.backend, all_decode=all_decode,
-        platform=spec.platform, **kw)
+        sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, backend=spec.backend,
+        all_decode=all_decode, platform=spec.platform, **kw)
     return o, (kp, vp, ks, vs)

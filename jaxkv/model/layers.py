@@ -1,4 +1,5 @@
-"""The decoder's stateless pieces: rotary position embeddings and RMSNorm."""
+"""The decoder's stateless pieces: rotary position embeddings, RMSNorm, the
+MLP activations and soft caps."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import numpy as np
 from jaxkv.config import ModelConfig
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
+def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     """Inverse frequencies [D/2] with the configured scaling: "linear" divides
     all of them by `factor`; "llama3" divides long wavelengths by `factor`,
-    keeps short ones, and interpolates the band in between smoothly."""
+    keeps short ones, and interpolates the band in between smoothly.
+    `local`: the sliding layers' own base (`rope_local_theta`), unscaled."""
     D = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    rs = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    rs = None if local else config.rope_scaling
     if rs is None:
         return inv.astype(np.float32)
     if rs.rope_type == "linear":  # positions interpolated: p / factor
@@ -42,8 +45,24 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
-def rms_norm(x, scale, eps):
-    """Normalize in float32, cast back, then scale (as Hugging Face does)."""
+def rms_norm(x, scale, eps, offset: float = 0.0):
+    """Normalize over the last axis in float32, cast back, then scale (as
+    Hugging Face's Llama does). offset 1 (Gemma): multiply by (1 + scale) in
+    float32, then cast."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (xf * (offset + scale.astype(jnp.float32))).astype(x.dtype)
     return xf.astype(x.dtype) * scale
+
+
+def activation(name: str):
+    """The MLP gate's activation by config name."""
+    if name == "gelu_tanh":  # Hugging Face's gelu_pytorch_tanh
+        return lambda g: jax.nn.gelu(g, approximate=True)
+    return jax.nn.silu
+
+
+def soft_cap(x, cap: float | None):
+    """cap * tanh(x / cap); x itself without a cap."""
+    return x if cap is None else cap * jnp.tanh(x / cap)

@@ -1,5 +1,8 @@
-"""A Flax NNX Llama-family decoder (Llama, Mistral, Qwen2) that reads and
-writes the paged KV cache through StepBatch metadata.
+"""The one Flax NNX decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3)
+that reads and writes the paged KV cache through StepBatch metadata. What
+the families differ in (windows per layer, RoPE bases, norm placement and
+convention, q/k norms, activation, scales, soft caps, sinks, biases) comes
+from `ModelConfig` (see `jaxkv.model_config`), not from code per family.
 
 Parameters are built from the flat names of `jaxkv.model.params`
 (embed [V, E], layers.i.wq [E, H, D], ...), with q/k/v and gate/up fused;
@@ -20,7 +23,7 @@ from jaxkv.config import ModelConfig
 from jaxkv.model import cpu_gemm
 from jaxkv.model.attention import AttentionSpec, attend
 from jaxkv.model.kv_cache import KVCache
-from jaxkv.model.layers import apply_rope, rms_norm, rope_frequencies
+from jaxkv.model.layers import activation, apply_rope, rms_norm, rope_frequencies, soft_cap
 from jaxkv.model.params import check_params
 from jaxkv.model.quant import Dense, rotate_blocks
 
@@ -44,6 +47,11 @@ class Attention(nnx.Module):
         self.wo = Dense(init(f"{prefix}.wo", (H, D, E)).reshape(H * D, E), quantize)
         if config.attention_out_bias:
             self.bo = nnx.Param(init(f"{prefix}.bo", (E,)))
+        if config.qk_norm:  # one RMSNorm over D, shared by every head
+            self.q_norm = nnx.Param(init(f"{prefix}.q_norm", (D,)))
+            self.k_norm = nnx.Param(init(f"{prefix}.k_norm", (D,)))
+        if config.attention_sinks:
+            self.sinks = nnx.Param(init(f"{prefix}.sinks", (H,)).astype(jnp.float32))
         self.bias = config.attention_bias
         self.out_bias = config.attention_out_bias
 
@@ -55,6 +63,9 @@ class Block(nnx.Module):
         self.attn_norm = nnx.Param(init(f"{p}.attn_norm", (E,)))
         self.attn = Attention(config, p, init, quantize)
         self.mlp_norm = nnx.Param(init(f"{p}.mlp_norm", (E,)))
+        if config.post_norms:  # Gemma: the attention's and the MLP's outputs normed too
+            self.post_attn_norm = nnx.Param(init(f"{p}.post_attn_norm", (E,)))
+            self.post_mlp_norm = nnx.Param(init(f"{p}.post_mlp_norm", (E,)))
         # w_gate_up [E, 2F]: gate and up side by side, one matmul.
         self.w_gate_up = Dense(jnp.concatenate(
             [init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], axis=1), quantize)
@@ -77,6 +88,8 @@ class Llama(nnx.Module):
         elif quantize == "w8a8":  # an int8 copy of the tied embedding as the head
             self.lm_head = Dense(self.embed[...].T, quantize)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_frequencies(config)))
+        if config.rope_local_theta is not None:  # the sliding layers' own base
+            self.inv_freq_local = nnx.Variable(jnp.asarray(rope_frequencies(config, local=True)))
         # Tensor-parallel shards the fused wqkv / w_gate_up columns are
         # grouped by (`jaxkv.sharding.shard_model`); 1 unsharded.
         self.num_shards = 1
@@ -95,8 +108,10 @@ class Llama(nnx.Module):
         rng = np.random.default_rng(seed)
 
         def init(name, shape):
-            if name.endswith("norm"):
-                return jnp.asarray(1.0 + 0.1 * rng.standard_normal(shape), dtype)
+            if name.endswith("norm"):  # scale near 1 in either convention (w, 1 + w)
+                return jnp.asarray(1.0 - config.norm_offset + 0.1 * rng.standard_normal(shape), dtype)
+            if name.endswith("sinks"):
+                return jnp.asarray(rng.standard_normal(shape), dtype)
             fan_in = shape[0] if len(shape) > 1 else 1
             if name.endswith(".wo"):
                 fan_in = shape[0] * shape[1]
@@ -120,8 +135,11 @@ class Llama(nnx.Module):
         Hl, Kl = H // G, K // G
         mesh = attention.mesh
         x = _constrain(self.embed[...][batch.token_ids], mesh)  # [T, E], whole rows everywhere
+        if cfg.embed_scale:  # sqrt(E) rounded to the model dtype first, as Gemma does
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         T = x.shape[0]
-        inv_freq = self.inv_freq[...]
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        act = activation(cfg.hidden_act)
         # int8 cache: each head's q, k and v are rotated by normalized
         # Walsh-Hadamard blocks (the largest power of two dividing D: all of
         # D for 64 or 128). A vector's few large channels are spread over
@@ -130,8 +148,9 @@ class Llama(nnx.Module):
         rot = D & -D
         native = cpu_gemm.use_native(T, attention.platform, mesh)  # MKL sgemm on CPU
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm[...], cfg.rms_norm_eps)
+            h = rms_norm(x, layer.attn_norm[...], eps, off)
             a = layer.attn
+            inv_freq = (self.inv_freq_local if cfg.local_rope(i) else self.inv_freq)[...]
             qkv = a.wqkv(h, native)  # [T, G (Hl + 2 Kl) D]
             if a.bias:
                 qkv = qkv + a.bqkv[...]
@@ -139,22 +158,35 @@ class Llama(nnx.Module):
             q = qkv[:, :, :Hl * D].reshape(T, H, D)
             k = qkv[:, :, Hl * D:(Hl + Kl) * D].reshape(T, K, D)
             v = qkv[:, :, (Hl + Kl) * D:].reshape(T, K, D)
+            if cfg.qk_norm:
+                q = rms_norm(q, a.q_norm[...], eps, off)
+                k = rms_norm(k, a.k_norm[...], eps, off)
             q = apply_rope(q, batch.positions, inv_freq)
             k = apply_rope(k, batch.positions, inv_freq)
             if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
-            o, cache = attend(q, k, v, cache, i, batch, attention, all_decode=all_decode)
+            o, cache = attend(q, k, v, cache, i, batch, attention, all_decode=all_decode,
+                              soft_cap=cfg.attn_logit_softcap, sm_scale=cfg.sm_scale,
+                              window=cfg.layer_window(i),
+                              sinks=a.sinks[...] if cfg.attention_sinks else None)
             if cache.quantized:  # values were rotated: rotate the output back
                 o = rotate_blocks(o, rot)
             o = o.astype(x.dtype)
             o = a.wo(o.reshape(-1, H * D), native)  # [T, E]
-            x = x + (o + a.bo[...] if a.out_bias else o)
-            h = rms_norm(x, layer.mlp_norm[...], cfg.rms_norm_eps)
+            if a.out_bias:
+                o = o + a.bo[...]
+            if cfg.post_norms:
+                o = rms_norm(o, layer.post_attn_norm[...], eps, off)
+            x = x + o
+            h = rms_norm(x, layer.mlp_norm[...], eps, off)
             gu = layer.w_gate_up(h, native).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
             g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)
-            x = x + layer.w_down(jax.nn.silu(g) * u, native)
+            m = layer.w_down(act(g) * u, native)
+            if cfg.post_norms:
+                m = rms_norm(m, layer.post_mlp_norm[...], eps, off)
+            x = x + m
         h = x[batch.logits_indices]  # [S, E]
-        h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
+        h = rms_norm(h, self.final_norm[...], eps, off)
         if cfg.tie_word_embeddings and not hasattr(self, "lm_head"):
             logits = jnp.einsum("SE,VE->SV", h, self.embed[...], preferred_element_type=jnp.float32)
         else:
@@ -163,6 +195,7 @@ class Llama(nnx.Module):
                 # Each shard its slice of V from its slice of lm_head, so
                 # the logits [S, V] move rather than the weight [E, V].
                 logits = _constrain(logits, mesh, None, "model")
+        logits = soft_cap(logits, cfg.final_logit_softcap)
         return _constrain(logits, mesh), cache  # every shard samples from all of V
 
 

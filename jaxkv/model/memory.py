@@ -1,4 +1,5 @@
-"""KV cache memory: the size formula and a planner built on it.
+"""KV cache memory: the size formula and the weights' bytes (the pool plan built
+on them is `jaxkv.model.pool_plan`).
 
 The KV cache of one layer holds a K and a V vector of D elements per KV head
 per token, so for L layers, KVH KV heads, a context of `tokens` and `batch`
@@ -190,17 +191,25 @@ def pages_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head
 
 def param_count(cfg: Any) -> int:
     """Parameters of a `ModelConfig`'s decoder: embeddings, per layer
-    q/k/v/o projections (+ biases), SwiGLU MLP and two RMSNorms, the final
-    norm, and the LM head unless tied."""
+    q/k/v/o projections (+ biases), gated MLP, two RMSNorms (four with
+    Gemma's post norms; q/k norms, sinks), the final norm, and the LM head
+    unless tied."""
     E, F, H, K, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = E * H * D + 2 * E * K * D + H * D * E
     if cfg.attention_bias:
         attn += H * D + 2 * K * D
     if getattr(cfg, "attention_out_bias", False):
         attn += E
-    layer = attn + 3 * E * F + 2 * E
+    layer = attn + 3 * E * F + 2 * E + _small_per_layer(cfg)
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * E
     return cfg.vocab_size * E + cfg.num_layers * layer + E + head
+
+
+def _small_per_layer(cfg: Any) -> int:
+    """A layer's q/k norms, post norms and sinks (the families' extras)."""
+    n = 2 * cfg.head_dim if getattr(cfg, "qk_norm", False) else 0
+    n += 2 * cfg.hidden_size if getattr(cfg, "post_norms", False) else 0
+    return n + (cfg.num_heads if getattr(cfg, "attention_sinks", False) else 0)
 
 
 def weight_bytes(cfg: Any, dtype: str = "bfloat16") -> int:
@@ -229,91 +238,15 @@ def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bflo
     if cfg.attention_bias:
         split += (H + 2 * K) * D // t
     whole = 2 * E + (E if cfg.attention_out_bias else 0)
+    whole += (2 * D if getattr(cfg, "qk_norm", False) else 0) + (2 * E if getattr(cfg, "post_norms", False) else 0)
     b = dtype_bytes(dtype)
     params = cfg.num_layers * (split + whole) * b + E * b + (D // 2) * 4
+    if getattr(cfg, "attention_sinks", False):  # float32, split with the query heads
+        params += cfg.num_layers * (H // t) * 4
+    if getattr(cfg, "rope_local_theta", None) is not None:  # the sliding layers' frequencies
+        params += (D // 2) * 4
     params += V * E * b // (t if E % t == 0 else 1)
     if not cfg.tie_word_embeddings:
         params += E * V * b // (t if V % t == 0 else 1)
     kv = kv_cache_bytes(cfg.num_layers, K // t, D, page_size, num_pages, kv_dtype or dtype)
     return dict(params=params, kv=kv, total=params + kv)
-
-
-def _free_device_memory() -> int | None:
-    """The least free memory of this process's devices (None if they do not say)."""
-    import jax
-
-    free = []
-    for dev in jax.local_devices():
-        try:
-            stats = dev.memory_stats()
-        except Exception:  # noqa: BLE001 - CPU backends may not report
-            return None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-    return min(free) if free else None
-
-
-HOST_POOL_MAX = 1 << 30  # the largest pool sized without being asked, where devices say nothing
-
-
-def host_available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
-    """The pool size of an engine: EngineConfig.num_pages if set, else what
-    kv_cache_memory holds, else gpu_memory_utilization of the device's free
-    memory where the device reports it. On CPU (it does not) the pool holds
-    what the run can use, max_num_seqs sequences of max_model_len tokens
-    (the model's context when not set), but at most gpu_memory_utilization
-    of the host's available memory and `HOST_POOL_MAX`. Budgets are per
-    device: with the KV heads split over `shards` devices (the model's KV
-    heads as stored, replicas included), each holds num_kv_heads / shards
-    of every page."""
-    c, m = config, model_config
-    if c.num_pages is not None:
-        return c.num_pages
-    geom = (m.num_layers, m.num_kv_heads // shards, m.head_dim)
-    budget = c.kv_cache_memory
-    if budget is None:
-        free = _free_device_memory()
-        if free:
-            budget = int(free * c.gpu_memory_utilization)
-        else:
-            page = kv_cache_bytes(*geom, c.page_size, dtype=kv_dtype)
-            max_len = min(c.max_model_len or m.max_position_embeddings,
-                          m.max_position_embeddings)
-            want = (c.max_num_seqs * -(-max_len // c.page_size) + 1) * page  # + trash page
-            avail = host_available_memory()
-            cap = HOST_POOL_MAX if avail is None else min(
-                HOST_POOL_MAX, int(avail * c.gpu_memory_utilization))
-            budget = max(min(want, cap), 2 * page)
-    pages = pages_for_budget(budget, *geom, c.page_size, kv_dtype)
-    if pages < 2:
-        raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
-    return int(pages)
-
-
-def max_model_len(config, model_config, attention, pool_tokens: int) -> int:
-    """The longest sequence an engine takes: EngineConfig.max_model_len
-    capped by the model's positions, and by the pool unless a sliding
-    window releases pages as the sequence runs (then the pool must hold one
-    window)."""
-    max_pos = model_config.max_position_embeddings
-    n = min(config.max_model_len or max_pos, max_pos)
-    window, sinks = attention.sliding_window, attention.num_sink_tokens
-    if window is None:
-        return min(n, pool_tokens)
-    if window + sinks + 2 * config.page_size > pool_tokens:
-        raise ValueError(f"num_pages: the pool ({pool_tokens} tokens) cannot hold one "
-                         f"attention window of {window} tokens")
-    return n

@@ -14,10 +14,15 @@ H heads, K kv heads, D head dim, F MLP hidden, L layers.
     layers.{i}.bv         [K, D]        only when config.attention_bias
     layers.{i}.wo         [H, D, E]     'THD,HDE->TE'
     layers.{i}.bo         [E]           only when config.attention_out_bias
+    layers.{i}.q_norm     [D]           only when config.qk_norm
+    layers.{i}.k_norm     [D]           only when config.qk_norm
+    layers.{i}.sinks      [H]           only when config.attention_sinks
+    layers.{i}.post_attn_norm [E]       only when config.post_norms
     layers.{i}.mlp_norm   [E]
     layers.{i}.w_gate     [E, F]
     layers.{i}.w_up       [E, F]
     layers.{i}.w_down     [F, E]
+    layers.{i}.post_mlp_norm [E]        only when config.post_norms
     final_norm            [E]
     lm_head               [E, V]        only when not config.tie_word_embeddings
 """
@@ -47,10 +52,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "wo"] = (H, D, E)
         if config.attention_out_bias:
             shapes[p + "bo"] = (E,)
+        if config.qk_norm:
+            shapes[p + "q_norm"] = (D,)
+            shapes[p + "k_norm"] = (D,)
+        if config.attention_sinks:
+            shapes[p + "sinks"] = (H,)
+        if config.post_norms:
+            shapes[p + "post_attn_norm"] = (E,)
         shapes[p + "mlp_norm"] = (E,)
         shapes[p + "w_gate"] = (E, F)
         shapes[p + "w_up"] = (E, F)
         shapes[p + "w_down"] = (F, E)
+        if config.post_norms:
+            shapes[p + "post_mlp_norm"] = (E,)
     shapes["final_norm"] = (E,)
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (E, V)

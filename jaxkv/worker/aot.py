@@ -51,7 +51,7 @@ def abstract_runner(cfg: ModelConfig, mesh, *, num_pages: int, page_size: int = 
         cache_shapes(model.config, CacheConfig(num_pages, page_size, kv_dtype or dtype)))
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, -(-max_model_len // page_size),
                            max_model_len)
-    attention = AttentionSpec(backend, cfg.sliding_window, 0, mesh=mesh, platform=platform)
+    attention = AttentionSpec(backend, cfg.uniform_window, 0, mesh=mesh, platform=platform)
     return Runner(model, cache, buckets, attention, max_decode_steps=num_decode_steps,
                   num_top_logprobs=num_top_logprobs, plan=plan)
 

@@ -70,7 +70,7 @@ def prefill_logits(model, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]
     """-> (list of float32 numpy logits per sequence: [len, V] with
     `rows_per_seq`, else [V] of the last row; the updated cache). The
     attention is the model's own (its sliding window) unless given."""
-    attention = attention or AttentionSpec(sliding_window=model.config.sliding_window)
+    attention = attention or AttentionSpec(sliding_window=model.config.uniform_window)
     batch = scoring_batch(seqs, cache.page_size, rows_per_seq)
     graphdef, state = nnx.split(model)
     # the weights are an argument: closed over, they would be constants of

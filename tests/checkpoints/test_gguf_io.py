@@ -254,7 +254,7 @@ def test_detect_by_magic(tmp_path):
 
 
 def test_gguf_rope_scaling_linear_is_kept_and_others_refused():
-    from checkpoints.model_config import from_gguf_metadata
+    from checkpoints.gguf_config import from_gguf_metadata
 
     base = {"general.architecture": "llama", "llama.embedding_length": 64,
             "llama.attention.head_count": 4, "llama.feed_forward_length": 96,

@@ -25,7 +25,8 @@ from checkpoints import load_checkpoint
 from checkpoints.convert import main as convert_main
 from checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from checkpoints.jaxkv_format import restore, save
-from checkpoints.model_config import from_gguf_metadata, from_hf_config
+from checkpoints.gguf_config import from_gguf_metadata
+from checkpoints.model_config import from_hf_config
 from checkpoints.safetensors_io import hf_tensor_map
 from jaxkv.config import ModelConfig
 from jaxkv.entrypoints.cli import main as cli_main

@@ -1,0 +1,89 @@
+"""The engine's KV pool plan: how many pages an engine's pool gets
+(`plan_num_pages`: asked for, or sized from what the device or host has
+free) and the longest sequence it takes (`max_model_len`), from the size
+formula of `jaxkv.model.memory`."""
+
+from __future__ import annotations
+
+from jaxkv.model.memory import kv_cache_bytes, pages_for_budget
+
+
+def _free_device_memory() -> int | None:
+    """The least free memory of this process's devices (None if they do not say)."""
+    import jax
+
+    free = []
+    for dev in jax.local_devices():
+        try:
+            stats = dev.memory_stats()
+        except Exception:  # noqa: BLE001 - CPU backends may not report
+            return None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return min(free) if free else None
+
+
+HOST_POOL_MAX = 1 << 30  # the largest pool sized without being asked, where devices say nothing
+
+
+def host_available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
+    """The pool size of an engine: EngineConfig.num_pages if set, else what
+    kv_cache_memory holds, else gpu_memory_utilization of the device's free
+    memory where the device reports it. On CPU (it does not) the pool holds
+    what the run can use, max_num_seqs sequences of max_model_len tokens
+    (the model's context when not set), but at most gpu_memory_utilization
+    of the host's available memory and `HOST_POOL_MAX`. Budgets are per
+    device: with the KV heads split over `shards` devices (the model's KV
+    heads as stored, replicas included), each holds num_kv_heads / shards
+    of every page."""
+    c, m = config, model_config
+    if c.num_pages is not None:
+        return c.num_pages
+    geom = (m.num_layers, m.num_kv_heads // shards, m.head_dim)
+    budget = c.kv_cache_memory
+    if budget is None:
+        free = _free_device_memory()
+        if free:
+            budget = int(free * c.gpu_memory_utilization)
+        else:
+            page = kv_cache_bytes(*geom, c.page_size, dtype=kv_dtype)
+            max_len = min(c.max_model_len or m.max_position_embeddings,
+                          m.max_position_embeddings)
+            want = (c.max_num_seqs * -(-max_len // c.page_size) + 1) * page  # + trash page
+            avail = host_available_memory()
+            cap = HOST_POOL_MAX if avail is None else min(
+                HOST_POOL_MAX, int(avail * c.gpu_memory_utilization))
+            budget = max(min(want, cap), 2 * page)
+    pages = pages_for_budget(budget, *geom, c.page_size, kv_dtype)
+    if pages < 2:
+        raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
+    return int(pages)
+
+
+def max_model_len(config, model_config, attention, pool_tokens: int) -> int:
+    """The longest sequence an engine takes: EngineConfig.max_model_len
+    capped by the model's positions, and by the pool unless a sliding
+    window releases pages as the sequence runs (then the pool must hold one
+    window)."""
+    max_pos = model_config.max_position_embeddings
+    n = min(config.max_model_len or max_pos, max_pos)
+    window, sinks = attention.sliding_window, attention.num_sink_tokens
+    if window is None:
+        return min(n, pool_tokens)
+    if window + sinks + 2 * config.page_size > pool_tokens:
+        raise ValueError(f"num_pages: the pool ({pool_tokens} tokens) cannot hold one "
+                         f"attention window of {window} tokens")
+    return n
