@@ -103,8 +103,9 @@ class LLM:
         """Apply the model's chat template to one conversation (a list of
         {"role", "content"} dicts) or a list of them, then generate. A
         malformed conversation raises ValueError before anything runs."""
-        if self.tokenizer is None:
-            raise ValueError("messages: this model has no tokenizer or chat template")
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("messages: this model has no chat template (a base model?); "
+                             "use generate() with a prompt")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: must be a non-empty list of {{'role', 'content'}} dicts "
                              f"or a list of such lists, got {type(messages).__name__}")
