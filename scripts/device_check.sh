@@ -16,7 +16,8 @@
 # device_check.md, device_check_engine.log, profile_trace*/ (the raw traces).
 # Exit status: 0 all checks passed, 2 a correctness check failed, 1 another
 # failure. Uses the python3 and packages already installed; installs nothing.
-# Usage: bash scripts/device_check.sh [--smoke] [--model GGUF] [bench_attention.py args]
+# Usage: bash scripts/device_check.sh [--smoke] [--model GGUF] [--parts a,b]
+#        [bench_attention.py args]   (--parts: run only these; the rest are "skipped")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/device_out}"
@@ -27,10 +28,12 @@ export PYTHONWARNINGS="ignore::DeprecationWarning"
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # the HF peer's torch process shares the GPU
 
-SMOKE=(); MODEL=(); ATT=()
+SMOKE=(); MODEL=(); ATT=(); PARTS="attention,e2e,throughput,profile"
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=(--smoke) ;;
+    --parts) PARTS="$2"; shift ;;
+    --parts=*) PARTS="${1#--parts=}" ;;
     --model) MODEL=(--model "$2"); shift ;;
     --model=*) MODEL=(--model "${1#--model=}") ;;
     *) ATT+=("$1") ;;
@@ -54,23 +57,30 @@ start=$SECONDS
   "$PY" -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__); print(jax.devices())' 2>&1
 } | tee "$OUT/env.txt"
 
+selected() { [[ ",$PARTS," == *",$1,"* ]]; }
+
 # 1. kernel correctness and attention bandwidth (its own --smoke: interpret mode).
-timeout -k 10 "$T_ATT" "$PY" scripts/bench_attention.py --out "$OUT" --budget-s "$B_ATT" \
-  "${SMOKE[@]}" "${ATT[@]}" 2>&1 | tee "$OUT/bench_attention.log"
-rc_attention=${PIPESTATUS[0]}
-echo "bench_attention.py exit status: $rc_attention (0 ok, 2 correctness failure, 124 timeout)" \
-  | tee -a "$OUT/env.txt"
+rc_attention=skip
+if selected attention; then
+  timeout -k 10 "$T_ATT" "$PY" scripts/bench_attention.py --out "$OUT" --budget-s "$B_ATT" \
+    "${SMOKE[@]}" "${ATT[@]}" 2>&1 | tee "$OUT/bench_attention.log"
+  rc_attention=${PIPESTATUS[0]}
+  echo "bench_attention.py exit status: $rc_attention (0 ok, 2 correctness failure, 124 timeout)" \
+    | tee -a "$OUT/env.txt"
+fi
 
 # 2-4. the engine parts.
-run_part() {  # name timeout budget [args]
+run_part() {  # name timeout budget [args]; a part not selected returns "skip"
   local name=$1 t=$2 b=$3; shift 3
+  selected "$name" || return 200
   timeout -k 10 "$t" "$PY" scripts/device_check_engine.py --part "$name" --out "$OUT" \
     --budget-s "$b" "${SMOKE[@]}" "$@" 2>&1 | tee -a "$OUT/device_check_engine.log"
   return "${PIPESTATUS[0]}"
 }
-run_part e2e "$T_E2E" "$B_E2E" "${MODEL[@]}"; rc_e2e=$?
-run_part throughput "$T_THR" "$B_THR"; rc_throughput=$?
-run_part profile "$T_PRO" "$B_PRO"; rc_profile=$?
+rc_of() { [ "$1" -eq 200 ] && echo skip || echo "$1"; }
+run_part e2e "$T_E2E" "$B_E2E" "${MODEL[@]}"; rc_e2e=$(rc_of $?)
+run_part throughput "$T_THR" "$B_THR"; rc_throughput=$(rc_of $?)
+run_part profile "$T_PRO" "$B_PRO"; rc_profile=$(rc_of $?)
 
 "$PY" scripts/device_check_engine.py --summarize --out "$OUT" --rc attention=$rc_attention \
   e2e=$rc_e2e throughput=$rc_throughput profile=$rc_profile

@@ -119,6 +119,10 @@ def summarize(out, rc_args) -> int:
     res, rcs = Results(out), dict(kv.split("=", 1) for kv in rc_args)
     parts = res.load().get("parts", {})
     for name in PARTS:
+        if rcs.get(name) == "skip":  # left out with --parts
+            res.update(name, dict(status="skipped", reason="not selected (--parts)"))
+            parts[name] = dict(status="skipped")
+            continue
         rc = int(rcs.get(name, -1))
         if name == "attention":
             parts[name] = attention_entry(out, rc)
