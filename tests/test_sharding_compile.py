@@ -1,4 +1,5 @@
-"""The whole sharded step of a Llama-3-8B-shaped model, built for hardware
+"""The whole sharded step of a Llama-3-8B-shaped model (and Gemma-3-27B- and
+Qwen3-32B-shaped ones), built for hardware
 this machine does not have, with nothing materialized (weights and cache
 are ShapeDtypeStructs with their NamedShardings):
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxkv.config import ModelConfig
+from jaxkv.config import ModelConfig, RopeScaling
 from jaxkv.model import memory
 from jaxkv.sharding import AXES
 
@@ -33,17 +34,33 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA3_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                         head_dim=128, max_position_embeddings=8192, rope_theta=500000.0)
+# The families of issue 27 at their largest dense sizes: Gemma 3 27B (five
+# sliding layers of 1024 tokens to one global, q/k norms, post norms, its
+# own attention scale and RoPE bases) and Qwen3 32B (q/k norms, 64 heads).
+GEMMA3_27B = ModelConfig(
+    architecture="gemma3", vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_layers=62,
+    num_heads=32, num_kv_heads=16, head_dim=128, max_position_embeddings=131072, rope_theta=1e6,
+    rope_scaling=RopeScaling(factor=8.0, rope_type="linear"), rms_norm_eps=1e-6, tie_word_embeddings=True,
+    sliding_window=1024, layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                           for i in range(62)),
+    rope_local_theta=1e4, norm_offset=1.0, post_norms=True, qk_norm=True, hidden_act="gelu_tanh",
+    embed_scale=True, query_pre_attn_scalar=168.0)
+QWEN3_32B = ModelConfig(
+    architecture="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+    num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+    rms_norm_eps=1e-6, qk_norm=True)
+MODELS = {"llama3-8b": LLAMA3_8B, "gemma3-27b": GEMMA3_27B, "qwen3-32b": QWEN3_32B}
 PAGE_SIZE = 16
-# (topology, tensor parallel size, chip HBM bytes, KV pool per device)
-SLICES = [("v5e:2x2", 4, 16 * 2**30, 8 * 2**30), ("v6e:2x4", 8, 32 * 2**30, 24 * 2**30)]
+# (model, topology, tensor parallel size, chip HBM bytes, KV pool per device)
+SLICES = [("llama3-8b", "v5e:2x2", 4, 16 * 2**30, 8 * 2**30), ("llama3-8b", "v6e:2x4", 8, 32 * 2**30, 24 * 2**30),
+          ("gemma3-27b", "v5e:2x4", 8, 16 * 2**30, 6 * 2**30), ("qwen3-32b", "v6e:2x4", 8, 32 * 2**30, 16 * 2**30)]
 
 
-def pages_for(tp: int, kv_bytes: int) -> int:
-    return kv_bytes // memory.per_device_bytes(LLAMA3_8B, tp, "bfloat16", num_pages=1,
-                                               page_size=PAGE_SIZE)["kv"]
+def pages_for(cfg: ModelConfig, tp: int, kv_bytes: int) -> int:
+    return kv_bytes // memory.per_device_bytes(cfg, tp, "bfloat16", num_pages=1, page_size=PAGE_SIZE)["kv"]
 
 
-def compile_for_topology(topology: str, tp: int, kv_bytes: int) -> dict:
+def compile_for_topology(model: str, topology: str, tp: int, kv_bytes: int) -> dict:
     import time
 
     import numpy as np
@@ -55,10 +72,11 @@ def compile_for_topology(topology: str, tp: int, kv_bytes: int) -> dict:
 
     topo = topologies.get_topology_desc(topology, "tpu")
     mesh = Mesh(np.array(topo.devices[:tp]).reshape(1, tp), AXES)
-    pages = pages_for(tp, kv_bytes)
+    cfg = MODELS[model]
+    pages = pages_for(cfg, tp, kv_bytes)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):  # Mosaic reads the chip generation from the ambient mesh
-        runner = abstract_runner(LLAMA3_8B, mesh, num_pages=pages, page_size=PAGE_SIZE,
+        runner = abstract_runner(cfg, mesh, num_pages=pages, page_size=PAGE_SIZE,
                                  platform="tpu")
         compiled = runner.lower(ProgramKey("mixed", 512, 64)).compile()
     ma = compiled.memory_analysis()
@@ -69,22 +87,22 @@ def compile_for_topology(topology: str, tp: int, kv_bytes: int) -> dict:
                 mosaic="tpu_custom_call" in compiled.as_text())
 
 
-@pytest.mark.parametrize("topology,tp,hbm,kv_bytes", SLICES, ids=[s[0] for s in SLICES])
-def test_llama3_8b_sharded_step_compiles_for_tpu_slice(topology, tp, hbm, kv_bytes):
+@pytest.mark.parametrize("model,topology,tp,hbm,kv_bytes", SLICES, ids=[f"{s[0]}-{s[1]}" for s in SLICES])
+def test_sharded_step_compiles_for_tpu_slice(model, topology, tp, hbm, kv_bytes):
     compiler = Path(os.environ.get("JAXKV_TPU_COMPILER", REPO / ".tpu-compiler"))
     if not (compiler / "libtpu").is_dir():
         pytest.skip(f"libtpu is not in {compiler} (bash .ci/install_tpu_compiler.sh)")
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(compiler)]))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_sharding_compile", topology,
+    proc = subprocess.run([sys.executable, "-m", "tests.test_sharding_compile", model, topology,
                            str(tp), str(kv_bytes)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}:\n{proc.stderr[-4000:]}"
     got = json.loads(lines[-1])
-    print(json.dumps({topology: got}))  # the figures, for the record (-s)
+    print(json.dumps({f"{model} {topology}": got}))  # the figures, for the record (-s)
     assert got["mosaic"], "no Mosaic kernel in the compiled step"
-    planned = memory.per_device_bytes(LLAMA3_8B, tp, "bfloat16", num_pages=got["pages"],
+    planned = memory.per_device_bytes(MODELS[model], tp, "bfloat16", num_pages=got["pages"],
                                       page_size=PAGE_SIZE)
     # Arguments: the planned weights and KV pool, plus the step's metadata (< 1 MiB).
     assert planned["total"] <= got["argument"] < planned["total"] + 2**20
@@ -117,8 +135,9 @@ def test_llama3_8b_sharded_step_lowers_for_cuda_on_8_gpus():
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
+    p.add_argument("model", choices=sorted(MODELS))
     p.add_argument("topology")
     p.add_argument("tp", type=int)
     p.add_argument("kv_bytes", type=int)
     a = p.parse_args()
-    print(json.dumps(compile_for_topology(a.topology, a.tp, a.kv_bytes)), flush=True)
+    print(json.dumps(compile_for_topology(a.model, a.topology, a.tp, a.kv_bytes)), flush=True)
