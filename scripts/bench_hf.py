@@ -93,11 +93,9 @@ class HFBench:
 
 def _hf_source(model: str) -> tuple[str, str | None]:
     """(folder, gguf file name or None) for transformers' from_pretrained."""
-    if model.lower() == DEFAULT_MODEL:
-        from checkpoints.known_models import fetch_smollm2_gguf
-        path = fetch_smollm2_gguf()
-    else:
-        path = Path(model).expanduser()
+    from bench_jaxkv import jaxkv_model_source
+
+    path = Path(jaxkv_model_source(model)).expanduser()  # a known model: its GGUF
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), path.name
     if path.is_dir() and (path / "config.json").is_file():

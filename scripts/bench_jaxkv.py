@@ -176,9 +176,12 @@ class JaxkvBench:
 
 
 def jaxkv_model_source(model: str) -> str:
-    """The default model is read from its GGUF, the file HF reads too."""
+    """A known model is read from its GGUF, the file HF reads too."""
+    from checkpoints.known_models import GEMMA3_MODEL, fetch_gemma3_gguf, fetch_smollm2_gguf
+
     if model.lower() == DEFAULT_MODEL:
-        from checkpoints.known_models import fetch_smollm2_gguf
         return str(fetch_smollm2_gguf())
+    if model.lower() == GEMMA3_MODEL:
+        return str(fetch_gemma3_gguf())
     return model
 
