@@ -154,12 +154,17 @@ def _hf(**config):
     return lambda d: write_hf(d / "hf", **config)
 
 
-def _hf_then(edit: Callable[[Path], object]):
+def _then(write: Callable[[Path], Path], name: str, edit: Callable[[Path], object], **kw):
+    """A builder: `write` the checkpoint at d / name, then `edit` it."""
     def make(d: Path) -> Path:
-        p = write_hf(d / "hf")
+        p = write(d / name, **kw)
         edit(p)
         return p
     return make
+
+
+def _hf_then(edit: Callable[[Path], object]):
+    return _then(write_hf, "hf", edit)
 
 
 def _hf_tensors(edit: Callable[[dict], object]):
@@ -171,19 +176,11 @@ def _hf_tensors(edit: Callable[[dict], object]):
 
 
 def _gguf_then(edit: Callable[[Path], object], **meta):
-    def make(d: Path) -> Path:
-        p = write_gguf(d / "m.gguf", **meta)
-        edit(p)
-        return p
-    return make
+    return _then(write_gguf, "m.gguf", edit, **meta)
 
 
 def _jaxkv_then(edit: Callable[[Path], object]):
-    def make(d: Path) -> Path:
-        p = write_jaxkv(d / "ck")
-        edit(p)
-        return p
-    return make
+    return _then(write_jaxkv, "ck", edit)
 
 
 def _replace(name: str, how: str):
