@@ -19,11 +19,14 @@ from pallas_kernels.ragged_paged_attention import BACKENDS as ATTENTION_BACKENDS
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry: `num_pages` pages (page 0 is the trash page) of
-    `page_size` tokens each; `kv_dtype` is "float32", "bfloat16" or "int8"."""
+    `page_size` tokens each; `kv_dtype` is "float32", "bfloat16" or "int8".
+    `local_pages` (a hybrid pool; 0: none): the sliding layers' own pages,
+    rings that hold each running sequence's window."""
 
     num_pages: int
     page_size: int = 16
     kv_dtype: str = "float32"
+    local_pages: int = 0
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -83,6 +86,8 @@ class EngineConfig:
         None, "streaming: keep attention sinks plus a recent window (StreamingLLM), so "
               "generation runs past the pool with bounded memory", choices=("streaming",))
     streaming_window: int = _opt(1024, "recent tokens kept by streaming eviction")
+    hybrid_kv_cache: bool = _opt(True, "in a model whose layers differ in window (Gemma), the "
+                                       "sliding layers keep only each sequence's window of pages")
     num_sink_tokens: int = _opt(4, "first tokens kept by streaming eviction")
     program_cache: bool = _opt(True, "keep compiled step programs in $JAXKV_CACHE/programs "
                                      "for later starts (no tracing, no compiling)")

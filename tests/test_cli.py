@@ -79,6 +79,18 @@ def test_estimate_of_a_model_folder(tmp_path, capsys):
     assert "GQA saves 2x" in out
 
 
+def test_estimate_shows_the_hybrid_pool_term_by_term(tmp_path, capsys):
+    # Gemma 3: 6 layers, five sliding ones of window 8 (pages of 16, chunks
+    # of 512 rows: a ring of ceil((8 + 512 - 1) / 16) + 1 = 34 pages).
+    _, path = make_hf_model("gemma3", tmp_path, num_hidden_layers=6, num_key_value_heads=2)
+    assert cli.main(["estimate", "--model", str(path), "--context", "4096", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    per_token_layer = 2 * 2 * 16 * 2  # K and V, 2 KV heads, D 16, bfloat16
+    assert f"| 1 global layers x 4,096 tokens | {per_token_layer * 4096 * 2:,} |" in out
+    assert f"| 5 sliding layers x 544 tokens | {5 * per_token_layer * 544 * 2:,} |" in out
+    assert "ring of 34 pages" in out
+
+
 def test_estimate_needs_the_whole_geometry(capsys):
     assert cli.main(["estimate", "--layers", "4"]) == 2
     assert "--kv-heads" in capsys.readouterr().err

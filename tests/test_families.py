@@ -18,6 +18,7 @@ from checkpoints.model_config import from_hf_config
 from jaxkv.config import EngineConfig
 from jaxkv.core.engine import LLMEngine
 from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.model.attention import ring_pages
 from jaxkv.model.llama import Llama
 from jaxkv.model.params import expected_shapes
 from tests.model_utils import Seq, nan_cache, step_logits
@@ -175,23 +176,82 @@ def test_every_per_layer_feature_matches_a_float64_forward():
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
-def test_engine_invariance_under_preemption_chunking_and_prefix_hits():
-    model = Llama.random_init(SMALL, seed=3)
-    rng = np.random.default_rng(0)
-    prefixes = [list(map(int, rng.integers(0, 97, n))) for n in (24, 17)]
-    prompts = [(prefixes[i % 2] if i % 3 else []) + list(map(int, rng.integers(0, 97, int(rng.integers(1, 25)))))
-               for i in range(24)]
-    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=24, page_size=8, max_num_seqs=8,
-                                              max_num_batched_tokens=48))
+@pytest.fixture(scope="module")
+def small_model():
+    return Llama.random_init(SMALL, seed=3)
+
+
+def _prompts(n=24, seed=0):
+    rng = np.random.default_rng(seed)
+    prefixes = [list(map(int, rng.integers(0, 97, k))) for k in (24, 17)]
+    return [(prefixes[i % 2] if i % 3 else []) + list(map(int, rng.integers(0, 97, int(rng.integers(1, 25)))))
+            for i in range(n)]
+
+
+def _engine(model, **kw):
+    return LLMEngine(model, None, EngineConfig(**{**dict(warmup=False, num_pages=24, page_size=8, max_num_seqs=8,
+                                                         max_num_batched_tokens=48), **kw}))
+
+
+def test_engine_invariance_under_preemption_chunking_and_prefix_hits(small_model):
+    # Without the hybrid pool: every page kept, so prefix hits happen.
+    eng = _engine(small_model, hybrid_kv_cache=False)
+    prompts = _prompts()
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     final = eng.run_to_completion()
     assert eng.scheduler.num_preemptions > 0 and eng.bm.prefix_hit_tokens > 0
     assert eng.stats["partial_prefills"] > 0
-    lone = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=24, page_size=8, max_num_seqs=1,
-                                               max_num_batched_tokens=48, enable_prefix_caching=False))
+    lone = _engine(small_model, max_num_seqs=1, enable_prefix_caching=False, hybrid_kv_cache=False)
     for i, p in enumerate(prompts):
         rid = lone.add_request(p, GREEDY)
         assert final[ids[i]].outputs[0].token_ids == lone.run_to_completion([rid])[rid].outputs[0].token_ids, i
+
+
+# ---------------------------------------------------------- hybrid KV pool
+@pytest.mark.parametrize("params, extra", [
+    (SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), {}),
+    (SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), dict(async_scheduling=True)),
+    (SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=5, ignore_eos=True), dict(num_pages=60)),
+], ids=["greedy-preempted", "overlapped", "n3-forks"])
+def test_hybrid_pool_gives_the_tokens_of_a_run_without_it(small_model, params, extra):
+    # The sliding layers keep only each sequence's window in its seat's ring
+    # of pages; preemption, chunked prefill, forks (their rings copied) and
+    # overlapped scheduling give the tokens of the engine that keeps every page.
+    prompts = _prompts(16, seed=1)
+    runs = {}
+    for hybrid in (False, True):
+        eng = _engine(small_model, hybrid_kv_cache=hybrid, **extra)
+        ids = [eng.add_request(p, params) for p in prompts]
+        final = eng.run_to_completion()
+        runs[hybrid] = [[c.token_ids for c in final[i].outputs] for i in ids]
+        if hybrid:
+            a = eng.attention
+            assert a.local_layers == (0, 2) and a.ring_pages == ring_pages(8, 48, 8) == 8
+            assert [x.shape[1] for x in eng.runner.cache.k] == [1 + 8 * 8, eng.cache_config.num_pages, 1 + 8 * 8]
+            if not extra:
+                assert eng.scheduler.num_preemptions > 0 and eng.stats["partial_prefills"] > 0
+    assert runs[True] == runs[False]
+
+
+def test_hybrid_pool_of_a_gemma3_27b_shape_at_32k_holds_the_global_and_window_shares():
+    from jaxkv.config import CacheConfig
+    from jaxkv.model.kv_cache import cache_shapes
+    from jaxkv.model.pool_plan import hybrid_plan
+    from tests.test_sharding_compile import GEMMA3_27B
+
+    ctx, ps = 32768, 16
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, page_size=ps, warmup=False)
+    local, ring, local_pages = hybrid_plan(cfg, GEMMA3_27B)
+    assert len(local) == 52 and ring == ring_pages(1024, 512, ps) == 97  # 10 global layers
+
+    def nbytes(cache):
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in cache.k + cache.v)
+
+    today = nbytes(cache_shapes(GEMMA3_27B, CacheConfig(ctx // ps + 1, ps, "bfloat16")))
+    hybrid = nbytes(cache_shapes(GEMMA3_27B, CacheConfig(ctx // ps + 1, ps, "bfloat16", local_pages)))
+    shares = 10 / 62 + 52 / 62 * (1024 + 512 + 2 * ps) / ctx  # global layers + each ring's window and chunk
+    assert hybrid / today <= shares + 1e-3, (hybrid / today, shares)
+    assert hybrid / today < 0.22  # 21.6% of today's bytes
 
 
 def test_tensor_parallel_2_matches_one_device():

@@ -50,6 +50,21 @@ QWEN3_32B = ModelConfig(
     num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
     rms_norm_eps=1e-6, qk_norm=True)
 MODELS = {"llama3-8b": LLAMA3_8B, "gemma3-27b": GEMMA3_27B, "qwen3-32b": QWEN3_32B}
+# The tests compile the families' shapes with their first 12 layers (two
+# global ones for Gemma): every kind of layer at full width, a fifth of the
+# compile time. The README's figures are the whole models':
+#   python -m tests.test_sharding_compile gemma3-27b v5e:2x4 8 6442450944
+TEST_LAYERS = {"gemma3-27b": 12, "qwen3-32b": 12}
+
+
+def model_config(model: str, layers: int | None = None) -> ModelConfig:
+    import dataclasses
+
+    cfg = MODELS[model]
+    if layers is None:
+        return cfg
+    types = cfg.layer_types[:layers] if cfg.layer_types else ()
+    return dataclasses.replace(cfg, num_layers=layers, layer_types=types)
 PAGE_SIZE = 16
 # (model, topology, tensor parallel size, chip HBM bytes, KV pool per device)
 SLICES = [("llama3-8b", "v5e:2x2", 4, 16 * 2**30, 8 * 2**30), ("llama3-8b", "v6e:2x4", 8, 32 * 2**30, 24 * 2**30),
@@ -60,7 +75,7 @@ def pages_for(cfg: ModelConfig, tp: int, kv_bytes: int) -> int:
     return kv_bytes // memory.per_device_bytes(cfg, tp, "bfloat16", num_pages=1, page_size=PAGE_SIZE)["kv"]
 
 
-def compile_for_topology(model: str, topology: str, tp: int, kv_bytes: int) -> dict:
+def compile_for_topology(model: str, topology: str, tp: int, kv_bytes: int, layers: int | None = None) -> dict:
     import time
 
     import numpy as np
@@ -72,7 +87,7 @@ def compile_for_topology(model: str, topology: str, tp: int, kv_bytes: int) -> d
 
     topo = topologies.get_topology_desc(topology, "tpu")
     mesh = Mesh(np.array(topo.devices[:tp]).reshape(1, tp), AXES)
-    cfg = MODELS[model]
+    cfg = model_config(model, layers)
     pages = pages_for(cfg, tp, kv_bytes)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):  # Mosaic reads the chip generation from the ambient mesh
@@ -94,15 +109,16 @@ def test_sharded_step_compiles_for_tpu_slice(model, topology, tp, hbm, kv_bytes)
         pytest.skip(f"libtpu is not in {compiler} (bash .ci/install_tpu_compiler.sh)")
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(compiler)]))
+    layers = TEST_LAYERS.get(model)
     proc = subprocess.run([sys.executable, "-m", "tests.test_sharding_compile", model, topology,
-                           str(tp), str(kv_bytes)], cwd=REPO, env=env, capture_output=True,
+                           str(tp), str(kv_bytes)] + ([f"--layers={layers}"] if layers else []), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}:\n{proc.stderr[-4000:]}"
     got = json.loads(lines[-1])
     print(json.dumps({f"{model} {topology}": got}))  # the figures, for the record (-s)
     assert got["mosaic"], "no Mosaic kernel in the compiled step"
-    planned = memory.per_device_bytes(MODELS[model], tp, "bfloat16", num_pages=got["pages"],
+    planned = memory.per_device_bytes(model_config(model, layers), tp, "bfloat16", num_pages=got["pages"],
                                       page_size=PAGE_SIZE)
     # Arguments: the planned weights and KV pool, plus the step's metadata (< 1 MiB).
     assert planned["total"] <= got["argument"] < planned["total"] + 2**20
@@ -139,5 +155,6 @@ if __name__ == "__main__":
     p.add_argument("topology")
     p.add_argument("tp", type=int)
     p.add_argument("kv_bytes", type=int)
+    p.add_argument("--layers", type=int, default=None, help="the model's first N layers only")
     a = p.parse_args()
-    print(json.dumps(compile_for_topology(a.model, a.topology, a.tp, a.kv_bytes)), flush=True)
+    print(json.dumps(compile_for_topology(a.model, a.topology, a.tp, a.kv_bytes, a.layers)), flush=True)

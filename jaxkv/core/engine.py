@@ -27,6 +27,8 @@ token discarded.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from typing import Any, Iterable
@@ -47,7 +49,7 @@ from jaxkv.core.spec_decode import SpecControl
 from jaxkv.core.structured import Grammars
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import create_cache
-from jaxkv.model.pool_plan import max_model_len, plan_num_pages
+from jaxkv.model.pool_plan import hybrid_plan, max_model_len, plan_num_pages
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
 from jaxkv.worker.distributed import Follower, Leader, init_distributed, scale_out
@@ -71,18 +73,24 @@ class LLMEngine:
         kv_dtype = config.kv_dtype or config.dtype
         num_pages = plan_num_pages(config, self.model_config, kv_dtype,
                                    config.tensor_parallel_size)
+        # A hybrid pool: the sliding layers' rings per seat (jaxkv.core.seats).
+        local, ring, local_pages = hybrid_plan(config, self.model_config)
         self.cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size,
-                                        kv_dtype=kv_dtype)
+                                        kv_dtype=kv_dtype, local_pages=local_pages)
         pool_tokens = (num_pages - 1) * config.page_size
-        self.attention = AttentionSpec.for_engine(self.model_config, config,
-                                                  self.sharding.mesh if self.sharding else None)
+        self.attention = dataclasses.replace(AttentionSpec.for_engine(
+            self.model_config, config, self.sharding.mesh if self.sharding else None),
+            ring_pages=ring, local_layers=local)
         self.max_model_len = max_model_len(config, self.model_config, self.attention,
                                            pool_tokens)
         buckets = Buckets.make(config.max_num_seqs, config.max_num_batched_tokens,
                                -(-self.max_model_len // config.page_size), self.max_model_len,
                                num_spec=config.num_speculative_tokens)
+        # No prefix hits with a hybrid pool: a hit would need the sliding
+        # layers' window before it, which only the ring of the sequence that
+        # computed it held (forks still share their prompt, copying the ring).
         self.bm = BlockManager(num_pages, config.page_size,
-                               enable_prefix_caching=config.enable_prefix_caching,
+                               enable_prefix_caching=config.enable_prefix_caching and not ring,
                                pages_per_seq=buckets.pages_per_seq)
         leader = Leader(channel) if channel is not None and channel.leader else None
         self.follower = Follower(channel) if channel is not None and not channel.leader else None
@@ -103,7 +111,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_num_steps=1 if self.draft else config.num_decode_steps,
                                    spec=self.spec, window=self.attention.sliding_window,
-                                   num_sink_tokens=self.attention.num_sink_tokens)
+                                   num_sink_tokens=self.attention.num_sink_tokens, ring_pages=ring)
         self.executor = Executor(self.runner, self.model_config.vocab_size, self.draft)
         # decode_steps: model calls; partial_prefills: chunks short of the prompt's end;
         # overlapped_steps: steps dispatched while the one before was in flight.
@@ -204,7 +212,7 @@ class LLMEngine:
             if ov.allowed():
                 sched = self.scheduler.schedule(lookahead=True)
                 if sched.needs_preemption:  # its reservations stay for the plan below
-                    self.executor.copy_pages(sched.copies)
+                    self.executor.apply_copies(sched)
                 elif sched.scheduled:
                     ov.inflight = ov.dispatch(sched, prev)
                     self.stats["overlapped_steps"] += 1
@@ -237,7 +245,7 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Run a planned step now and read it (no overlap)."""
-        self.executor.copy_pages(sched.copies)
+        self.executor.apply_copies(sched)
         scored = [sc for sc in sched.scheduled if sc.seq.scores_prompt(sc.start)]
         plain = [sc for sc in sched.scheduled if not sc.seq.scores_prompt(sc.start)] \
             if scored else sched.scheduled

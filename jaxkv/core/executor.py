@@ -40,6 +40,13 @@ class Executor:
         if self.draft is not None:
             self.draft.copy_pages(pairs)
 
+    def apply_copies(self, sched) -> None:
+        """A scheduler output's page copies, before its step: copy-on-write
+        pages, and a hybrid pool's ring copies (the target's only)."""
+        self.copy_pages(sched.copies)
+        if sched.local_copies:
+            self.runner.copy_pages(sched.local_copies, local=True)
+
     def dispatch(self, scheduled: Sequence, num_steps: int) -> tuple[Pending, list[int]]:
         plan, stuck = self.plan(scheduled, num_steps)
         if self.draft is not None:

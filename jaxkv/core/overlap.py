@@ -73,7 +73,7 @@ class Overlap:
     def dispatch(self, sched: SchedulerOutput, prev: InFlight | None) -> InFlight:
         """Enqueue `sched` on the device. A sequence of `prev` (in flight)
         decodes from the token `prev` samples, taken on the device."""
-        self.executor.copy_pages(sched.copies)
+        self.executor.apply_copies(sched)
         if prev is not None:
             rows = {id(sc.seq): i for i, sc in enumerate(prev.sched.scheduled)}
             for sc in sched.scheduled:

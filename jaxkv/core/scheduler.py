@@ -5,36 +5,31 @@ Every step, within a token budget and a sequence cap:
 2. running sequences still prefilling (the next chunk of their prompt);
 3. waiting sequences, first come first served: their prompt minus any
    prefix-cache hit, cut into a chunk that fits the remaining budget.
-All of it rides in one ragged step. When only decodes can run (every
-running sequence decodes, nothing waiting could be admitted, no sequence
-needs the host between tokens: penalties), the step runs up to
-`max_num_steps` decode steps in one device call, with pages reserved ahead.
-With speculative decoding (a `proposer`, `jaxkv.core.spec_decode`) a
-decoding sequence brings its last token plus up to `num_spec` proposals
-(counted in the token budget, pages reserved for all of them), in any
-step; a decode-only step with proposals runs as one verify step instead
-of the multi-step loop. A step in which some sequence needs the host
-between tokens (penalties, token rules) carries no proposals.
+All of it rides in one ragged step. When only decodes can run (every running sequence decodes,
+nothing waiting could be admitted, no sequence needs the host between tokens: penalties), the
+step runs up to `max_num_steps` decode steps in one device call, with pages reserved ahead.
+With speculative decoding (a `proposer`, `jaxkv.core.spec_decode`) a decoding sequence brings
+its last token plus up to `num_spec` proposals (counted in the token budget, pages reserved for
+all of them), in any step; a decode-only step with proposals runs as one verify step instead of
+the multi-step loop. A step where some sequence needs the host between tokens (penalties, token
+rules) carries no proposals.
 
-With overlapped scheduling the engine plans step N+1 while step N runs
-(`schedule(lookahead=True)`): a sequence in step N counts the tokens N
-will sample and the K/V it will write (its `Progress`: `inflight_tokens`,
-`inflight_end`), and decodes from there. Such a plan leaves out
-sequences whose step N may be their last token, and never preempts:
-where it would have to, it says so (`needs_preemption`, admitting no one
-more) and the engine reads step N first, then plans again with
-preemption.
+With overlapped scheduling the engine plans step N+1 while step N runs (`schedule(lookahead=
+True)`): a sequence in step N counts the tokens N will sample and the K/V it will write (its
+`Progress`: `inflight_tokens`, `inflight_end`), and decodes from there. Such a plan leaves out
+sequences whose step N may be their last token, and never preempts: where it would have to, it
+says so (`needs_preemption`, admitting no one more) and the engine reads step N first, then
+plans again with preemption.
 
-When the page pool runs dry, the most recently admitted running sequence is
-preempted by recompute: its pages are freed and it goes back to the front
-of the queue (its prompt and tokens so far prefilled again, mostly from the
-prefix cache). A request with n > 1 holds n seats from its admission on.
+When the page pool runs dry, the most recently admitted running sequence is preempted by
+recompute: its pages are freed and it goes back to the front of the queue (its prompt and tokens
+so far prefilled again, mostly from the prefix cache). A request with n > 1 holds n seats from
+its admission on.
 
-Each running sequence's progress (`jaxkv.core.progress.Progress`: pages,
-K/V reserved and written, tokens in flight) is this scheduler's record:
-it reserves and trims slots through the block manager as it plans
-(`schedule`), counts what a dispatched step will add (`dispatched`), and
-takes back what a step read did (`read`, `chunk_ran`, `tokens_taken`).
+Each running sequence's progress (`jaxkv.core.progress.Progress`: pages, K/V reserved and
+written, tokens in flight) is this scheduler's record: it reserves and trims slots through the
+block manager as it plans (`schedule`), counts what a dispatched step will add (`dispatched`),
+and takes back what a step read did (`read`, `chunk_ran`, `tokens_taken`).
 """
 
 from __future__ import annotations
@@ -45,18 +40,19 @@ from jaxkv.core.block_manager import BlockManager, OutOfPages
 from jaxkv.core.page_pool import salted_root
 from jaxkv.core.sequence import Sequence, Status
 from jaxkv.core.scheduler_output import ScheduledSeq, SchedulerOutput, chunk_cap
+from jaxkv.core.seats import Seats
 from jaxkv.core.spec_decode import SpecControl, can_speculate, step_kind
 
 
 class Scheduler:
     """`spec`: speculation's control (`SpecControl`, None: off).
-    `window` / `num_sink_tokens`: the attention window; pages wholly
-    behind it (past the sinks) are released as a sequence advances."""
+    `window` / `num_sink_tokens`: the attention window; pages wholly behind it (past the
+    sinks) are released as a sequence advances. `ring_pages`: a hybrid pool's seats (0: none)."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                  max_num_steps: int = 1, spec: SpecControl | None = None,
-                 window: int | None = None, num_sink_tokens: int = 0):
+                 window: int | None = None, num_sink_tokens: int = 0, ring_pages: int = 0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -70,6 +66,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self._lookahead = False
+        self.seats = Seats(max_num_seqs, ring_pages)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,6 +82,7 @@ class Scheduler:
             c.progress = self.bm.progress(c.request_id)
             c.num_cached_tokens = parent.num_cached_tokens
             c.status = Status.RUNNING
+            self.seats.fork(parent, c)
             self.running.append(c)
 
     def remove(self, seq: Sequence) -> None:
@@ -92,6 +90,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.bm.free(seq.request_id)
+            self.seats.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -170,6 +169,7 @@ class Scheduler:
             drafting = []
         if drafting:  # proposals once the pages are reserved (a draft writes there)
             spec.fill(drafting)
+        out.local_copies = self.seats.take_copies()
         return out
 
     def _decode_only(self) -> bool:
@@ -208,6 +208,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.bm.free(victim.request_id)
+        self.seats.free(victim)
         victim.progress = None
         victim.status = Status.WAITING
         victim.num_preemptions += 1
@@ -311,6 +312,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
+            self.seats.take(seq)
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, cached, n))
             budget -= n

@@ -48,6 +48,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     copies: list[tuple[int, int]]  # copy-on-write page pairs to apply first
     preempted: list[Sequence]
+    # ring page pairs of the sliding layers (hybrid pool: forked sequences'
+    # windows), applied first too
+    local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     num_steps: int = 1  # decode steps in this call (> 1: every sequence decodes)
     needs_preemption: bool = False  # a lookahead plan that could not grow a sequence
 

@@ -65,6 +65,9 @@ class Sequence:
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.progress = None  # jaxkv.core.progress.Progress while it runs (the scheduler's)
+        # Hybrid KV pool: the first page of its seat's ring of sliding-layer
+        # pages while it runs (0: no ring; see jaxkv.core.scheduler).
+        self.ring_base = 0
         # the bytes of its jaxkv.core.step_plan.ROW_DTYPE record, built once when queued
         self.sampling_row = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache

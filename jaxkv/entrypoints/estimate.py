@@ -25,6 +25,30 @@ def _per_device_report(cfg, a) -> int:
     return pd["params"]
 
 
+def _hybrid_report(cfg, geom, full: int, a) -> None:
+    """The hybrid pool's terms, for a model whose layers mix global ones
+    with one sliding window (`jaxkv.core.seats`)."""
+    from jaxkv.config import EngineConfig
+    from jaxkv.model import memory
+    from jaxkv.model.pool_plan import hybrid_plan
+
+    engine = EngineConfig(page_size=a.page_size, max_num_seqs=a.batch, warmup=False)
+    local, ring, _ = hybrid_plan(engine, cfg)
+    if not local:
+        return
+    _, kv, d = geom
+    n_global, held = cfg.num_layers - len(local), min(a.context, ring * a.page_size)
+    g = memory.kv_cache_bytes(n_global, kv, d, a.context, a.batch, a.kv_dtype)
+    w = memory.kv_cache_bytes(len(local), kv, d, held, a.batch, a.kv_dtype)
+    print(f"\nHybrid pool (the engine's default; --no-hybrid-kv-cache keeps every page): the "
+          f"{len(local)} sliding layers (window {cfg.sliding_window}) keep a ring of {ring} pages "
+          f"per sequence, the window plus a chunk of {engine.max_num_batched_tokens} tokens.\n")
+    print("| term | bytes |\n|---|---|")
+    print(f"| {n_global} global layers x {a.context:,} tokens | {g:,} |")
+    print(f"| {len(local)} sliding layers x {held:,} tokens | {w:,} |")
+    print(f"| total | {g + w:,} ({(g + w) / 2**30:.3f} GiB, {(g + w) / full:.1%} of every page kept) |")
+
+
 def cmd_estimate(a) -> int:
     from jaxkv.model import memory
     from jaxkv.sharding import check_tensor_parallel
@@ -57,6 +81,8 @@ def cmd_estimate(a) -> int:
                                     a.batch, a.kv_dtype)
         print(f"\nGQA saves {cfg.num_heads // cfg.num_kv_heads}x: the same model with "
               f"{cfg.num_heads} KV heads (MHA) would need {mha:,} bytes.")
+    if cfg is not None:
+        _hybrid_report(cfg, geom, br.total_bytes, a)
     if a.memory:
         budget = a.memory
         mb = memory.max_batch(geom, a.context, budget, wbytes, a.kv_dtype, page_size=a.page_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxkv.config import EngineConfig, ModelConfig
 from jaxkv.model.kv_cache import KVCache, layer_arrays, replace_layer, write_pages
@@ -31,12 +31,15 @@ class AttentionSpec:
     num_sink_tokens: int = 0
     mesh: Any = None
     platform: str | None = None
+    ring_pages: int = 0  # hybrid pool: pages per sequence's ring of sliding-layer pages (0: off)
+    local_layers: tuple[int, ...] = ()  # hybrid pool: the layers whose pages are rings
 
     def fingerprint(self) -> tuple:
         """What a compiled program depends on (the mesh by its shape)."""
         mesh = None if self.mesh is None else (tuple(self.mesh.shape.items()),
                                                self.mesh.devices.shape)
-        return (self.backend, self.sliding_window, self.num_sink_tokens, mesh, self.platform)
+        return (self.backend, self.sliding_window, self.num_sink_tokens, mesh, self.platform,
+                self.ring_pages, self.local_layers)
 
     @classmethod
     def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> "AttentionSpec":
@@ -56,6 +59,46 @@ class AttentionSpec:
         if own is not None and (self.sliding_window is None or own < self.sliding_window):
             return own, 0
         return self.sliding_window, self.num_sink_tokens
+
+
+class LocalBatch(NamedTuple):
+    """The step metadata attention reads, for the sliding layers of a hybrid pool."""
+
+    slot_mapping: Any
+    kv_lens: Any
+    block_tables: Any
+    cu_q_lens: Any
+    num_seqs: Any
+
+
+def ring_pages(window: int, max_rows: int, page_size: int) -> int:
+    """Pages of one sequence's ring: every key a step's queries may read
+    (the window behind its first row) and every row it writes land on
+    distinct pages when positions map to ring page (position // page_size)
+    mod this many."""
+    return -(-(window + max_rows - 1) // page_size) + 1
+
+
+def local_view(batch, ring: int, page_size: int) -> LocalBatch:
+    """A hybrid pool's view of a step for its sliding layers: sequence s's
+    position p lives in local page ring_base[s] + (p // page_size) % ring,
+    so its block table is that ring repeated (entries behind the window
+    alias newer pages, and attention masks them by position); padding rows
+    keep their trash slot. Computed on the device from `batch.ring_base`
+    and positions, so multi-step decode programs need nothing more."""
+    import jax.numpy as jnp
+
+    T, S = batch.slot_mapping.shape[0], batch.kv_lens.shape[0]
+    W = batch.block_tables.shape[1]
+    base = batch.ring_base
+    tables = base[:, None] + (jnp.arange(W, dtype=jnp.int32) % ring)[None, :]
+    seq = jnp.clip(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T, dtype=jnp.int32), side="right"),
+                   0, S - 1)
+    pos = batch.positions
+    slots = (base[seq] + (pos // page_size) % ring) * page_size + pos % page_size
+    slots = jnp.where(batch.slot_mapping < page_size, batch.slot_mapping, slots)
+    return LocalBatch(slots.astype(jnp.int32), batch.kv_lens, tables.astype(jnp.int32), batch.cu_q_lens,
+                      batch.num_seqs)
 
 
 def attend(q, k, v, cache: KVCache, layer: int, batch, spec: AttentionSpec, *,

@@ -11,6 +11,12 @@ step updates each layer in place (the whole cache is donated) and attention
 reads a layer without slicing it out of a larger buffer. The per-layer shape
 [KVH, P, page_size, D] is the one the Pallas kernels take; sharding splits
 KVH over the "model" mesh axis.
+
+Hybrid pool (`CacheConfig.local_pages`, models whose layers differ in
+window): the sliding layers' arrays hold `local_pages` pages (page 0 again
+the trash page), rings of pages per running sequence that keep only its
+window (`jaxkv.model.attention.local_view`); the global layers hold
+`num_pages`.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1]
+        """Pages of the largest layer (the global layers' in a hybrid pool)."""
+        return max(x.shape[1] for x in self.k)
 
     @property
     def page_size(self) -> int:
@@ -57,16 +64,22 @@ class KVCache:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
 
+def layer_pages(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
+    """Pages of each layer: `local_pages` for the sliding layers of a hybrid
+    pool, `num_pages` for the rest."""
+    return tuple(cache.local_pages if cache.local_pages and w is not None else cache.num_pages
+                 for w in model.windows)
+
+
 def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
     """The cache as jax.ShapeDtypeStructs (for sizing and ahead-of-time compiles)."""
     dtype = _DTYPES[cache.kv_dtype]
-    page = (model.num_kv_heads, cache.num_pages, cache.page_size, model.head_dim)
-    layer = jax.ShapeDtypeStruct(page, dtype)
-    scale = jax.ShapeDtypeStruct(page[:3], jnp.float32)
-    L = model.num_layers
+    K, ps, D = model.num_kv_heads, cache.page_size, model.head_dim
+    pages = layer_pages(model, cache)
+    layers = tuple(jax.ShapeDtypeStruct((K, P, ps, D), dtype) for P in pages)
+    scales = tuple(jax.ShapeDtypeStruct((K, P, ps), jnp.float32) for P in pages)
     q = cache.kv_dtype == "int8"
-    return KVCache(k=(layer,) * L, v=(layer,) * L,
-                   k_scale=(scale,) * L if q else None, v_scale=(scale,) * L if q else None)
+    return KVCache(k=layers, v=layers, k_scale=scales if q else None, v_scale=scales if q else None)
 
 
 def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCache:
@@ -127,9 +140,13 @@ def replace_layer(cache: KVCache, layer: int, k, v, k_scale=None, v_scale=None) 
                    k_scale=put(cache.k_scale, k_scale), v_scale=put(cache.v_scale, v_scale))
 
 
-def copy_pages(cache: KVCache, src, dst) -> KVCache:
-    """Copy whole pages src[N] -> dst[N] in every layer (copy-on-write)."""
-    def cp(x):
-        return x.at[:, dst].set(x[:, src])
+def copy_pages(cache: KVCache, src, dst, layers: tuple[int, ...] | None = None) -> KVCache:
+    """Copy whole pages src[N] -> dst[N] in every layer, or in `layers` only
+    (a hybrid pool's page ids belong to one group of layers)."""
+    def cp(t):
+        if t is None:
+            return None
+        return tuple(x.at[:, dst].set(x[:, src]) if layers is None or i in layers else x
+                     for i, x in enumerate(t))
 
-    return jax.tree_util.tree_map(cp, cache)
+    return KVCache(k=cp(cache.k), v=cp(cache.v), k_scale=cp(cache.k_scale), v_scale=cp(cache.v_scale))

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxkv.config import ModelConfig
 from jaxkv.model import cpu_gemm
-from jaxkv.model.attention import AttentionSpec, attend
+from jaxkv.model.attention import AttentionSpec, attend, local_view
 from jaxkv.model.kv_cache import KVCache
 from jaxkv.model.layers import activation, apply_rope, rms_norm, rope_frequencies, soft_cap
 from jaxkv.model.params import check_params
@@ -147,6 +147,8 @@ class Llama(nnx.Module):
         # of the int8 range; (q R).(k R) = q.k, and outputs rotate back.
         rot = D & -D
         native = cpu_gemm.use_native(T, attention.platform, mesh)  # MKL sgemm on CPU
+        # Hybrid pool: the sliding layers read and write their own rings of pages.
+        local = local_view(batch, attention.ring_pages, cache.page_size) if attention.ring_pages else None
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], eps, off)
             a = layer.attn
@@ -165,9 +167,11 @@ class Llama(nnx.Module):
             k = apply_rope(k, batch.positions, inv_freq)
             if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
-            o, cache = attend(q, k, v, cache, i, batch, attention, all_decode=all_decode,
+            window = cfg.layer_window(i)
+            o, cache = attend(q, k, v, cache, i, local if i in attention.local_layers else batch,
+                              attention, all_decode=all_decode,
                               soft_cap=cfg.attn_logit_softcap, sm_scale=cfg.sm_scale,
-                              window=cfg.layer_window(i),
+                              window=window,
                               sinks=a.sinks[...] if cfg.attention_sinks else None)
             if cache.quantized:  # values were rotated: rotate the output back
                 o = rotate_blocks(o, rot)

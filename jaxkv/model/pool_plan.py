@@ -5,6 +5,8 @@ formula of `jaxkv.model.memory`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxkv.model.memory import kv_cache_bytes, pages_for_budget
 
 
@@ -39,6 +41,21 @@ def host_available_memory() -> int | None:
     return None
 
 
+def hybrid_plan(config, model_config) -> tuple[tuple[int, ...], int, int]:
+    """A hybrid pool (`jaxkv.core.seats`): (the sliding layers, pages per
+    sequence's ring, the local pool's pages), or ((), 0, 0) where it does
+    not apply: turned off, streaming eviction, or a model whose layers do
+    not mix global layers with one sliding window."""
+    from jaxkv.model.attention import ring_pages
+
+    windows = model_config.windows
+    slide = {w for w in windows if w is not None}
+    if not config.hybrid_kv_cache or config.kv_eviction or len(slide) != 1 or None not in windows:
+        return (), 0, 0
+    ring = ring_pages(slide.pop(), config.max_num_batched_tokens, config.page_size)
+    return tuple(i for i, w in enumerate(windows) if w is not None), ring, 1 + config.max_num_seqs * ring
+
+
 def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
     """The pool size of an engine: EngineConfig.num_pages if set, else what
     kv_cache_memory holds, else gpu_memory_utilization of the device's free
@@ -52,12 +69,16 @@ def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
     c, m = config, model_config
     if c.num_pages is not None:
         return c.num_pages
+    local, _, local_pages = hybrid_plan(c, m)  # its rings first; the global layers page the rest
+    reserved = kv_cache_bytes(len(local), m.num_kv_heads // shards, m.head_dim, c.page_size,
+                              local_pages, dtype=kv_dtype) if local else 0
+    m = dataclasses.replace(m, num_layers=m.num_layers - len(local), layer_types=()) if local else m
     geom = (m.num_layers, m.num_kv_heads // shards, m.head_dim)
-    budget = c.kv_cache_memory
+    budget = None if c.kv_cache_memory is None else c.kv_cache_memory - reserved
     if budget is None:
         free = _free_device_memory()
         if free:
-            budget = int(free * c.gpu_memory_utilization)
+            budget = int(free * c.gpu_memory_utilization) - reserved
         else:
             page = kv_cache_bytes(*geom, c.page_size, dtype=kv_dtype)
             max_len = min(c.max_model_len or m.max_position_embeddings,

@@ -57,6 +57,7 @@ class StepPlan:
     num_steps: int = 1
     penalties: PenaltyBatch | None = None
     rules: RulesBatch | None = None
+    ring_base: np.ndarray | None = None  # [S] first page of each sequence's ring (hybrid pool)
 
     @property
     def num_seqs(self) -> int:

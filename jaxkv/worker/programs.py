@@ -77,7 +77,8 @@ class Programs:
         seqs = sorted({k.seqs for k in self.buckets.programs()})
         return (self.buckets.programs()
                 + [("rules", s, n) for s in seqs for n in (0, *self.buckets.history)]
-                + [("copy", COPY_WIDTH)])
+                + [("copy", COPY_WIDTH)]
+                + ([("copy_local", COPY_WIDTH)] if self.attention.local_layers else []))
 
     @property
     def compiled(self) -> list:
@@ -134,9 +135,13 @@ class Programs:
             pen = PenaltyBatch(np.zeros((S, N), np.int32), np.zeros((S, N), bool)) if N else None
             return fn.trace(logits, b.sampling, pen, empty_rules(S, self.vocab_size), rng,
                             b.num_output).lower(**kw)
-        if key[0] == "copy":
+        if key[0] in ("copy", "copy_local"):  # a hybrid pool: the global or the ring layers
             idx = np.zeros(COPY_WIDTH, np.int32)
-            return self._jit(copy_pages, "crr", "c", (0,)).trace(cache, idx, idx).lower(**kw)
+            local = self.attention.local_layers
+            layers = (local if key[0] == "copy_local" else
+                      tuple(i for i in range(len(cache.k)) if i not in local)) if local else None
+            fn = functools.partial(copy_pages, layers=layers)
+            return self._jit(fn, "crr", "c", (0,)).trace(cache, idx, idx).lower(**kw)
         raise ValueError(f"program: unknown key {key!r}")
 
     def get(self, key):

@@ -240,12 +240,14 @@ class Runner:
                 empty_rules(num_seqs, self.vocab_size), self._rep)
         return rb
 
-    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Device-side copy-on-write: copy page src -> dst for each pair."""
+    def copy_pages(self, pairs: Sequence[tuple[int, int]], local: bool = False) -> None:
+        """Device-side copy-on-write: copy page src -> dst for each pair (in a
+        hybrid pool: the global layers' pages, or with `local` the ring
+        layers')."""
         if not pairs:
             return
-        self._mirror("copy_pages", pairs)
-        prog = self.programs.get(("copy", COPY_WIDTH))
+        self._mirror("copy_pages", pairs, local)
+        prog = self.programs.get(("copy_local" if local else "copy", COPY_WIDTH))
         for i in range(0, len(pairs), COPY_WIDTH):
             chunk = list(pairs[i:i + COPY_WIDTH])
             src = np.zeros(COPY_WIDTH, np.int32)

@@ -20,6 +20,9 @@ compiles once per program key (`ProgramKey`: kind, T, S) and never again:
                         from its last known token on, repeating the last
     num_output[S]       tokens s generated before this step (seed stream
                         index, stop rules)
+    ring_base[S]        hybrid KV pool: the first page of s's ring of
+                        sliding-layer pages (0 without one; see
+                        `jaxkv.model.attention.local_view`)
     num_steps[]         decode steps to run (decode programs; 1 otherwise)
     prev_index[T]       -1, or for a row whose input token is not on the host
                         yet (overlapped scheduling): the index of its
@@ -113,6 +116,7 @@ class StepBatch:
     prev_index: Any
     sampling: SamplingBatch
     stops: StopBatch
+    ring_base: Any = None
 
 
 def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
@@ -134,7 +138,8 @@ def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
                      num_seqs=np.asarray(0, np.int32),
                      logits_indices=i32(S * (num_spec + 1) if key.kind == "verify" else S),
                      num_output=i32(S), num_steps=np.asarray(1, np.int32),
-                     prev_index=np.full(T, -1, np.int32), sampling=sampling, stops=stops)
+                     prev_index=np.full(T, -1, np.int32), sampling=sampling, stops=stops,
+                     ring_base=i32(S))
 
 
 def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
@@ -192,6 +197,8 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
     has_prev = prev >= 0
     b.prev_index[cu[:S][has_prev]] = prev[has_prev]
     b.num_output[:S] = plan.num_output
+    if plan.ring_base is not None:
+        b.ring_base[:S] = plan.ring_base
     for name in SAMPLING_FIELDS:
         getattr(b.sampling, name)[:S] = getattr(plan.sampling, name)
     for name in ("stop_ids", "min_tokens", "max_tokens"):
