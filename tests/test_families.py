@@ -212,7 +212,11 @@ def test_engine_invariance_under_preemption_chunking_and_prefix_hits(small_model
     (SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), {}),
     (SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), dict(async_scheduling=True)),
     (SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=5, ignore_eos=True), dict(num_pages=60)),
-], ids=["greedy-preempted", "overlapped", "n3-forks"])
+    (SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=5, ignore_eos=True),
+     dict(num_pages=60, async_scheduling=True)),
+    (SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+     dict(num_pages=60, speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
+], ids=["greedy-preempted", "overlapped", "n3-forks", "n3-overlapped", "ngram-verify"])
 def test_hybrid_pool_gives_the_tokens_of_a_run_without_it(small_model, params, extra):
     # The sliding layers keep only each sequence's window in its seat's ring
     # of pages; preemption, chunked prefill, forks (their rings copied) and
