@@ -95,6 +95,19 @@ LINE = st.one_of(
 )
 
 
+def test_a_prompt_of_no_tokens_is_named_and_the_rest_are_served(eng, tmp_path):
+    # Spaces tokenize to no token with this tokenizer (no BOS): such a request
+    # once reached the scheduler, whose allocate raised in the step, so the
+    # job ended and every later step failed too (found by the hypothesis test
+    # below in CI).
+    lines = [b'{"prompt": "   "}', b'{"prompt": "hello world"}', b'{"prompt": " "}', b'{"prompt": "the sky"}']
+    recs, counts = run(eng, tmp_path, b"\n".join(lines) + b"\n")
+    assert counts == {"written": 4, "errors": 2, "skipped": 0}
+    assert [r["finish_reason"] for r in recs] == ["error", "length", "error", "length"]
+    assert "prompt:" in recs[0]["error"] and "no token" in recs[0]["error"]
+    assert not eng.has_unfinished_requests()
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(LINE, min_size=1, max_size=12))

@@ -31,7 +31,10 @@ def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[i
         except UnicodeEncodeError as e:
             raise ValueError(f"prompt: not valid Unicode text (a lone surrogate at position "
                              f"{e.start})") from None
-        return prompt, tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt)
+        if not len(ids):  # e.g. only spaces, with a tokenizer that adds no BOS
+            raise ValueError(f"prompt: {prompt[:40]!r} is no token at all for this tokenizer")
+        return prompt, ids
     if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
         raise ValueError(f"prompt_token_ids: must be one list of integers, got shape {prompt.shape}")
     if isinstance(prompt, (list, tuple, np.ndarray)):
