@@ -128,6 +128,10 @@ class LLMEngine:
                  config.page_size, pool_tokens, kv_dtype, shard_nbytes(self.runner.cache)
                  / 2**20, config.tensor_parallel_size, self.max_model_len,
                  max(1, pool_tokens // self.max_model_len))
+        if ring:
+            log.info("jaxkv: hybrid KV pool: %d sliding layers keep a ring of %d pages per seat "
+                     "(%d local pages); prefix-cache hits off (--no-hybrid-kv-cache keeps them)",
+                     len(local), ring, local_pages)
         self.warmup_report = None
         if config.warmup:
             if self.draft is not None:

@@ -149,8 +149,7 @@ class Scheduler:
     def schedule(self, lookahead: bool = False) -> SchedulerOutput:
         """The next step; with `lookahead`, planned while a step is in
         flight (no preemption, no sequence at its last token)."""
-        self._lookahead = lookahead
-        self._gate_passed = False
+        self._lookahead, self._gate_passed = lookahead, False
         spec = self.spec
         if spec is not None:
             spec.begin_plan()
@@ -169,7 +168,8 @@ class Scheduler:
             drafting = []
         if drafting:  # proposals once the pages are reserved (a draft writes there)
             spec.fill(drafting)
-        out.local_copies = self.seats.take_copies()
+        if out.scheduled or out.needs_preemption:  # else the engine applies no copies: kept
+            out.local_copies = self.seats.take_copies()
         return out
 
     def _decode_only(self) -> bool:

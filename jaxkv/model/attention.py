@@ -46,8 +46,9 @@ class AttentionSpec:
         """The one place the engine's window is decided: the model's own
         when every layer slides the same one (Mistral's `sliding_window`), or
         streaming eviction's recent window beside a few sink tokens. A model
-        whose layers differ (Gemma's sliding and global layers) keeps every
-        page; each layer still applies its own window (`layer_window`)."""
+        whose layers differ (Gemma's sliding and global layers) frees no page
+        behind a window: each layer applies its own (`layer_window`), and the
+        engine's hybrid pool, when on, gives the sliding layers rings."""
         if engine.kv_eviction == "streaming":
             return cls(engine.attention_backend, engine.streaming_window, engine.num_sink_tokens,
                        mesh)

@@ -90,7 +90,8 @@ def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
             budget = max(min(want, cap), 2 * page)
     pages = pages_for_budget(budget, *geom, c.page_size, kv_dtype)
     if pages < 2:
-        raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 KV pages")
+        rings = f" beside {reserved} bytes of sliding-layer rings (hybrid pool)" if reserved else ""
+        raise ValueError(f"kv_cache_memory: {max(budget, 0)} bytes hold fewer than 2 KV pages{rings}")
     return int(pages)
 
 
