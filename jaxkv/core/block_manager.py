@@ -140,7 +140,7 @@ class BlockManager(PagePool):
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
                  num_reserved: int | None = None, root: bytes = ROOT_HASH,
-                 cache_hits: bool = True) -> int:
+                 cache_hits: bool = True, hit_cap=None) -> int:
         """Admit a new sequence with prompt ``token_ids``; return how many
         prompt tokens are already cached (their K/V is shared, skip them in
         prefill). The result is a multiple of ``page_size`` and always less
@@ -149,9 +149,9 @@ class BlockManager(PagePool):
 
         Reserves ``num_reserved`` slots (default: the whole prompt; pass less to
         prefill in chunks and grow with ``append_slots``), never fewer than
-        the cached tokens. Raises ``OutOfPages`` (nothing changed) when the
-        pool cannot hold them, ``ValueError`` if ``seq_id`` is already live.
-        """
+        the cached tokens. ``hit_cap(hashes)``: how many of the hit's pages to keep
+        (`Seats.hit_cap`). Raises ``OutOfPages`` (nothing changed) when the pool
+        cannot hold them, ``ValueError`` if ``seq_id`` is already live."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if len(token_ids) == 0:
@@ -161,6 +161,9 @@ class BlockManager(PagePool):
         if num_reserved < 0:
             raise ValueError(f"num_reserved: must be non-negative, got {num_reserved}")
         hit_pages, hit_hashes = self._lookup_prefix(token_ids, root) if cache_hits else ([], [])
+        if hit_cap is not None and hit_pages:
+            k = hit_cap(hit_hashes)
+            hit_pages, hit_hashes = hit_pages[:k], hit_hashes[:k]
         cached = len(hit_pages) * self.page_size
         num_reserved = max(num_reserved, cached)
         need, ok = self._allocate_plan(num_reserved, hit_pages)

@@ -43,6 +43,7 @@ from jaxkv.core.overlap import Overlap, overlap_default
 from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.core.scheduler import Scheduler
 from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.core.seats import Seats
 from jaxkv.core.sequence import Sequence
 from jaxkv.core.draft import make_proposer
 from jaxkv.core.spec_decode import SpecControl
@@ -86,11 +87,8 @@ class LLMEngine:
         buckets = Buckets.make(config.max_num_seqs, config.max_num_batched_tokens,
                                -(-self.max_model_len // config.page_size), self.max_model_len,
                                num_spec=config.num_speculative_tokens)
-        # No prefix hits with a hybrid pool: a hit would need the sliding
-        # layers' window before it, which only the ring of the sequence that
-        # computed it held (forks still share their prompt, copying the ring).
         self.bm = BlockManager(num_pages, config.page_size,
-                               enable_prefix_caching=config.enable_prefix_caching and not ring,
+                               enable_prefix_caching=config.enable_prefix_caching,
                                pages_per_seq=buckets.pages_per_seq)
         leader = Leader(channel) if channel is not None and channel.leader else None
         self.follower = Follower(channel) if channel is not None and not channel.leader else None
@@ -111,7 +109,9 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_num_steps=1 if self.draft else config.num_decode_steps,
                                    spec=self.spec, window=self.attention.sliding_window,
-                                   num_sink_tokens=self.attention.num_sink_tokens, ring_pages=ring)
+                                   num_sink_tokens=self.attention.num_sink_tokens,
+                                   seats=Seats(config.max_num_seqs, ring, config.page_size,
+                                               max(w or 0 for w in self.model_config.windows)))
         self.executor = Executor(self.runner, self.model_config.vocab_size, self.draft)
         # decode_steps: model calls; partial_prefills: chunks short of the prompt's end;
         # overlapped_steps: steps dispatched while the one before was in flight.
@@ -130,8 +130,7 @@ class LLMEngine:
                  max(1, pool_tokens // self.max_model_len))
         if ring:
             log.info("jaxkv: hybrid KV pool: %d sliding layers keep a ring of %d pages per seat "
-                     "(%d local pages); prefix-cache hits off (--no-hybrid-kv-cache keeps them)",
-                     len(local), ring, local_pages)
+                     "(%d local pages)", len(local), ring, local_pages)
         self.warmup_report = None
         if config.warmup:
             if self.draft is not None:

@@ -26,11 +26,10 @@ recompute: its pages are freed and it goes back to the front of the queue (its p
 so far prefilled again, mostly from the prefix cache). A request with n > 1 holds n seats from
 its admission on.
 
-Each running sequence's progress (`jaxkv.core.progress.Progress`: pages, K/V reserved and
-written, tokens in flight) is this scheduler's record: it reserves and trims slots through the
-block manager as it plans (`schedule`), counts what a dispatched step will add (`dispatched`),
-and takes back what a step read did (`read`, `chunk_ran`, `tokens_taken`).
-"""
+Each running sequence's `jaxkv.core.progress.Progress` is this scheduler's record: it reserves
+and trims slots through the block manager as it plans (`schedule`), counts what a dispatched
+step adds (`dispatched`), and takes back what a step read did (`read`, `chunk_ran`,
+`tokens_taken`). A hybrid KV pool's rings are its `seats` (`jaxkv.core.seats`)."""
 
 from __future__ import annotations
 
@@ -47,12 +46,12 @@ from jaxkv.core.spec_decode import SpecControl, can_speculate, step_kind
 class Scheduler:
     """`spec`: speculation's control (`SpecControl`, None: off).
     `window` / `num_sink_tokens`: the attention window; pages wholly behind it (past the
-    sinks) are released as a sequence advances. `ring_pages`: a hybrid pool's seats (0: none)."""
+    sinks) are released as a sequence advances. `seats`: a hybrid pool's (None: none)."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                  max_num_steps: int = 1, spec: SpecControl | None = None,
-                 window: int | None = None, num_sink_tokens: int = 0, ring_pages: int = 0):
+                 window: int | None = None, num_sink_tokens: int = 0, seats: Seats | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,7 +65,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self._lookahead = False
-        self.seats = Seats(max_num_seqs, ring_pages)
+        self.seats = seats or Seats(max_num_seqs, 0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,9 +114,8 @@ class Scheduler:
                 p.inflight_end = 0
 
     def chunk_ran(self, sc: ScheduledSeq) -> bool:
-        """A step ran `sc`'s rows (before its tokens are taken): their K/V
-        is written. True when `sc` was the last chunk before a pending
-        n > 1 fork."""
+        """A step ran `sc`'s rows (before its tokens are taken): their K/V is
+        written. True when `sc` was the last chunk before a pending fork."""
         s = sc.seq
         if sc.completes:
             self._computed(s, sc.known_end)
@@ -140,8 +138,11 @@ class Scheduler:
         self.bm.trim(s.request_id, s.planned_tokens)
 
     def _computed(self, s: Sequence, num_computed: int) -> None:
-        """Record K/V written up to num_computed; free pages behind the window."""
+        """Record K/V written up to num_computed (new full pages named in the prefix cache
+        and ring); free pages behind the window."""
+        first = len(s.progress.hashes)
         self.bm.mark_computed(s.request_id, s.all_token_ids, num_computed)
+        self.seats.label(s, first)
         if self.window is not None:  # the next query sits at num_computed
             self.bm.release_range(s.request_id, self.num_sink_tokens,
                                   num_computed - self.window + 1)
@@ -150,8 +151,7 @@ class Scheduler:
         """The next step; with `lookahead`, planned while a step is in
         flight (no preemption, no sequence at its last token)."""
         self._lookahead, self._gate_passed = lookahead, False
-        spec = self.spec
-        if spec is not None:
+        if (spec := self.spec) is not None:
             spec.begin_plan()
         n = self._decode_steps()
         out = self._schedule_decodes(n) if n > 1 else self._schedule_step()
@@ -168,6 +168,8 @@ class Scheduler:
             drafting = []
         if drafting:  # proposals once the pages are reserved (a draft writes there)
             spec.fill(drafting)
+        for sc in out.scheduled:  # ring pages this step writes lose their labels
+            self.seats.written(sc.seq, sc.start, sc.seq.progress.num_reserved)
         if out.scheduled or out.needs_preemption:  # else the engine applies no copies: kept
             out.local_copies = self.seats.take_copies()
         return out
@@ -185,8 +187,7 @@ class Scheduler:
         return len(self.running) + sum(s.params.n - 1 for s in self.running if s.fork_pending)
 
     def _proposals(self, seq: Sequence, budget: int) -> int:
-        """Proposals a decoding sequence may bring within `budget` rows
-        (its own row included)."""
+        """Proposals a decoding sequence may bring within `budget` rows (its own included)."""
         return 0 if self.spec is None else self.spec.max_proposals(seq, budget - 1)
 
     def _decode_steps(self) -> int:
@@ -218,8 +219,7 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.seq is not victim]
 
     def _grow(self, seq: Sequence, upto: int, out: SchedulerOutput) -> bool:
-        """Make room for positions < upto, preempting the newest running
-        sequences if needed. False if `seq` itself had to be preempted."""
+        """Room for positions < upto, preempting the newest if needed (False: `seq` itself)."""
         while True:
             need = upto - seq.progress.num_reserved
             if need <= 0:
@@ -237,9 +237,8 @@ class Scheduler:
                     return False
 
     def _schedule_decodes(self, num_steps: int) -> SchedulerOutput:
-        """Every running sequence decodes, with pages reserved for up to
-        `num_steps` tokens (capped by what it may still generate); may
-        preempt the newest."""
+        """Every running sequence decodes, pages reserved for up to `num_steps`
+        tokens (capped by what it may still generate); may preempt the newest."""
         out = SchedulerOutput([], [], [], num_steps=num_steps)
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # preempted making room for another
@@ -296,7 +295,8 @@ class Scheduler:
             try:  # a forking prompt's hits stop short of its target, so n >= 1
                 cached = self.bm.allocate(seq.request_id, tokens, num_reserved=0,
                                           root=salted_root(seq.cache_salt),
-                                          cache_hits=seq.params.prompt_logprobs is None)
+                                          cache_hits=seq.params.prompt_logprobs is None,
+                                          hit_cap=self.seats.hit_cap if self.seats.ring_pages else None)
             except OutOfPages:
                 break
             n = min(target - cached, budget, chunk_cap(seq, cached))
@@ -312,7 +312,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
-            self.seats.take(seq)
+            self.seats.take(seq, p.hashes)  # the hit's pages, for the sliding layers' window
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, cached, n))
             budget -= n
