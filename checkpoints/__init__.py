@@ -73,6 +73,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = None,
                     progress: bool = False, verify_checksums: bool = True,
+                    gguf_blocks: bool = False,
                     ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
     """Load any supported checkpoint as (config, params, tokenizer or None).
 
@@ -81,7 +82,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = N
     tokenizer.json or a jaxkv checkpoint saved without one; one with ids
     beyond the model's vocab_size is refused. ``verify_checksums=False``
     skips hashing a jaxkv checkpoint's tensors (`restore`); HF and GGUF
-    files carry no checksums."""
+    files carry no checksums. ``gguf_blocks``: a GGUF's Q8_0 tied embedding
+    stays as blocks (`load_gguf`'s keep_blocks)."""
     kind = detect_kind(path)
     if kind == "jaxkv":
         return restore(path, dtype=dtype, verify_checksums=verify_checksums)
@@ -92,7 +94,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = N
         tok = Tokenizer.from_hf_dir(path) if os.path.lexists(Path(path) / "tokenizer.json") else None
         config, params = load_hf_dir(path, dtype=dtype, progress=progress)
     else:
-        config, params, info = load_gguf(path, dtype=dtype, progress=progress)
+        config, params, info = load_gguf(path, dtype=dtype, progress=progress, keep_blocks=gguf_blocks)
         try:
             tok = tokenizer_from_gguf(info)
         except ValueError as e:

@@ -145,8 +145,11 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float32",
-              progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
-    """Load a GGUF file into (config, params, tokenizer_info).
+              progress: bool = False, keep_blocks: bool = False,
+              ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """Load a GGUF file into (config, params, tokenizer_info). With
+    `keep_blocks`, a Q8_0 tied embedding stays as its blocks
+    (params["embed"] a `jaxkv.model.q8.Q8Blocks`).
 
     tokenizer_info holds every ``tokenizer.*`` key of the file (tokens, merges,
     token types, bos/eos ids, add_bos_token, pre-tokenizer, chat_template)."""
@@ -194,10 +197,19 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
         shift = arch in NORM_SHIFTED_ARCHS and name.endswith("norm.weight")
         hf_shapes[hf] = tuple(int(s) for s in reversed(t.shape.tolist()))
         hf_tensors[hf] = _loader(t, hf_shapes[hf], heads, path, shift)
+    blocks = embed if keep_blocks and config.tie_word_embeddings and embed is not None and \
+        embed.tensor_type == GGMLQuantizationType.Q8_0 else None
+    if blocks is not None:  # no float32 copy: a placeholder the blocks replace
+        hf_tensors["model.embed_tokens.weight"] = lambda: np.broadcast_to(
+            np.float32(0), hf_shapes["model.embed_tokens.weight"])
     if unknown:
         raise ValueError(f"{path}: unexpected tensors {sorted(unknown)}")
     params = hf_to_params(config, hf_tensors, hf_shapes, dtype=dtype, source=str(path), progress=progress,
                           layers_field=f"{meta['general.architecture']}.block_count")
+    if blocks is not None:
+        from jaxkv.model.q8 import Q8Blocks
+
+        params["embed"] = Q8Blocks.from_gguf(blocks.data, hf_shapes["model.embed_tokens.weight"])
     tokenizer_info = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     return config, params, tokenizer_info
 

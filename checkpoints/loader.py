@@ -10,23 +10,30 @@ from checkpoints.known_models import resolve_model_path
 
 
 def load_model(model: str, *, dtype: str = "float32", quantize: str | None = None,
-               verify_checksums: bool = True) -> tuple[Any, Any]:
+               verify_checksums: bool = True, gguf_blocks: bool = False) -> tuple[Any, Any]:
     """-> (`jaxkv.model.llama.Llama` in `dtype`, `jaxkv.tokenizer.Tokenizer` or
     None). `model` is a known name (see `checkpoints.known_models`) or a path:
     a Hugging Face folder, a GGUF file or a jaxkv checkpoint (whose tensor
-    checksums are checked unless ``verify_checksums=False``)."""
+    checksums are checked unless ``verify_checksums=False``). ``gguf_blocks``:
+    a GGUF's Q8_0 tied embedding kept as blocks (`jaxkv.model.q8`)."""
     import jax.numpy as jnp
 
     from jaxkv.model.llama import Llama
     from jaxkv.model.params import check_params
+    from jaxkv.model.q8 import Q8Blocks
 
-    config, params, tokenizer = load_checkpoint(resolve_model_path(model), verify_checksums=verify_checksums)
+    config, params, tokenizer = load_checkpoint(resolve_model_path(model), verify_checksums=verify_checksums,
+                                                gguf_blocks=gguf_blocks)
     check_params(config, params)
     dt = jnp.dtype(dtype)
     # Each host tensor is dropped as soon as its device copy is made, so the
     # checkpoint and the module are never both whole in memory (SmolLM2's
     # peak RSS while loading: 1.55 GB -> about one copy of the weights).
-    module = Llama(config, lambda name, shape: jnp.asarray(params.pop(name), dt, copy=False), quantize)
+    def init(name, shape):
+        w = params.pop(name)
+        return w if isinstance(w, Q8Blocks) else jnp.asarray(w, dt, copy=False)
+
+    module = Llama(config, init, quantize)
     _release_freed_memory()
     return module, tokenizer
 

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.config import ModelConfig
-from jaxkv.model import cpu_gemm
+from jaxkv.model import cpu_gemm, q8
 from jaxkv.model.attention import AttentionSpec, attend, local_view
 from jaxkv.model.kv_cache import KVCache
 from jaxkv.model.layers import activation, apply_rope, rms_norm, rope_frequencies, soft_cap
@@ -79,7 +79,10 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, init: Init, quantize: str | None = None):
         self.config = config
         V, E = config.vocab_size, config.hidden_size
-        self.embed = nnx.Param(init("embed", (V, E)))
+        embed = init("embed", (V, E))  # a GGUF's Q8_0 blocks, kept (jaxkv.model.q8)
+        if isinstance(embed, q8.Q8Blocks) and quantize == "w8a8":  # w8a8 makes its own head
+            embed = jnp.asarray(embed.dequantize())
+        self.embed = q8.Q8Table(embed) if isinstance(embed, q8.Q8Blocks) else nnx.Param(embed)
         self.layers = nnx.List([Block(config, i, init, quantize)
                                 for i in range(config.num_layers)])
         self.final_norm = nnx.Param(init("final_norm", (E,)))
@@ -134,7 +137,9 @@ class Llama(nnx.Module):
         G = self.num_shards  # columns come in G groups, one per shard
         Hl, Kl = H // G, K // G
         mesh = attention.mesh
-        x = _constrain(self.embed[...][batch.token_ids], mesh)  # [T, E], whole rows everywhere
+        blocks = isinstance(self.embed, q8.Q8Table)
+        x = _constrain(self.embed.rows(batch.token_ids, self.final_norm[...].dtype) if blocks
+                       else self.embed[...][batch.token_ids], mesh)  # [T, E], whole rows everywhere
         if cfg.embed_scale:  # sqrt(E) rounded to the model dtype first, as Gemma does
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         T = x.shape[0]
@@ -191,7 +196,9 @@ class Llama(nnx.Module):
             x = x + m
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], eps, off)
-        if cfg.tie_word_embeddings and not hasattr(self, "lm_head"):
+        if blocks:
+            logits = self.embed.head(h, q8.use_native(attention.platform, mesh))
+        elif cfg.tie_word_embeddings and not hasattr(self, "lm_head"):
             logits = jnp.einsum("SE,VE->SV", h, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = self.lm_head(h).astype(jnp.float32)
