@@ -149,7 +149,9 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
               ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
     """Load a GGUF file into (config, params, tokenizer_info). With
     `keep_blocks`, a Q8_0 tied embedding stays as its blocks
-    (params["embed"] a `jaxkv.model.q8.Q8Blocks`).
+    (params["embed"] a `jaxkv.model.q8.Q8Blocks`), and so do the layers'
+    matmul weights of the types `jaxkv.model.blocks` reads (each a
+    `BlockWeight`).
 
     tokenizer_info holds every ``tokenizer.*`` key of the file (tokens, merges,
     token types, bos/eos ids, add_bos_token, pre-tokenizer, chat_template)."""
@@ -210,8 +212,30 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
         from jaxkv.model.q8 import Q8Blocks
 
         params["embed"] = Q8Blocks.from_gguf(blocks.data, hf_shapes["model.embed_tokens.weight"])
+    if keep_blocks:
+        _keep_layer_blocks(config, tensors, params, arch)
     tokenizer_info = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     return config, params, tokenizer_info
+
+
+def _keep_layer_blocks(config: ModelConfig, tensors, params, arch: str) -> None:
+    """Swap each layer matmul weight stored in a type the native block matmul
+    reads for its raw blocks (q/k rows put back in HF order for llama)."""
+    from checkpoints.safetensors_io import hf_tensor_map
+    from jaxkv.model.blocks import TYPES, BlockWeight
+
+    table = hf_tensor_map(config)
+    for name, t in tensors.items():
+        hf = gguf_to_hf_name(name, arch)
+        if t.tensor_type not in TYPES or not name.startswith("blk.") or hf not in table \
+                or len(t.shape) != 2:
+            continue
+        cols, rows = (int(s) for s in t.shape)
+        raw = np.ascontiguousarray(t.data, np.uint8).reshape(rows, -1)
+        if arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
+            raw = unpermute_qk(raw, config.num_heads if "attn_q" in name else config.num_kv_heads)
+        jname = table[hf][0]
+        params[jname] = BlockWeight(raw, t.tensor_type, rows, cols, params[jname].shape)
 
 
 def _loader(t, shape: tuple[int, ...], heads: int | None, path: Path,

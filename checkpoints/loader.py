@@ -20,7 +20,12 @@ def load_model(model: str, *, dtype: str = "float32", quantize: str | None = Non
 
     from jaxkv.model.llama import Llama
     from jaxkv.model.params import check_params
+    from jaxkv.model.blocks import BlockWeight
     from jaxkv.model.q8 import Q8Blocks
+
+    if gguf_blocks and quantize is not None:
+        raise ValueError(f"gguf_blocks and quantize={quantize!r}: a weight is kept in its GGUF "
+                         "blocks or quantized, not both")
 
     config, params, tokenizer = load_checkpoint(resolve_model_path(model), verify_checksums=verify_checksums,
                                                 gguf_blocks=gguf_blocks)
@@ -31,7 +36,7 @@ def load_model(model: str, *, dtype: str = "float32", quantize: str | None = Non
     # peak RSS while loading: 1.55 GB -> about one copy of the weights).
     def init(name, shape):
         w = params.pop(name)
-        return w if isinstance(w, Q8Blocks) else jnp.asarray(w, dt, copy=False)
+        return w if isinstance(w, (Q8Blocks, BlockWeight)) else jnp.asarray(w, dt, copy=False)
 
     module = Llama(config, init, quantize)
     _release_freed_memory()

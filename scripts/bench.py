@@ -159,9 +159,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="timed runs per figure (default: %(default)s)")
     p.add_argument("--quantize", choices=["int8", "w8a8"], default=None,
                    help="jaxkv weight format (default: float32; see jaxkv generate --help)")
-    p.add_argument("--also-quantize", choices=["int8", "w8a8"], action="append", default=[],
-                   help="also decode at HF's batches with these jaxkv weights (another engine), "
-                        "side by side (repeatable)")
+    p.add_argument("--also-quantize", choices=["int8", "w8a8", "float32"], action="append",
+                   default=[], help="also decode at HF's batches with these jaxkv weights (another "
+                   "engine), side by side (repeatable); float32: a GGUF's Q8_0 embedding "
+                   "dequantized too (gguf_blocks off)")
     p.add_argument("--cold-compile", action="store_true",
                    help="turn JAX's persistent compilation cache off: compile times as on a "
                         "machine that never ran jaxkv")

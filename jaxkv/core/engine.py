@@ -143,12 +143,13 @@ class LLMEngine:
     def from_pretrained(cls, model: str = "smollm2-135m-instruct", **config: Any) -> "LLMEngine":
         """Load a model by name or path (HF folder, GGUF file, jaxkv checkpoint)."""
         from checkpoints.loader import load_model
+        from jaxkv.model.blocks import keep_gguf_blocks
 
         cfg = EngineConfig(**config)
         init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
         module, tokenizer = load_model(model, dtype=cfg.dtype, quantize=cfg.quantize,
                                        verify_checksums=cfg.verify_checksums,
-                                       gguf_blocks=_gguf_blocks(cfg))
+                                       gguf_blocks=keep_gguf_blocks(cfg))
         return cls(module, tokenizer, cfg)
 
     # ------------------------------------------------------------ requests
@@ -306,15 +307,3 @@ class LLMEngine:
             log.info("jaxkv: speculative decoding: %s", self.speculative_metrics())
         return final
 
-
-def _gguf_blocks(cfg: EngineConfig) -> bool:
-    """Whether a GGUF's Q8_0 tied embedding stays as blocks: as asked, else
-    where the native matmul reads it (float32, one CPU device, no w8a8 head)."""
-    if cfg.gguf_blocks is not None:
-        return cfg.gguf_blocks
-    import jax
-
-    from jaxkv.model import q8
-
-    return (cfg.dtype == "float32" and cfg.tensor_parallel_size == 1 and (cfg.num_processes or 1) == 1
-            and cfg.quantize is None and jax.default_backend() == "cpu" and q8.available())

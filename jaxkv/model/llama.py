@@ -22,6 +22,7 @@ from flax import nnx
 from jaxkv.config import ModelConfig
 from jaxkv.model import cpu_gemm, q8
 from jaxkv.model.attention import AttentionSpec, attend, local_view
+from jaxkv.model.blocks import BlockDense, BlockWeight
 from jaxkv.model.kv_cache import KVCache
 from jaxkv.model.layers import activation, apply_rope, rms_norm, rope_frequencies, soft_cap
 from jaxkv.model.params import check_params
@@ -36,15 +37,13 @@ class Attention(nnx.Module):
 
     def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None):
         E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        wk = init(f"{prefix}.wk", (E, K, D))
-        self.wqkv = Dense(jnp.concatenate([
-            init(f"{prefix}.wq", (E, H, D)).reshape(E, H * D), wk.reshape(E, K * D),
-            init(f"{prefix}.wv", (E, K, D)).reshape(E, K * D)], axis=1), quantize)
+        self.wqkv = _dense([init(f"{prefix}.wq", (E, H, D)), init(f"{prefix}.wk", (E, K, D)),
+                            init(f"{prefix}.wv", (E, K, D))], E, quantize)
         if config.attention_bias:
             self.bqkv = nnx.Param(jnp.concatenate([
                 init(f"{prefix}.bq", (H, D)).reshape(-1), init(f"{prefix}.bk", (K, D)).reshape(-1),
                 init(f"{prefix}.bv", (K, D)).reshape(-1)]))
-        self.wo = Dense(init(f"{prefix}.wo", (H, D, E)).reshape(H * D, E), quantize)
+        self.wo = _dense([init(f"{prefix}.wo", (H, D, E))], H * D, quantize)
         if config.attention_out_bias:
             self.bo = nnx.Param(init(f"{prefix}.bo", (E,)))
         if config.qk_norm:  # one RMSNorm over D, shared by every head
@@ -67,9 +66,8 @@ class Block(nnx.Module):
             self.post_attn_norm = nnx.Param(init(f"{p}.post_attn_norm", (E,)))
             self.post_mlp_norm = nnx.Param(init(f"{p}.post_mlp_norm", (E,)))
         # w_gate_up [E, 2F]: gate and up side by side, one matmul.
-        self.w_gate_up = Dense(jnp.concatenate(
-            [init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], axis=1), quantize)
-        self.w_down = Dense(init(f"{p}.w_down", (F, E)), quantize)
+        self.w_gate_up = _dense([init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], E, quantize)
+        self.w_down = _dense([init(f"{p}.w_down", (F, E))], F, quantize)
 
 
 class Llama(nnx.Module):
@@ -208,6 +206,16 @@ class Llama(nnx.Module):
                 logits = _constrain(logits, mesh, None, "model")
         logits = soft_cap(logits, cfg.final_logit_softcap)
         return _constrain(logits, mesh), cache  # every shard samples from all of V
+
+
+def _dense(parts, n_in: int, quantize):
+    """One projection over `parts` side by side (q, k, v; gate, up): a
+    `Dense` of their concatenation, or a `BlockDense` where a part is a
+    GGUF file's blocks (`jaxkv.model.blocks`)."""
+    if any(isinstance(p, BlockWeight) for p in parts):
+        return BlockDense([p if isinstance(p, BlockWeight) else p.reshape(n_in, -1) for p in parts])
+    flat = [p.reshape(n_in, -1) for p in parts]
+    return Dense(flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1), quantize)
 
 
 def _constrain(x, mesh, *spec):

@@ -1,0 +1,213 @@
+// x @ W^T for a weight W [N, K] kept in its GGUF file's blocks, as shipped:
+// each row is K / 32 blocks of one type (Q4_0, Q4_1, Q5_0 or Q8_0), an XLA
+// FFI custom call for the CPU backend (see jaxkv/model/blocks.py).
+//
+// A block widens to the float32 values the gguf library's dequantization
+// gives (Q4_0: (q - 8) d; Q4_1: q d + m; Q5_0: (q - 16) d with a fifth bit
+// per value; Q8_0: q d), and every row of x accumulates against them: few
+// rows in registers (a decode step reads the blocks once: Q4_1 is 20 bytes
+// per 32 values against float32's 128), many rows through float32 tiles that
+// stay in cache and MKL's sgemm.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+extern "C" void cblas_sgemm(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                            const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                            int ldc);
+extern "C" int MKL_Set_Num_Threads_Local(int n);
+
+namespace {
+constexpr int kBlock = 32;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8;  // ggml's type ids
+constexpr int kFewRows = 32;  // up to this many rows: the register path (groups of 8)
+constexpr int kTile = 64;     // W rows widened at a time on the sgemm path
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+
+int block_bytes(int type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ8_0: return 34;
+    default: return 0;
+  }
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One block's 32 values as 4 x 8 floats (value 8 j + i in w[j] lane i).
+template <int TYPE>
+inline void widen(const uint8_t* b, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half(b));
+  if constexpr (TYPE == kQ8_0) {
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)))),
+                           d);
+  } else {
+    const uint8_t* qs = b + (TYPE == kQ4_0 ? 2 : TYPE == kQ4_1 ? 4 : 6);  // after d (m; qh)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    __m256i q[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    if constexpr (TYPE == kQ5_0) {
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const __m256i bits = _mm256_set1_epi32(int(qh));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i shift = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                               _mm256_set1_epi32(8 * j));
+        const __m256i h = _mm256_and_si256(_mm256_srlv_epi32(bits, shift), _mm256_set1_epi32(1));
+        q[j] = _mm256_sub_epi32(_mm256_or_si256(q[j], _mm256_slli_epi32(h, 4)),
+                                _mm256_set1_epi32(16));
+      }
+    } else if constexpr (TYPE == kQ4_0) {
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_sub_epi32(q[j], _mm256_set1_epi32(8));
+    }
+    if constexpr (TYPE == kQ4_1) {
+      const __m256 m = _mm256_set1_ps(half(b + 2));
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[j]), d), m);
+    } else {
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[j]), d);
+    }
+  }
+}
+
+// Rows [n0, n1) of y for T <= 8 rows of x (A accumulators per row).
+template <int TYPE, int T>
+void few_rows_t(const float* x, const uint8_t* w, float* y, int K, int N, int n0, int n1) {
+  constexpr int A = T <= 2 ? 4 : (T <= 4 ? 2 : 1);
+  const int nb = K / kBlock, bb = block_bytes(TYPE);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = w + int64_t(n) * nb * bb;
+    __m256 acc[T][A];
+    for (int t = 0; t < T; ++t)
+      for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      __m256 v[4];
+      widen<TYPE>(row + b * bb, v);
+      for (int t = 0; t < T; ++t) {
+        const float* xb = x + int64_t(t) * K + b * kBlock;
+        for (int j = 0; j < 4; ++j)
+          acc[t][j % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * j), v[j], acc[t][j % A]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      __m256 s = acc[t][0];
+      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[t][a]);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, s);
+      float sum = 0.0f;
+      for (int i = 0; i < 8; ++i) sum += lanes[i];
+      y[int64_t(t) * N + n] = sum;
+    }
+  }
+}
+
+template <int TYPE>
+void few_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, int n0, int n1) {
+  for (; T > 8; T -= 8, x += 8 * int64_t(K), y += 8 * int64_t(N))
+    few_rows_t<TYPE, 8>(x, w, y, K, N, n0, n1);
+  switch (T) {
+    case 1: return few_rows_t<TYPE, 1>(x, w, y, K, N, n0, n1);
+    case 2: return few_rows_t<TYPE, 2>(x, w, y, K, N, n0, n1);
+    case 3: return few_rows_t<TYPE, 3>(x, w, y, K, N, n0, n1);
+    case 4: return few_rows_t<TYPE, 4>(x, w, y, K, N, n0, n1);
+    case 5: return few_rows_t<TYPE, 5>(x, w, y, K, N, n0, n1);
+    case 6: return few_rows_t<TYPE, 6>(x, w, y, K, N, n0, n1);
+    case 7: return few_rows_t<TYPE, 7>(x, w, y, K, N, n0, n1);
+    default: return few_rows_t<TYPE, 8>(x, w, y, K, N, n0, n1);
+  }
+}
+
+// Rows [n0, n1) of y through float32 tiles of W and sgemm.
+template <int TYPE>
+void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, int n0, int n1,
+               std::vector<float>& tile) {
+  const int nb = K / kBlock, bb = block_bytes(TYPE);
+  tile.resize(size_t(kTile) * K);
+  for (int r0 = n0; r0 < n1; r0 += kTile) {
+    const int rows = std::min(kTile, n1 - r0);
+    for (int r = 0; r < rows; ++r) {
+      const uint8_t* row = w + int64_t(r0 + r) * nb * bb;
+      float* out = tile.data() + size_t(r) * K;
+      for (int b = 0; b < nb; ++b) {
+        __m256 v[4];
+        widen<TYPE>(row + b * bb, v);
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * kBlock + 8 * j, v[j]);
+      }
+    }
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, T, rows, K, 1.0f, x, K, tile.data(), K, 0.0f, y + r0,
+                N);
+  }
+}
+
+template <int TYPE>
+void run(const float* x, const uint8_t* w, float* y, int T, int K, int N) {
+  const int64_t weights = int64_t(N) * K;  // threads: one per 256K weights
+  const int threads = int(std::clamp<int64_t>(weights >> 18, 1, omp_get_max_threads()));
+  constexpr int kChunk = 128;  // W rows per scheduled piece
+  const int pieces = (N + kChunk - 1) / kChunk;
+#pragma omp parallel num_threads(threads)
+  {
+    const int prev = MKL_Set_Num_Threads_Local(1);
+    std::vector<float> tile;
+#pragma omp for schedule(dynamic, 2)
+    for (int p = 0; p < pieces; ++p) {
+      const int n0 = p * kChunk, n1 = std::min(N, n0 + kChunk);
+      if (T <= kFewRows)
+        few_rows<TYPE>(x, w, y, T, K, N, n0, n1);
+      else
+        many_rows<TYPE>(x, w, y, T, K, N, n0, n1, tile);
+    }
+    MKL_Set_Num_Threads_Local(prev);
+  }
+}
+
+// x [T, K] float32, w [N, K / 32 * block bytes] uint8 (blocks of `type`) -> y [T, N].
+ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                       ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+  auto dx = x.dimensions();
+  auto dw = w.dimensions();
+  const int bb = block_bytes(type);
+  if (bb == 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxkv_block_matmul: unsupported type");
+  if (dx.size() != 2 || dw.size() != 2 || dx[1] % kBlock || dw[1] != dx[1] / kBlock * bb) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jaxkv_block_matmul: x [T, K] and w [N, K / 32 * block bytes] expected");
+  }
+  const int T = dx[0], K = dx[1], N = dw[0];
+  if (T == 0 || N == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  switch (type) {
+    case kQ4_0: run<kQ4_0>(xp, wp, yp, T, K, N); break;
+    case kQ4_1: run<kQ4_1>(xp, wp, yp, T, K, N); break;
+    case kQ5_0: run<kQ5_0>(xp, wp, yp, T, K, N); break;
+    default: run<kQ8_0>(xp, wp, yp, T, K, N); break;
+  }
+  return ffi::Error::Success();
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(block_matmul, BlockMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("type"));

@@ -1,0 +1,101 @@
+"""Matmul weights kept in their GGUF file's blocks, as shipped: Q4_0, Q4_1,
+Q5_0 and Q8_0 rows of 32-value blocks, read by a native CPU matmul
+(`block_gemm.cc`, an XLA FFI custom call built on first use by
+`pallas_kernels.native`) that widens each block in registers to the values
+the gguf library's dequantization gives, so the products are a float32
+matmul's of the dequantized weight and only the order of the sums differs.
+
+Why: a decode step is bound by the bytes of weight it reads. SmolLM2's
+Q4_1 layers are 20 bytes per 32 values (0.625 per value) against 4 per
+value in float32. Tensors of other types (Gemma's Q4_K and Q6_K) are
+dequantized to float32 as before, and the fused projections run their parts
+side by side (`BlockDense`).
+
+Where: `EngineConfig.gguf_blocks` (on by default for float32 on one CPU
+device; the tied Q8_0 embedding is `jaxkv.model.q8`). There is no XLA
+version: the loader keeps blocks only where the native kernel runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+TYPES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q8_0: 34}  # bytes per block of 32
+
+
+class BlockWeight:
+    """A GGUF matmul weight [out, in] (`rows` x `cols`) as its raw blocks
+    [rows, cols / 32 * block bytes] of `qtype`; `shape` is the jaxkv param's
+    shape it stands for (checked by `jaxkv.model.params.check_params`)."""
+
+    def __init__(self, raw: np.ndarray, qtype, rows: int, cols: int, shape: tuple[int, ...]):
+        qtype = Q(qtype)
+        if qtype not in TYPES or cols % 32 or raw.shape != (rows, cols // 32 * TYPES[qtype]):
+            raise ValueError(f"BlockWeight: {qtype.name} rows of {cols} values expected as "
+                             f"[{rows}, {cols // 32 * TYPES.get(qtype, 0)}] bytes, got {list(raw.shape)}")
+        self.raw, self.qtype, self.rows, self.cols, self.shape = raw, qtype, rows, cols, tuple(shape)
+
+    def dequantize(self) -> np.ndarray:
+        """[rows, cols] float32, by the gguf library."""
+        return np.asarray(dequantize(self.raw, self.qtype), np.float32).reshape(self.rows, self.cols)
+
+
+def available() -> bool:
+    """Whether the native block matmul is built and registered (once per process)."""
+    from pallas_kernels import native
+
+    return native.load("block_gemm", Path(__file__).with_name("block_gemm.cc"), ("block_matmul",))
+
+
+def keep_gguf_blocks(cfg) -> bool:
+    """Whether an engine of `cfg` (`EngineConfig`) loads a GGUF's weights in
+    their blocks: as asked (`gguf_blocks`), else where the native matmuls
+    read them (float32 on one CPU device, no `quantize`, kernels built)."""
+    if cfg.gguf_blocks is not None:
+        return cfg.gguf_blocks
+    from jaxkv.model import q8
+
+    return (cfg.dtype == "float32" and cfg.tensor_parallel_size == 1
+            and (cfg.num_processes or 1) == 1 and cfg.quantize is None
+            and jax.default_backend() == "cpu" and q8.available() and available())
+
+
+def matmul(x, raw, qtype: int):
+    """x [T, cols] float32 @ W^T, W the blocks raw [rows, ...] -> [T, rows] float32."""
+    out = jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("jaxkv_block_matmul", out)(x.astype(jnp.float32), raw,
+                                                       type=np.int32(qtype))
+
+
+class BlockDense(nnx.Module):
+    """x [T, N_in] -> [T, sum of the parts' N_out]: the parts of a fused
+    projection (q, k, v; gate, up) side by side, each a `BlockWeight` (read
+    by the native matmul) or a float32 [N_in, N_out] array."""
+
+    def __init__(self, parts):
+        self.kinds = tuple(int(p.qtype) if isinstance(p, BlockWeight) else 0 for p in parts)
+        self.parts = nnx.List([nnx.Param(jnp.asarray(p.raw if isinstance(p, BlockWeight) else p))
+                               for p in parts])
+
+    def __call__(self, x, native: bool = False):
+        outs = []
+        for kind, p in zip(self.kinds, self.parts):
+            if kind:
+                outs.append(matmul(x, p[...], kind).astype(x.dtype))
+            else:
+                outs.append(jnp.einsum("TI,IO->TO", x, p[...]))
+        return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def as_dense(w, shape_in_out: tuple[int, int]):
+    """A float32 [N_in, N_out] array of a param that may be a `BlockWeight`
+    ([out, in] rows): the fallback where a part is not kept in blocks."""
+    if isinstance(w, BlockWeight):
+        return jnp.asarray(w.dequantize().T.reshape(shape_in_out))
+    return w.reshape(shape_in_out)
