@@ -211,7 +211,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
     if blocks is not None:
         from jaxkv.model.q8 import Q8Blocks
 
-        params["embed"] = Q8Blocks.from_gguf(blocks.data, hf_shapes["model.embed_tokens.weight"])
+        params["embed"] = Q8Blocks(blocks.data, hf_shapes["model.embed_tokens.weight"])
     if keep_blocks:
         _keep_layer_blocks(config, tensors, params, arch)
     tokenizer_info = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}

@@ -1,7 +1,7 @@
-"""GGUF Q8_0 blocks kept as shipped (jaxkv.model.q8): the native matmul
-against a float64 product of the dequantized weight, the blocks against
-the gguf library's own dequantization, and an engine whose tied embedding
-stays in blocks against the same engine on float32 weights."""
+"""A tied embedding kept in its GGUF Q8_0 blocks (jaxkv.model.q8): its rows
+against the gguf library's dequantization, its head (native and XLA)
+against a float64 product, and an engine whose tied embedding stays in
+blocks against the same engine on float32 weights."""
 
 from __future__ import annotations
 
@@ -10,40 +10,31 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from jaxkv.model import q8
+from jaxkv.model import blocks, q8
 
-pytestmark = pytest.mark.skipif(not q8.available(), reason="native CPU kernels unavailable")
-
-
-def _blocks(rows, cols, seed=0):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    return q8.Q8Blocks.from_gguf(quantize(w, Q.Q8_0), (rows, cols))
+pytestmark = pytest.mark.skipif(not blocks.available(), reason="native CPU kernels unavailable")
 
 
-def test_blocks_read_as_the_gguf_library_dequantizes_them():
-    rng = np.random.default_rng(1)
-    w = rng.standard_normal((37, 96)).astype(np.float32)
-    raw = quantize(w, Q.Q8_0)
-    b = q8.Q8Blocks.from_gguf(raw, w.shape)
-    assert b.q.dtype == np.int8 and b.d.shape == (37, 3) and b.shape == (37, 96)
-    np.testing.assert_array_equal(b.dequantize(), dequantize(raw, Q.Q8_0).reshape(w.shape))
-    with pytest.raises(ValueError, match="Q8Blocks"):
-        q8.Q8Blocks(b.q[:, :40], b.d)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
-def test_native_matmul_matches_a_float64_product(rows):
+def test_rows_and_head_read_the_blocks_as_the_gguf_library_dequantizes_them():
     import jax
     import jax.numpy as jnp
 
-    b = _blocks(700, 96)  # 700 rows: pieces of 256 and a ragged last one
-    x = np.random.default_rng(rows).standard_normal((rows, 96)).astype(np.float32)
-    want = x.astype(np.float64) @ b.dequantize().astype(np.float64).T
-    for native in (True, False):
-        got = jax.jit(lambda x, q, d, n=native: q8.matmul(x, q, d, n))(
-            jnp.asarray(x), jnp.asarray(b.q), jnp.asarray(b.d))
-        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((700, 96)).astype(np.float32)  # pieces of 128 rows, a ragged last
+    raw = quantize(w, Q.Q8_0)
+    ref = dequantize(raw, Q.Q8_0).reshape(w.shape)
+    table = q8.Q8Table(q8.Q8Blocks(raw, w.shape))
+    assert table.shape == (700, 96)
+    ids = jnp.asarray([0, 699, 5, 5, 321])
+    np.testing.assert_array_equal(np.asarray(table.rows(ids, jnp.float32)), ref[np.asarray(ids)])
+    for rows in (1, 3, 8, 9, 33):
+        h = rng.standard_normal((rows, 96)).astype(np.float32)
+        want = h.astype(np.float64) @ ref.astype(np.float64).T
+        for native in (True, False):
+            got = jax.jit(lambda h, n=native: table.head(h, n))(jnp.asarray(h))
+            np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="Q8Blocks"):
+        q8.Q8Blocks(raw[:, :40], (700, 96))
 
 
 def test_an_engine_on_q8_blocks_gives_the_float32_engines_tokens(tmp_path):

@@ -1,6 +1,6 @@
 """Matmul weights kept in their GGUF file's blocks, as shipped: Q4_0, Q4_1,
 Q5_0 and Q8_0 rows of 32-value blocks, read by a native CPU matmul
-(`block_gemm.cc`, an XLA FFI custom call built on first use by
+(`cpu_matmul.cc`, an XLA FFI custom call built on first use by
 `pallas_kernels.native`) that widens each block in registers to the values
 the gguf library's dequantization gives, so the products are a float32
 matmul's of the dequantized weight and only the order of the sums differs.
@@ -16,8 +16,6 @@ device; the tied Q8_0 embedding is `jaxkv.model.q8`). There is no XLA
 version: the loader keeps blocks only where the native kernel runs."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +46,9 @@ class BlockWeight:
 
 def available() -> bool:
     """Whether the native block matmul is built and registered (once per process)."""
-    from pallas_kernels import native
+    from jaxkv.model import cpu_gemm
 
-    return native.load("block_gemm", Path(__file__).with_name("block_gemm.cc"), ("block_matmul",))
+    return cpu_gemm.available()
 
 
 def keep_gguf_blocks(cfg) -> bool:
@@ -59,11 +57,9 @@ def keep_gguf_blocks(cfg) -> bool:
     read them (float32 on one CPU device, no `quantize`, kernels built)."""
     if cfg.gguf_blocks is not None:
         return cfg.gguf_blocks
-    from jaxkv.model import q8
-
     return (cfg.dtype == "float32" and cfg.tensor_parallel_size == 1
             and (cfg.num_processes or 1) == 1 and cfg.quantize is None
-            and jax.default_backend() == "cpu" and q8.available() and available())
+            and jax.default_backend() == "cpu" and available())
 
 
 def matmul(x, raw, qtype: int):

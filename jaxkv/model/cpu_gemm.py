@@ -1,5 +1,6 @@
-"""Large float32 matmuls on CPU through MKL's sgemm (an XLA FFI custom call,
-built on first use by `pallas_kernels.native`).
+"""Large float32 matmuls on CPU through MKL's sgemm (an XLA FFI custom call
+of `cpu_matmul.cc`, the one library of jaxkv's CPU matmuls, built on first
+use by `pallas_kernels.native`).
 
 Why: a prefill step is matmuls, and XLA's CPU GEMM (YNNPACK) runs the
 model's projections slower than MKL, the BLAS torch calls. A chain of
@@ -31,10 +32,12 @@ MIN_ROWS = 64
 
 
 def available() -> bool:
-    """Whether the sgemm custom call is built and registered (once per process)."""
+    """Whether the CPU matmul library (sgemm, and the GGUF block matmul of
+    `jaxkv.model.blocks`) is built and registered (once per process)."""
     from pallas_kernels import native
 
-    return native.load("cpu_gemm", Path(__file__).with_name("cpu_gemm.cc"), ("sgemm",))
+    return native.load("cpu_matmul", Path(__file__).with_name("cpu_matmul.cc"),
+                       ("sgemm", "block_matmul"))
 
 
 def use_native(num_rows: int, platform: str | None, mesh) -> bool:

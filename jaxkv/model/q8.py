@@ -1,111 +1,84 @@
-"""A weight kept as the GGUF file ships it: Q8_0 blocks (32 int8 values and
-one float16 scale each), read by a native CPU matmul (`q8_gemm.cc`, an XLA
-FFI custom call built on first use by `pallas_kernels.native`).
+"""A tied embedding kept as the GGUF file ships it: Q8_0 blocks (a float16
+scale, then 32 int8 values), the rows gathered and dequantized in XLA, and
+the head read by the native block matmul (`jaxkv.model.blocks`).
 
 Why: a batch-1 decode step is bound by the bytes of weight it reads, and a
-tied embedding is the largest of them (Gemma 3 270M: 262,144 x 640, 671 MB
-as float32 against 168 MB as int8 plus 21 MB of scales). Every weight is
-q * d, exact in float32, so the matmul forms the products a float32 matmul
-of the dequantized weight forms and differs from it only in the order of
-the sums: no quality is traded.
+tied embedding used as the head is the largest of them (Gemma 3 270M:
+262,144 x 640, 671 MB as float32 against 178 MB of blocks; SmolLM2: 113
+against 30). Every weight is q * d, exact in float32, so the head forms
+the products a float32 matmul of the dequantized weight forms and differs
+from it only in the order of the sums: no quality is traded.
 
-Where: the loader keeps a GGUF's Q8_0 tied embedding as blocks
-(`EngineConfig.gguf_blocks`, on by default where this path runs: float32 on
-one CPU device, MKL and a compiler present). The table gathers embedding
-rows by dequantizing them (`rows`) and is the head (`head`). Elsewhere
-(a TPU or GPU, a mesh) the same module dequantizes in XLA."""
+Where: `EngineConfig.gguf_blocks` (on by default for float32 on one CPU
+device). Elsewhere (a TPU or GPU, a mesh) the head dequantizes in XLA."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from jaxkv.model import blocks
 
 BLOCK = 32  # values per Q8_0 block
 BLOCK_BYTES = 2 + BLOCK  # a float16 scale, then the int8 values
 
 
 class Q8Blocks:
-    """A [rows, cols] weight on the host as Q8_0 blocks: q int8 [rows, cols],
-    d float32 [rows, cols // 32] (weight = q * d per block along cols)."""
+    """A [rows, cols] table on the host as its Q8_0 bytes [rows, cols / 32 * 34]."""
 
-    def __init__(self, q: np.ndarray, d: np.ndarray):
-        if q.dtype != np.int8 or q.ndim != 2 or q.shape[1] % BLOCK or d.shape != (
-                q.shape[0], q.shape[1] // BLOCK):
-            raise ValueError(f"Q8Blocks: q int8 [R, C] and d [R, C / {BLOCK}] expected, got "
-                             f"{q.dtype}{list(q.shape)} and {list(d.shape)}")
-        self.q, self.d = q, d.astype(np.float32)
-
-    @classmethod
-    def from_gguf(cls, raw: np.ndarray, shape: tuple[int, int]) -> "Q8Blocks":
-        """From a GGUF Q8_0 tensor's bytes (rows of `shape[1] // 32` blocks)."""
+    def __init__(self, raw: np.ndarray, shape: tuple[int, int]):
         rows, cols = shape
-        b = np.ascontiguousarray(raw, np.uint8).reshape(rows, cols // BLOCK, BLOCK_BYTES)
-        d = b[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        q = b[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
-        return cls(q, d)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        raw = np.ascontiguousarray(raw, np.uint8)
+        if cols % BLOCK or raw.size != rows * cols // BLOCK * BLOCK_BYTES:
+            raise ValueError(f"Q8Blocks: [{rows}, {cols}] needs {rows * cols // BLOCK * BLOCK_BYTES} "
+                             f"bytes of Q8_0 blocks, got {raw.size}")
+        self.raw, self.shape = raw.reshape(rows, cols // BLOCK * BLOCK_BYTES), (rows, cols)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.d.nbytes
+        return self.raw.nbytes
 
     def dequantize(self) -> np.ndarray:
-        r, c = self.q.shape
-        return (self.q.reshape(r, c // BLOCK, BLOCK).astype(np.float32)
-                * self.d[..., None]).reshape(r, c)
-
-
-def available() -> bool:
-    """Whether the native Q8_0 matmul is built and registered (once per process)."""
-    from pallas_kernels import native
-
-    return native.load("q8_gemm", Path(__file__).with_name("q8_gemm.cc"), ("q8_matmul",))
+        """[rows, cols] float32, by the gguf library."""
+        return np.asarray(gguf_dequantize(self.raw, Q.Q8_0), np.float32).reshape(self.shape)
 
 
 def use_native(platform: str | None, mesh) -> bool:
     """Whether a step compiled for `platform` (None: JAX's default backend)
     on `mesh` (None: one device) calls the native matmul."""
-    return mesh is None and (platform or jax.default_backend()) == "cpu" and available()
+    return mesh is None and (platform or jax.default_backend()) == "cpu" and blocks.available()
 
 
-def dequantize(q, d):
-    """q int8 [R, C], d [R, C / 32] -> float32 [R, C] (in XLA)."""
-    r, c = q.shape[-2:]
-    return (q.reshape(*q.shape[:-1], c // BLOCK, BLOCK).astype(jnp.float32)
-            * d[..., None]).reshape(*q.shape[:-2], r, c)
-
-
-def matmul(x, q, d, native: bool):
-    """x [T, C] float32 @ (q * d)^T -> [T, R] float32."""
-    if native:
-        out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-        return jax.ffi.ffi_call("jaxkv_q8_matmul", out)(x.astype(jnp.float32), q, d)
-    return jnp.einsum("TC,RC->TR", x.astype(jnp.float32), dequantize(q, d),
-                      preferred_element_type=jnp.float32)
+def dequantize(raw, cols: int):
+    """Q8_0 bytes raw [..., cols / 32 * 34] -> float32 [..., cols] (in XLA)."""
+    b = raw.reshape(*raw.shape[:-1], cols // BLOCK, BLOCK_BYTES)
+    d = jax.lax.bitcast_convert_type(b[..., :2], jnp.float16).astype(jnp.float32)
+    q = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+    return (q * d[..., None]).reshape(*raw.shape[:-1], cols)
 
 
 class Q8Table(nnx.Module):
     """A [V, E] table (a tied embedding) kept as Q8_0 blocks."""
 
-    def __init__(self, blocks: Q8Blocks):
-        self.q = nnx.Param(jnp.asarray(blocks.q))
-        self.d = nnx.Param(jnp.asarray(blocks.d))
+    def __init__(self, table: Q8Blocks):
+        self.raw = nnx.Param(jnp.asarray(table.raw))
+        self.cols = table.shape[1]
 
     @property
     def shape(self):
-        return self.q[...].shape
+        return (self.raw[...].shape[0], self.cols)
 
     def rows(self, ids, dtype):
         """The rows `ids` [T], dequantized -> [T, E] in `dtype`."""
-        return dequantize(self.q[...][ids], self.d[...][ids]).astype(dtype)
+        return dequantize(self.raw[...][ids], self.cols).astype(dtype)
 
     def head(self, h, native: bool):
         """h [S, E] @ table^T -> logits [S, V] float32."""
-        return matmul(h, self.q[...], self.d[...], native)
+        if native:
+            return blocks.matmul(h, self.raw[...], int(Q.Q8_0))
+        return jnp.einsum("SE,VE->SV", h.astype(jnp.float32), dequantize(self.raw[...], self.cols),
+                          preferred_element_type=jnp.float32)

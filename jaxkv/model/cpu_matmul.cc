@@ -1,6 +1,13 @@
-// x @ W^T for a weight W [N, K] kept in its GGUF file's blocks, as shipped:
+// The CPU matmuls jaxkv calls as XLA FFI custom calls (one library, built
+// on first use by pallas_kernels.native):
+//
+// sgemm: float32 x [M, K] @ w [K, N] through MKL's sgemm (see
+// jaxkv/model/cpu_gemm.py for why and when it is used).
+//
+// block_matmul: x @ W^T for a weight W [N, K] kept in its GGUF file's blocks, as shipped:
 // each row is K / 32 blocks of one type (Q4_0, Q4_1, Q5_0 or Q8_0), an XLA
-// FFI custom call for the CPU backend (see jaxkv/model/blocks.py).
+// FFI custom call for the CPU backend (see jaxkv/model/blocks.py; the tied
+// Q8_0 embedding as the head: jaxkv/model/q8.py).
 //
 // A block widens to the float32 values the gguf library's dequantization
 // gives (Q4_0: (q - 8) d; Q4_1: q d + m; Q5_0: (q - 16) d with a fifth bit
@@ -178,6 +185,20 @@ void run(const float* x, const uint8_t* w, float* y, int T, int K, int N) {
   }
 }
 
+// x [M, K] @ w [K, N] -> y [M, N], all row-major float32.
+ffi::Error Sgemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  auto dx = x.dimensions();
+  auto dw = w.dimensions();
+  if (dx.size() != 2 || dw.size() != 2 || dx[1] != dw[0]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxkv_sgemm: x [M, K] @ w [K, N] expected");
+  }
+  const int m = dx[0], k = dx[1], n = dw[1];
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, x.typed_data(), k, w.typed_data(), n,
+              0.0f, y->typed_data(), n);
+  return ffi::Error::Success();
+}
+
 // x [T, K] float32, w [N, K / 32 * block bytes] uint8 (blocks of `type`) -> y [T, N].
 ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                        ffi::ResultBuffer<ffi::F32> y, int32_t type) {
@@ -204,6 +225,12 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   return ffi::Error::Success();
 }
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(sgemm, Sgemm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(block_matmul, BlockMatmul,
                               ffi::Ffi::Bind()
