@@ -64,6 +64,11 @@ def keep_gguf_blocks(cfg) -> bool:
 
 def matmul(x, raw, qtype: int):
     """x [T, cols] float32 @ W^T, W the blocks raw [rows, ...] -> [T, rows] float32."""
+    if not available():
+        from pallas_kernels import native
+
+        raise RuntimeError("GGUF blocks (gguf_blocks) need the native CPU matmul: "
+                           f"{native.unavailable('cpu_matmul')}")
     out = jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("jaxkv_block_matmul", out)(x.astype(jnp.float32), raw,
                                                        type=np.int32(qtype))

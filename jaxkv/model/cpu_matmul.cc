@@ -165,17 +165,19 @@ void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, 
 
 template <int TYPE>
 void run(const float* x, const uint8_t* w, float* y, int T, int K, int N) {
-  const int64_t weights = int64_t(N) * K;  // threads: one per 256K weights
-  const int threads = int(std::clamp<int64_t>(weights >> 18, 1, omp_get_max_threads()));
-  constexpr int kChunk = 128;  // W rows per scheduled piece
-  const int pieces = (N + kChunk - 1) / kChunk;
+  const int64_t weights = int64_t(N) * K;  // threads: one per 64K weights
+  const int threads = int(std::clamp<int64_t>(weights >> 16, 1, omp_get_max_threads()));
+  // Pieces of W rows: eight per thread (balanced), at least 8 rows each.
+  const int pieces = std::max(1, std::min((N + 7) / 8, threads * 8));
+  const int chunk = (N + pieces - 1) / pieces;
 #pragma omp parallel num_threads(threads)
   {
     const int prev = MKL_Set_Num_Threads_Local(1);
     std::vector<float> tile;
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(dynamic, 1)
     for (int p = 0; p < pieces; ++p) {
-      const int n0 = p * kChunk, n1 = std::min(N, n0 + kChunk);
+      const int n0 = p * chunk, n1 = std::min(N, n0 + chunk);
+      if (n0 >= n1) continue;
       if (T <= kFewRows)
         few_rows<TYPE>(x, w, y, T, K, N, n0, n1);
       else
