@@ -199,43 +199,40 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
         shift = arch in NORM_SHIFTED_ARCHS and name.endswith("norm.weight")
         hf_shapes[hf] = tuple(int(s) for s in reversed(t.shape.tolist()))
         hf_tensors[hf] = _loader(t, hf_shapes[hf], heads, path, shift)
-    blocks = embed if keep_blocks and config.tie_word_embeddings and embed is not None and \
-        embed.tensor_type == GGMLQuantizationType.Q8_0 else None
-    if blocks is not None:  # no float32 copy: a placeholder the blocks replace
-        hf_tensors["model.embed_tokens.weight"] = lambda: np.broadcast_to(
-            np.float32(0), hf_shapes["model.embed_tokens.weight"])
     if unknown:
         raise ValueError(f"{path}: unexpected tensors {sorted(unknown)}")
+    kept = _kept_blocks(config, tensors, hf_shapes, arch) if keep_blocks else {}
     params = hf_to_params(config, hf_tensors, hf_shapes, dtype=dtype, source=str(path), progress=progress,
-                          layers_field=f"{meta['general.architecture']}.block_count")
-    if blocks is not None:
-        from jaxkv.model.q8 import Q8Blocks
-
-        params["embed"] = Q8Blocks(blocks.data, hf_shapes["model.embed_tokens.weight"])
-    if keep_blocks:
-        _keep_layer_blocks(config, tensors, params, arch)
+                          layers_field=f"{meta['general.architecture']}.block_count", kept=kept)
     tokenizer_info = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     return config, params, tokenizer_info
 
 
-def _keep_layer_blocks(config: ModelConfig, tensors, params, arch: str) -> None:
-    """Swap each layer matmul weight stored in a type the native block matmul
-    reads for its raw blocks (q/k rows put back in HF order for llama)."""
+def _kept_blocks(config: ModelConfig, tensors, hf_shapes, arch: str) -> dict[str, Any]:
+    """HF name -> the raw blocks standing for that tensor (never dequantized):
+    each layer matmul weight of a type the native block matmul reads (q/k
+    rows put back in HF order for llama), and a tied Q8_0 embedding."""
     from checkpoints.safetensors_io import hf_tensor_map
     from jaxkv.model.blocks import TYPES, BlockWeight
+    from jaxkv.model.params import expected_shapes
+    from jaxkv.model.q8 import Q8Blocks
 
-    table = hf_tensor_map(config)
+    table, want = hf_tensor_map(config), expected_shapes(config)
+    kept: dict[str, Any] = {}
     for name, t in tensors.items():
         hf = gguf_to_hf_name(name, arch)
-        if t.tensor_type not in TYPES or not name.startswith("blk.") or hf not in table \
-                or len(t.shape) != 2:
-            continue
-        cols, rows = (int(s) for s in t.shape)
-        raw = np.ascontiguousarray(t.data, np.uint8).reshape(rows, -1)
-        if arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
-            raw = unpermute_qk(raw, config.num_heads if "attn_q" in name else config.num_kv_heads)
-        jname = table[hf][0]
-        params[jname] = BlockWeight(raw, t.tensor_type, rows, cols, params[jname].shape)
+        if hf not in table or hf_shapes.get(hf) != table[hf][2]:
+            continue  # hf_to_params names the problem
+        if name == "token_embd.weight" and config.tie_word_embeddings \
+                and t.tensor_type == GGMLQuantizationType.Q8_0:
+            kept[hf] = Q8Blocks(t.data, hf_shapes[hf])
+        elif t.tensor_type in TYPES and name.startswith("blk.") and len(t.shape) == 2:
+            cols, rows = (int(s) for s in t.shape)
+            raw = np.ascontiguousarray(t.data, np.uint8).reshape(rows, -1)
+            if arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
+                raw = unpermute_qk(raw, config.num_heads if "attn_q" in name else config.num_kv_heads)
+            kept[hf] = BlockWeight(raw, t.tensor_type, rows, cols, want[table[hf][0]])
+    return kept
 
 
 def _loader(t, shape: tuple[int, ...], heads: int | None, path: Path,

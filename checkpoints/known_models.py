@@ -37,9 +37,12 @@ GEMMA3_MODEL = "gemma3-270m"
 KNOWN_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
 
 
-def resolve_model_path(model: str) -> Path:
+def resolve_model_path(model: str, gguf: bool = False) -> Path:
     """A known model name -> its converted jaxkv checkpoint (fetching and
-    converting it on first use); anything else must be an existing path."""
+    converting it on first use), or with `gguf` its GGUF file (for weights
+    kept in their blocks); anything else must be an existing path."""
+    if model.lower() in KNOWN_MODELS and gguf:
+        return fetch_gemma3_gguf() if model.lower() == GEMMA3_MODEL else fetch_smollm2_gguf()
     if model.lower() in KNOWN_MODELS:
         from checkpoints.convert import convert
         from checkpoints.jaxkv_format import is_current

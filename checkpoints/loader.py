@@ -27,7 +27,9 @@ def load_model(model: str, *, dtype: str = "float32", quantize: str | None = Non
         raise ValueError(f"gguf_blocks and quantize={quantize!r}: a weight is kept in its GGUF "
                          "blocks or quantized, not both")
 
-    config, params, tokenizer = load_checkpoint(resolve_model_path(model), verify_checksums=verify_checksums,
+    # Kept in blocks, a known model is read from its GGUF (not the float32 conversion).
+    config, params, tokenizer = load_checkpoint(resolve_model_path(model, gguf=gguf_blocks),
+                                                verify_checksums=verify_checksums,
                                                 gguf_blocks=gguf_blocks)
     check_params(config, params)
     dt = jnp.dtype(dtype)

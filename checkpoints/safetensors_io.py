@@ -120,11 +120,14 @@ def hf_to_params(
     source: str = "checkpoint",
     progress: bool = False,
     layers_field: str = "num_hidden_layers",
+    kept: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Map HF-named tensors to jaxkv params.
 
     ``tensors`` maps HF name -> zero-argument loader of the array in HF layout;
-    ``shapes`` gives each tensor's stored shape (checked before loading).
+    ``shapes`` gives each tensor's stored shape (checked before loading);
+    ``kept`` (HF name -> object with the param's ``shape``) stands for a
+    tensor as it is, never loaded (a GGUF's blocks, `jaxkv.model.blocks`).
     Raises ValueError naming missing, unexpected and wrong-shape tensors, and
     first ``layers_field`` (the source's name for the layer count) when
     ``config.num_layers`` is not the number of layers whose tensors exist.
@@ -146,6 +149,9 @@ def hf_to_params(
     for hf in tqdm(sorted(table), desc="loading tensors", disable=None if progress else True,
                    unit="tensor"):
         name, how, _ = table[hf]
+        if kept and hf in kept:
+            params[name] = kept[hf]
+            continue
         w = _transform(how, np.asarray(tensors[hf]()), config)
         # Always a fresh C-order copy: sources may be memory-mapped files.
         params[name] = np.empty(w.shape, dt)

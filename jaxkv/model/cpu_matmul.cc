@@ -36,7 +36,8 @@ namespace {
 constexpr int kBlock = 32;
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8;  // ggml's type ids
 constexpr int kFewRows = 32;  // up to this many rows: the register path (groups of 8)
-constexpr int kTile = 64;     // W rows widened at a time on the sgemm path
+constexpr int kTile = 64;     // the fewest W rows widened at a time on the sgemm path
+constexpr int kTileFloats = 1 << 20;  // and the most floats (4 MB) of one tile
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
 int block_bytes(int type) {
@@ -146,9 +147,10 @@ template <int TYPE>
 void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, int n0, int n1,
                std::vector<float>& tile) {
   const int nb = K / kBlock, bb = block_bytes(TYPE);
-  tile.resize(size_t(kTile) * K);
-  for (int r0 = n0; r0 < n1; r0 += kTile) {
-    const int rows = std::min(kTile, n1 - r0);
+  const int tile_rows = std::min(n1 - n0, std::max(kTile, kTileFloats / K));
+  tile.resize(size_t(tile_rows) * K);
+  for (int r0 = n0; r0 < n1; r0 += tile_rows) {
+    const int rows = std::min(tile_rows, n1 - r0);
     for (int r = 0; r < rows; ++r) {
       const uint8_t* row = w + int64_t(r0 + r) * nb * bb;
       float* out = tile.data() + size_t(r) * K;
@@ -167,8 +169,9 @@ template <int TYPE>
 void run(const float* x, const uint8_t* w, float* y, int T, int K, int N) {
   const int64_t weights = int64_t(N) * K;  // threads: one per 64K weights
   const int threads = int(std::clamp<int64_t>(weights >> 16, 1, omp_get_max_threads()));
-  // Pieces of W rows: eight per thread (balanced), at least 8 rows each.
-  const int pieces = std::max(1, std::min((N + 7) / 8, threads * 8));
+  // Pieces of W rows: few rows, eight per thread (balanced), at least 8
+  // rows each; many rows, one per thread (each its own large sgemms).
+  const int pieces = T <= kFewRows ? std::max(1, std::min((N + 7) / 8, threads * 8)) : threads;
   const int chunk = (N + pieces - 1) / pieces;
 #pragma omp parallel num_threads(threads)
   {
