@@ -77,10 +77,10 @@ class EngineConfig:
         None, "int8: weight-only int8 matmul weights with per-channel scales (a quarter of "
               "the fp32 bytes; for accelerators). w8a8: int8 x int8 dots for steps of 16+ "
               "rows (faster batched decode on CPU), fp32 below", choices=("int8", "w8a8"))
-    gguf_blocks: bool | None = _opt(
-        None, "keep a GGUF file's Q8_0 tied embedding as its blocks, read by a native CPU "
-              "matmul (a quarter of the float32 bytes, the same products; default: on for "
-              "float32 on one CPU device)")
+    gguf_blocks: bool = _opt(
+        False, "keep a GGUF file's weights in their blocks (the layers' Q4_0 / Q4_1 / Q5_0 / "
+               "Q8_0 matmuls, a tied Q8_0 embedding), read by native CPU matmuls: the same "
+               "products from a fraction of the bytes (float32 on one CPU device)")
     verify_checksums: bool = _opt(True, "check a jaxkv checkpoint's tensor checksums on load")
     num_decode_steps: int = _opt(8, "decode steps per jitted call when only decodes run")
     async_scheduling: bool | None = _opt(

@@ -157,12 +157,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="smaller workloads (8 decode steps, prefill 256 only, 16 e2e requests)")
     p.add_argument("--runs", type=int, default=3,
                    help="timed runs per figure (default: %(default)s)")
-    p.add_argument("--quantize", choices=["int8", "w8a8"], default=None,
-                   help="jaxkv weight format (default: float32; see jaxkv generate --help)")
-    p.add_argument("--also-quantize", choices=["int8", "w8a8", "float32"], action="append",
-                   default=[], help="also decode at HF's batches with these jaxkv weights (another "
-                   "engine), side by side (repeatable); float32: a GGUF's Q8_0 embedding "
-                   "dequantized too (gguf_blocks off)")
+    p.add_argument("--quantize", choices=["int8", "w8a8", "gguf-blocks"], default=None,
+                   help="jaxkv weight format (default: float32; gguf-blocks: a GGUF's weights "
+                        "kept in their blocks; see jaxkv generate --help)")
+    p.add_argument("--also-quantize", choices=["int8", "w8a8", "float32", "gguf-blocks"],
+                   action="append", default=[], help="also decode at HF's batches with these jaxkv weights (another "
+                   "engine), side by side (repeatable); gguf-blocks: a GGUF's weights kept "
+                   "in their blocks (gguf_blocks); float32: every weight dequantized")
     p.add_argument("--cold-compile", action="store_true",
                    help="turn JAX's persistent compilation cache off: compile times as on a "
                         "machine that never ran jaxkv")

@@ -56,9 +56,9 @@ class JaxkvBench:
         need = max(max(sizes.decode_batches) * pages(sizes.decode_prompt + sizes.decode_steps
                                                      + self.DECODE_MARGIN),
                    sum(pages(p + o) for p, o in zip(e2e_p, e2e_o)), longest)
-        # "float32": every weight float32 (a GGUF's Q8_0 tied embedding dequantized too).
-        blocks = dict(gguf_blocks=False) if quantize == "float32" else {}
-        quantize = None if quantize == "float32" else quantize
+        # "gguf-blocks": a GGUF's weights kept in their blocks; "float32": every weight float32.
+        blocks = dict(gguf_blocks=quantize == "gguf-blocks")
+        quantize = None if quantize in ("float32", "gguf-blocks") else quantize
         kw = dict(page_size=ps, num_pages=need + 2, quantize=quantize, **blocks,
                   max_num_seqs=max(64, *sizes.decode_batches),
                   tensor_parallel_size=tensor_parallel_size)

@@ -17,7 +17,7 @@ from pallas_kernels import native
 from tests.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
 
 needs_native = pytest.mark.skipif(
-    not cpu_gemm.available(), reason=f"native CPU kernels: {native.unavailable('cpu_gemm')}")
+    not cpu_gemm.available(), reason=f"native CPU kernels: {native.unavailable('cpu_matmul')}")
 
 
 @needs_native
@@ -69,7 +69,7 @@ def test_model_on_the_native_path_matches_hf(kind, over, tmp_path, monkeypatch):
 def test_switched_off_by_the_environment():
     code = ("from jaxkv.model import cpu_gemm; from pallas_kernels import native; "
             "assert not cpu_gemm.available(); assert not cpu_gemm.use_native(4096, None, None); "
-            "print(native.unavailable('cpu_gemm'))")
+            "print(native.unavailable('cpu_matmul'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "JAXKV_NATIVE_CPU": "0"}, check=True)
     assert "JAXKV_NATIVE_CPU=0" in out.stdout

@@ -11,8 +11,8 @@ value in float32. Tensors of other types (Gemma's Q4_K and Q6_K) are
 dequantized to float32 as before, and the fused projections run their parts
 side by side (`BlockDense`).
 
-Where: `EngineConfig.gguf_blocks` (on by default for float32 on one CPU
-device; the tied Q8_0 embedding is `jaxkv.model.q8`). There is no XLA
+Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device;
+the tied Q8_0 embedding is `jaxkv.model.q8`). There is no XLA
 version: the loader keeps blocks only where the native kernel runs."""
 
 from __future__ import annotations
@@ -53,13 +53,17 @@ def available() -> bool:
 
 def keep_gguf_blocks(cfg) -> bool:
     """Whether an engine of `cfg` (`EngineConfig`) loads a GGUF's weights in
-    their blocks: as asked (`gguf_blocks`), else where the native matmuls
-    read them (float32 on one CPU device, no `quantize`, kernels built)."""
-    if cfg.gguf_blocks is not None:
-        return cfg.gguf_blocks
-    return (cfg.dtype == "float32" and cfg.tensor_parallel_size == 1
-            and (cfg.num_processes or 1) == 1 and cfg.quantize is None
-            and jax.default_backend() == "cpu" and available())
+    their blocks (`gguf_blocks`); ValueError where the native matmuls cannot
+    run them (they need float32 on one CPU device and their build)."""
+    if not cfg.gguf_blocks:
+        return False
+    why = ("dtype float32" if cfg.dtype != "float32" else
+           "one device" if cfg.tensor_parallel_size != 1 or (cfg.num_processes or 1) != 1 else
+           "the CPU backend" if jax.default_backend() != "cpu" else
+           "the native CPU matmul" if not available() else None)
+    if why:
+        raise ValueError(f"gguf_blocks: the weights kept in GGUF blocks need {why}")
+    return True
 
 
 def matmul(x, raw, qtype: int):

@@ -37,8 +37,9 @@ class Attention(nnx.Module):
 
     def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None):
         E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.wqkv = _dense([init(f"{prefix}.wq", (E, H, D)), init(f"{prefix}.wk", (E, K, D)),
-                            init(f"{prefix}.wv", (E, K, D))], E, quantize)
+        wk = init(f"{prefix}.wk", (E, K, D))  # first: random_init draws in this order
+        self.wqkv = _dense([init(f"{prefix}.wq", (E, H, D)), wk, init(f"{prefix}.wv", (E, K, D))],
+                           E, quantize)
         if config.attention_bias:
             self.bqkv = nnx.Param(jnp.concatenate([
                 init(f"{prefix}.bq", (H, D)).reshape(-1), init(f"{prefix}.bk", (K, D)).reshape(-1),

@@ -9,8 +9,7 @@ against 30). Every weight is q * d, exact in float32, so the head forms
 the products a float32 matmul of the dequantized weight forms and differs
 from it only in the order of the sums: no quality is traded.
 
-Where: `EngineConfig.gguf_blocks` (on by default for float32 on one CPU
-device). Elsewhere (a TPU or GPU, a mesh) the head dequantizes in XLA."""
+Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device). Elsewhere (a TPU or GPU, a mesh) the head dequantizes in XLA."""
 
 from __future__ import annotations
 
