@@ -70,3 +70,14 @@ def test_an_engine_on_gguf_blocks_gives_the_float32_engines_tokens(tmp_path):
         np.testing.assert_allclose(lb, lf, atol=1e-3)
     with pytest.raises(ValueError, match="gguf_blocks and quantize"):
         load_model(str(path), gguf_blocks=True, quantize="int8")
+
+
+def test_blocks_are_refused_by_name_where_the_native_matmul_cannot_run_them():
+    from jaxkv.config import EngineConfig
+
+    assert blocks.keep_gguf_blocks(EngineConfig()) is False  # opt-in
+    assert blocks.keep_gguf_blocks(EngineConfig(gguf_blocks=True)) is True
+    with pytest.raises(ValueError, match="gguf_blocks: .* need dtype float32"):
+        blocks.keep_gguf_blocks(EngineConfig(gguf_blocks=True, dtype="bfloat16"))
+    with pytest.raises(ValueError, match="need one device"):
+        blocks.keep_gguf_blocks(EngineConfig(gguf_blocks=True, tensor_parallel_size=2))
