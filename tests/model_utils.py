@@ -107,3 +107,17 @@ def save_tiny_tokenizer(path, vocab_size: int = 128):
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
+
+
+def greedy_runs(module, tokenizer, prompts, max_tokens: int = 8):
+    """(token ids, their log-probabilities) of each prompt's greedy answer
+    from an engine on `module` (prompts run together)."""
+    from jaxkv.config import EngineConfig
+    from jaxkv.core.engine import LLMEngine
+    from jaxkv.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    eng = LLMEngine(module, tokenizer, EngineConfig(warmup=False, num_pages=32, max_num_seqs=4))
+    ids = [eng.add_request(p, params) for p in prompts]
+    fin = eng.run_to_completion()
+    return [(fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs]) for i in ids]

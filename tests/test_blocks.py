@@ -43,16 +43,13 @@ def test_a_block_weight_of_the_wrong_size_is_refused():
 
 def test_an_engine_on_gguf_blocks_gives_the_float32_engines_tokens(tmp_path):
     from checkpoints.loader import load_model
-    from jaxkv.config import EngineConfig
-    from jaxkv.core.engine import LLMEngine
-    from jaxkv.core.sampling_params import SamplingParams
     from tests.checkpoints.test_gguf_io import write_gguf
+    from tests.model_utils import greedy_runs
 
     # llama (q/k rows permuted in the file): q F16, k Q8_0, v Q4_0, o Q4_1,
     # gate BF16, up Q5_0, down Q5_1; the first four block types are kept.
     path = tmp_path / "mixed.gguf"
     write_gguf(path, arch="llama", tied=True)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = [[1, 5, 9, 2], [7] * 11, list(range(3, 39))]
     runs = {}
     for keep in (True, False):
@@ -60,11 +57,7 @@ def test_an_engine_on_gguf_blocks_gives_the_float32_engines_tokens(tmp_path):
         attn, block = module.layers[0].attn, module.layers[0]
         kinds = (attn.wqkv.kinds, attn.wo.kinds, block.w_gate_up.kinds) if keep else None
         assert kinds in (None, ((0, int(Q.Q8_0), int(Q.Q4_0)), (int(Q.Q4_1),), (0, int(Q.Q5_0))))
-        eng = LLMEngine(module, tok, EngineConfig(warmup=False, num_pages=32, max_num_seqs=4))
-        ids = [eng.add_request(p, params) for p in prompts]
-        fin = eng.run_to_completion()
-        runs[keep] = [(fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs])
-                      for i in ids]
+        runs[keep] = greedy_runs(module, tok, prompts)
     for (tb, lb), (tf, lf) in zip(runs[True], runs[False]):
         assert tb == tf
         np.testing.assert_allclose(lb, lf, atol=1e-3)

@@ -39,24 +39,17 @@ def test_rows_and_head_read_the_blocks_as_the_gguf_library_dequantizes_them():
 
 def test_an_engine_on_q8_blocks_gives_the_float32_engines_tokens(tmp_path):
     from checkpoints.loader import load_model
-    from jaxkv.config import EngineConfig
-    from jaxkv.core.engine import LLMEngine
-    from jaxkv.core.sampling_params import SamplingParams
     from tests.checkpoints.test_gguf_io import write_gguf
+    from tests.model_utils import greedy_runs
 
     path = tmp_path / "tied.gguf"
     write_gguf(path, arch="qwen2", tied=True)  # token_embd as Q8_0
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = [[1, 5, 9, 2], [7] * 11, list(range(3, 30))]
     runs = {}
     for blocks in (True, False):
         module, tok = load_model(str(path), gguf_blocks=blocks)
         assert isinstance(module.embed, q8.Q8Table) == blocks
-        eng = LLMEngine(module, tok, EngineConfig(warmup=False, num_pages=32, max_num_seqs=4))
-        ids = [eng.add_request(p, params) for p in prompts]
-        fin = eng.run_to_completion()
-        runs[blocks] = [(fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs])
-                        for i in ids]
+        runs[blocks] = greedy_runs(module, tok, prompts)
     for (tb, lb), (tf, lf) in zip(runs[True], runs[False]):
         assert tb == tf
         np.testing.assert_allclose(lb, lf, atol=1e-4)

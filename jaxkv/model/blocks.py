@@ -97,10 +97,3 @@ class BlockDense(nnx.Module):
                 outs.append(jnp.einsum("TI,IO->TO", x, p[...]))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
-
-def as_dense(w, shape_in_out: tuple[int, int]):
-    """A float32 [N_in, N_out] array of a param that may be a `BlockWeight`
-    ([out, in] rows): the fallback where a part is not kept in blocks."""
-    if isinstance(w, BlockWeight):
-        return jnp.asarray(w.dequantize().T.reshape(shape_in_out))
-    return w.reshape(shape_in_out)

@@ -78,9 +78,7 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, init: Init, quantize: str | None = None):
         self.config = config
         V, E = config.vocab_size, config.hidden_size
-        embed = init("embed", (V, E))  # a GGUF's Q8_0 blocks, kept (jaxkv.model.q8)
-        if isinstance(embed, q8.Q8Blocks) and quantize == "w8a8":  # w8a8 makes its own head
-            embed = jnp.asarray(embed.dequantize())
+        embed = init("embed", (V, E))  # a GGUF's Q8_0 blocks, kept (jaxkv.model.q8), never quantized
         self.embed = q8.Q8Table(embed) if isinstance(embed, q8.Q8Blocks) else nnx.Param(embed)
         self.layers = nnx.List([Block(config, i, init, quantize)
                                 for i in range(config.num_layers)])

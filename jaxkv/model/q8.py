@@ -9,7 +9,9 @@ against 30). Every weight is q * d, exact in float32, so the head forms
 the products a float32 matmul of the dequantized weight forms and differs
 from it only in the order of the sums: no quality is traded.
 
-Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device). Elsewhere (a TPU or GPU, a mesh) the head dequantizes in XLA."""
+Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device). A
+step compiled for another platform or under a mesh dequantizes the head in
+XLA instead (`use_native`)."""
 
 from __future__ import annotations
 
@@ -36,10 +38,6 @@ class Q8Blocks:
             raise ValueError(f"Q8Blocks: [{rows}, {cols}] needs {rows * cols // BLOCK * BLOCK_BYTES} "
                              f"bytes of Q8_0 blocks, got {raw.size}")
         self.raw, self.shape = raw.reshape(rows, cols // BLOCK * BLOCK_BYTES), (rows, cols)
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.nbytes
 
     def dequantize(self) -> np.ndarray:
         """[rows, cols] float32, by the gguf library."""
