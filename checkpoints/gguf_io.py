@@ -210,10 +210,11 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
 
 def _kept_blocks(config: ModelConfig, tensors, hf_shapes, arch: str) -> dict[str, Any]:
     """HF name -> the raw blocks standing for that tensor (never dequantized):
-    each layer matmul weight of a type the native block matmul reads (q/k
-    rows put back in HF order for llama), and a tied Q8_0 embedding."""
+    each layer matmul weight the native block matmul reads (a type of
+    `jaxkv.model.blocks.TYPES` in rows of whole blocks: `readable`; q/k rows
+    put back in HF order for llama), and a tied Q8_0 embedding."""
     from checkpoints.safetensors_io import hf_tensor_map
-    from jaxkv.model.blocks import TYPES, BlockWeight
+    from jaxkv.model.blocks import BlockWeight, readable
     from jaxkv.model.params import expected_shapes
     from jaxkv.model.q8 import Q8Blocks
 
@@ -226,7 +227,8 @@ def _kept_blocks(config: ModelConfig, tensors, hf_shapes, arch: str) -> dict[str
         if name == "token_embd.weight" and config.tie_word_embeddings \
                 and t.tensor_type == GGMLQuantizationType.Q8_0:
             kept[hf] = Q8Blocks(t.data, hf_shapes[hf])
-        elif t.tensor_type in TYPES and name.startswith("blk.") and len(t.shape) == 2:
+        elif name.startswith("blk.") and len(t.shape) == 2 \
+                and readable(t.tensor_type, int(t.shape[0])):
             cols, rows = (int(s) for s in t.shape)
             raw = np.ascontiguousarray(t.data, np.uint8).reshape(rows, -1)
             if arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):

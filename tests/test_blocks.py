@@ -1,8 +1,9 @@
 """Layer matmul weights kept in their GGUF blocks (jaxkv.model.blocks): the
 native matmul of each block type against a float64 product of the gguf
 library's dequantization, on the register path (few rows) and the sgemm
-path (many); and an engine loading a GGUF whose layers mix kept and
-dequantized types against the same engine on float32 weights."""
+path (many), and one-hot rows giving the dequantized values exactly; and
+engines loading GGUFs whose layers mix kept and dequantized types (32-value
+blocks; K-quant super-blocks) against the same engine on float32 weights."""
 
 from __future__ import annotations
 
@@ -16,29 +17,61 @@ from jaxkv.model import blocks
 pytestmark = pytest.mark.skipif(not blocks.available(), reason="native CPU kernels unavailable")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+HALVES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of the fp16 d (dmin)
+
+
+def k_blocks(rng, qtype, rows: int, cols: int, scale: float = 1e-2) -> np.ndarray:
+    """Random valid K-quant rows [rows, cols / 256 * block bytes] (the gguf
+    library cannot quantize K types): random bytes, fp16 d (and dmin) in
+    [scale / 10, scale]."""
+    values, nbytes = blocks.TYPES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // values, nbytes), dtype=np.uint8)
+    for off in HALVES[qtype]:
+        d = rng.uniform(scale / 10, scale, (rows, cols // values, 1)).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, *K_TYPES], ids=lambda q: q.name)
 def test_native_block_matmul_matches_a_float64_product(qtype):
     import jax
     import jax.numpy as jnp
 
     rng = np.random.default_rng(int(qtype))
-    rows, cols = 300, 96  # pieces of 128 rows and a ragged last one
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    bw = blocks.BlockWeight(quantize(w, qtype), qtype, rows, cols, (cols, rows))
+    rows, cols = 300, 96 if qtype not in K_TYPES else 768  # N % 8 == 4; 3 super-blocks
+    if qtype in K_TYPES:
+        bw = blocks.BlockWeight(k_blocks(rng, qtype, rows, cols), qtype, rows, cols, (cols, rows))
+    else:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        bw = blocks.BlockWeight(quantize(w, qtype), qtype, rows, cols, (cols, rows))
+        assert np.abs(bw.dequantize() - w).max() < 0.2 * np.abs(w).max()  # the blocks hold w
     ref = bw.dequantize().astype(np.float64)
-    assert np.abs(ref - w).max() < 0.2 * np.abs(w).max()  # the blocks hold w
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
     fn = jax.jit(lambda x, raw: blocks.matmul(x, raw, int(qtype)))
-    for t in (1, 5, 8, 9, 32, 40):  # groups of 8, a ragged group, the sgemm path
+    raw = jnp.asarray(bw.raw)
+    for t in (1, 3, 8, 17, 32, 33, 300):  # groups of 8, ragged groups, the sgemm path
         x = rng.standard_normal((t, cols)).astype(np.float32)
         want = x.astype(np.float64) @ ref.T
-        got = np.asarray(fn(jnp.asarray(x), jnp.asarray(bw.raw)))
+        got = np.asarray(fn(jnp.asarray(x), raw))
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=str(t))
+        # One-hot rows pick columns of W: each value exactly as the gguf library gives it.
+        cols_at = rng.choice(cols, t, replace=t > cols)
+        got = np.asarray(fn(jnp.asarray(np.eye(cols, dtype=np.float32)[cols_at]), raw))
+        np.testing.assert_array_equal(got, ref.T[cols_at].astype(np.float32), err_msg=str(t))
 
 
 def test_a_block_weight_of_the_wrong_size_is_refused():
+    from gguf.constants import GGML_QUANT_SIZES
+
+    assert all(GGML_QUANT_SIZES[q] == size for q, size in blocks.TYPES.items())
     raw = np.zeros((4, 3 * 20), np.uint8)
     with pytest.raises(ValueError, match="Q4_1 rows of 96 values"):
         blocks.BlockWeight(raw[:, :50], Q.Q4_1, 4, 96, (96, 4))
+    with pytest.raises(ValueError, match=r"Q4_K rows of 96 values \(a multiple of 256\)"):
+        blocks.BlockWeight(np.zeros((4, 54), np.uint8), Q.Q4_K, 4, 96, (96, 4))
+    assert blocks.readable(Q.Q6_K, 512) and not blocks.readable(Q.Q6_K, 640)
+    assert not blocks.readable(Q.Q5_1, 64)
 
 
 def test_an_engine_on_gguf_blocks_gives_the_float32_engines_tokens(tmp_path):
@@ -63,6 +96,35 @@ def test_an_engine_on_gguf_blocks_gives_the_float32_engines_tokens(tmp_path):
         np.testing.assert_allclose(lb, lf, atol=1e-3)
     with pytest.raises(ValueError, match="gguf_blocks and quantize"):
         load_model(str(path), gguf_blocks=True, quantize="int8")
+
+
+def test_an_engine_on_k_quant_blocks_gives_the_float32_engines_tokens(tmp_path):
+    from checkpoints.loader import load_model
+    from tests.checkpoints.test_gguf_io import hf_weights, write_gguf
+    from tests.model_utils import greedy_runs
+
+    # Rows of E = 256 values (q, k, v, gate, up) as random K super-blocks; o
+    # and down (64 and 96 values: no K type) stay Q4_1 (kept) and Q5_1.
+    types = {"attn_q": Q.Q4_K, "attn_k": Q.Q6_K, "attn_v": Q.Q5_K, "ffn_gate": Q.Q6_K, "ffn_up": Q.Q4_K}
+    rng, weights, qtypes = np.random.default_rng(3), hf_weights("llama", True, E=256), {}
+    for name in list(weights):
+        if name.split(".")[-2] in types:
+            qtypes[name] = types[name.split(".")[-2]]
+            weights[name] = k_blocks(rng, qtypes[name], weights[name].shape[0], 256, scale=2e-3)
+    path = tmp_path / "k_quants.gguf"
+    write_gguf(path, arch="llama", tied=True, weights=weights, qtypes=qtypes, E=256)
+    prompts = [[1, 5, 9, 2], list(range(3, 39))]
+    runs = {}
+    for keep in (True, False):
+        module, tok = load_model(str(path), gguf_blocks=keep)
+        attn, block = module.layers[1].attn, module.layers[1]
+        kinds = (attn.wqkv.kinds, attn.wo.kinds, block.w_gate_up.kinds) if keep else None
+        assert kinds in (None, (tuple(int(types[k]) for k in ("attn_q", "attn_k", "attn_v")),
+                                (int(Q.Q4_1),), (int(Q.Q6_K), int(Q.Q4_K))))
+        runs[keep] = greedy_runs(module, tok, prompts)
+    for (tb, lb), (tf, lf) in zip(runs[True], runs[False]):
+        assert tb == tf
+        np.testing.assert_allclose(lb, lf, atol=1e-3)
 
 
 def test_blocks_are_refused_by_name_where_the_native_matmul_cannot_run_them():

@@ -1,15 +1,19 @@
-"""Matmul weights kept in their GGUF file's blocks, as shipped: Q4_0, Q4_1,
-Q5_0 and Q8_0 rows of 32-value blocks, read by a native CPU matmul
-(`cpu_matmul.cc`, an XLA FFI custom call built on first use by
-`pallas_kernels.native`) that widens each block in registers to the values
-the gguf library's dequantization gives, so the products are a float32
-matmul's of the dequantized weight and only the order of the sums differs.
+"""Matmul weights kept in their GGUF file's blocks, as shipped: rows of
+Q4_0, Q4_1, Q5_0 or Q8_0 blocks of 32 values, or of Q4_K, Q5_K or Q6_K
+super-blocks of 256, read by a native CPU matmul (`cpu_matmul.cc`, an XLA
+FFI custom call built on first use by `pallas_kernels.native`) that widens
+each block in registers to the values the gguf library's dequantization
+gives, so the products are a float32 matmul's of the dequantized weight and
+only the order of the sums differs.
 
 Why: a decode step is bound by the bytes of weight it reads. SmolLM2's
-Q4_1 layers are 20 bytes per 32 values (0.625 per value) against 4 per
-value in float32. Tensors of other types (Gemma's Q4_K and Q6_K) are
-dequantized to float32 as before, and the fused projections run their parts
-side by side (`BlockDense`).
+Q4_1 layers are 20 bytes per 32 values (0.625 per value), Gemma 3's Q4_K
+144 per 256 (0.5625) and Q6_K 210 per 256 (0.82), against 4 per value in
+float32. Tensors of other types (Q5_1, Q2_K, Q3_K, float16), and a K-quant
+tensor whose rows are not a multiple of 256 values (a GGUF file cannot hold
+one; llama.cpp ships such tensors as Q5_0 or Q8_0), are dequantized to
+float32 as before; the fused projections run their parts side by side
+(`BlockDense`).
 
 Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device;
 the tied Q8_0 embedding is `jaxkv.model.q8`). There is no XLA
@@ -24,19 +28,29 @@ from flax import nnx
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-TYPES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q8_0: 34}  # bytes per block of 32
+# The block types the native matmul reads: (values, bytes) per block.
+TYPES = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q8_0: (32, 34),
+         Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210)}
+
+
+def readable(qtype, cols: int) -> bool:
+    """Whether the native matmul reads rows of `cols` values in `qtype` blocks."""
+    return qtype in TYPES and cols % TYPES[qtype][0] == 0
 
 
 class BlockWeight:
     """A GGUF matmul weight [out, in] (`rows` x `cols`) as its raw blocks
-    [rows, cols / 32 * block bytes] of `qtype`; `shape` is the jaxkv param's
-    shape it stands for (checked by `jaxkv.model.params.check_params`)."""
+    [rows, cols / block values * block bytes] of `qtype` (`TYPES`); `shape`
+    is the jaxkv param's shape it stands for (checked by
+    `jaxkv.model.params.check_params`)."""
 
     def __init__(self, raw: np.ndarray, qtype, rows: int, cols: int, shape: tuple[int, ...]):
         qtype = Q(qtype)
-        if qtype not in TYPES or cols % 32 or raw.shape != (rows, cols // 32 * TYPES[qtype]):
-            raise ValueError(f"BlockWeight: {qtype.name} rows of {cols} values expected as "
-                             f"[{rows}, {cols // 32 * TYPES.get(qtype, 0)}] bytes, got {list(raw.shape)}")
+        values, nbytes = TYPES.get(qtype, (32, 0))
+        if not readable(qtype, cols) or raw.shape != (rows, cols // values * nbytes):
+            raise ValueError(f"BlockWeight: {qtype.name} rows of {cols} values (a multiple of "
+                             f"{values}) expected as [{rows}, {cols // values * nbytes}] bytes, "
+                             f"got {list(raw.shape)}")
         self.raw, self.qtype, self.rows, self.cols, self.shape = raw, qtype, rows, cols, tuple(shape)
 
     def dequantize(self) -> np.ndarray:

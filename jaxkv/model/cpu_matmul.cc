@@ -5,16 +5,20 @@
 // jaxkv/model/cpu_gemm.py for why and when it is used).
 //
 // block_matmul: x @ W^T for a weight W [N, K] kept in its GGUF file's blocks, as shipped:
-// each row is K / 32 blocks of one type (Q4_0, Q4_1, Q5_0 or Q8_0), an XLA
-// FFI custom call for the CPU backend (see jaxkv/model/blocks.py; the tied
-// Q8_0 embedding as the head: jaxkv/model/q8.py).
+// each row is K / V blocks of one type, V = 32 values (Q4_0, Q4_1, Q5_0, Q8_0) or a
+// 256-value K-quant super-block (Q4_K, Q5_K, Q6_K; K % 256 == 0), an XLA FFI
+// custom call for the CPU backend (see jaxkv/model/blocks.py; the tied Q8_0
+// embedding as the head: jaxkv/model/q8.py).
 //
-// A block widens to the float32 values the gguf library's dequantization
-// gives (Q4_0: (q - 8) d; Q4_1: q d + m; Q5_0: (q - 16) d with a fifth bit
-// per value; Q8_0: q d), and every row of x accumulates against them: few
-// rows in registers (a decode step reads the blocks once: Q4_1 is 20 bytes
-// per 32 values against float32's 128), many rows through float32 tiles that
-// stay in cache and MKL's sgemm.
+// A block widens, 32 values at a time, to the float32 values the gguf library's
+// dequantization gives (Q4_0: (q - 8) d; Q4_1: q d + m; Q5_0: (q - 16) d with a
+// fifth bit per value; Q8_0: q d; Q4_K and Q5_K: q (d sc) - dmin m, sc and m the
+// 6-bit scale and min of each 32 values, q of 4 or 5 bits; Q6_K: (q - 32) (d sc),
+// sc an int8 scale per 16 values), and every row of x accumulates against them:
+// few rows in registers (a decode step reads the blocks once: Q4_1 is 20 bytes
+// per 32 values, Q4_K 144 per 256, against float32's 128 per 32), many rows
+// through float32 tiles that stay in cache and MKL's sgemm. Every product and
+// difference above is exact in float32 or rounded once, as numpy rounds it.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -33,19 +37,25 @@ extern "C" void cblas_sgemm(int layout, int transa, int transb, int m, int n, in
 extern "C" int MKL_Set_Num_Threads_Local(int n);
 
 namespace {
-constexpr int kBlock = 32;
+constexpr int kPart = 32;  // values widened at a time: a block, or 1/8 of a super-block
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8;  // ggml's type ids
+constexpr int kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int kFewRows = 32;  // up to this many rows: the register path (groups of 8)
 constexpr int kTile = 64;     // the fewest W rows widened at a time on the sgemm path
 constexpr int kTileFloats = 1 << 20;  // and the most floats (4 MB) of one tile
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
-int block_bytes(int type) {
+constexpr int block_values(int type) { return type >= kQ4_K ? 256 : 32; }
+
+constexpr int block_bytes(int type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ5_0: return 22;
     case kQ8_0: return 34;
+    case kQ4_K: return 144;  // d, dmin (fp16), 12 bytes of scales and mins, 128 of nibbles
+    case kQ5_K: return 176;  // as Q4_K, then 32 bytes of fifth bits before the nibbles
+    case kQ6_K: return 210;  // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
     default: return 0;
   }
 }
@@ -56,62 +66,175 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One block's 32 values as 4 x 8 floats (value 8 j + i in w[j] lane i).
-template <int TYPE>
-inline void widen(const uint8_t* b, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half(b));
-  if constexpr (TYPE == kQ8_0) {
-    for (int j = 0; j < 4; ++j)
-      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)))),
-                           d);
-  } else {
-    const uint8_t* qs = b + (TYPE == kQ4_0 ? 2 : TYPE == kQ4_1 ? 4 : 6);  // after d (m; qh)
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-    __m256i q[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                    _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    if constexpr (TYPE == kQ5_0) {
-      uint32_t qh;
-      std::memcpy(&qh, b + 2, 4);
-      const __m256i bits = _mm256_set1_epi32(int(qh));
-      for (int j = 0; j < 4; ++j) {
-        const __m256i shift = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                               _mm256_set1_epi32(8 * j));
-        const __m256i h = _mm256_and_si256(_mm256_srlv_epi32(bits, shift), _mm256_set1_epi32(1));
-        q[j] = _mm256_sub_epi32(_mm256_or_si256(q[j], _mm256_slli_epi32(h, 4)),
-                                _mm256_set1_epi32(16));
-      }
-    } else if constexpr (TYPE == kQ4_0) {
-      for (int j = 0; j < 4; ++j) q[j] = _mm256_sub_epi32(q[j], _mm256_set1_epi32(8));
-    }
-    if constexpr (TYPE == kQ4_1) {
-      const __m256 m = _mm256_set1_ps(half(b + 2));
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[j]), d), m);
-    } else {
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[j]), d);
-    }
+inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// Bits [shift, shift + width) of 32 bytes p[0..31], as bytes q[0] (0-15), q[1] (16-31).
+inline void bits(const uint8_t* p, int shift, int width, __m128i q[2]) {
+  const __m128i s = _mm_cvtsi32_si128(shift), m = _mm_set1_epi8(char((1 << width) - 1));
+  q[0] = _mm_and_si128(_mm_srl_epi16(load16(p), s), m);
+  q[1] = _mm_and_si128(_mm_srl_epi16(load16(p + 16), s), m);
+}
+
+// 32 bytes q (as from `bits`; int8 where SIGNED, else uint8) as 4 x 8 floats.
+template <bool SIGNED>
+inline void floats(const __m128i q[2], __m256 f[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const __m128i h = j % 2 ? _mm_srli_si128(q[j / 2], 8) : q[j / 2];
+    f[j] = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
   }
 }
+
+// One block of TYPE at b, read as block_values / 32 parts of 32 floats
+// (`widen(p, w)`: value 32 p + 8 j + i in w[j] lane i). The 32-value types:
+template <int TYPE>
+struct Block {
+  const uint8_t* b;
+  explicit Block(const uint8_t* b) : b(b) {}
+
+  void widen(int, __m256 w[4]) const {
+    const __m256 d = _mm256_set1_ps(half(b));
+    if constexpr (TYPE == kQ8_0) {
+      for (int j = 0; j < 4; ++j)
+        w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)))),
+                             d);
+    } else {
+      const uint8_t* qs = b + (TYPE == kQ4_0 ? 2 : TYPE == kQ4_1 ? 4 : 6);  // after d (m; qh)
+      const __m128i v = load16(qs);
+      const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+      __m256i q[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                      _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+      if constexpr (TYPE == kQ5_0) {
+        uint32_t qh;
+        std::memcpy(&qh, b + 2, 4);
+        const __m256i high = _mm256_set1_epi32(int(qh));
+        for (int j = 0; j < 4; ++j) {
+          const __m256i shift = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                 _mm256_set1_epi32(8 * j));
+          const __m256i h = _mm256_and_si256(_mm256_srlv_epi32(high, shift), _mm256_set1_epi32(1));
+          q[j] = _mm256_sub_epi32(_mm256_or_si256(q[j], _mm256_slli_epi32(h, 4)),
+                                  _mm256_set1_epi32(16));
+        }
+      } else if constexpr (TYPE == kQ4_0) {
+        for (int j = 0; j < 4; ++j) q[j] = _mm256_sub_epi32(q[j], _mm256_set1_epi32(8));
+      }
+      if constexpr (TYPE == kQ4_1) {
+        const __m256 m = _mm256_set1_ps(half(b + 2));
+        for (int j = 0; j < 4; ++j)
+          w[j] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[j]), d), m);
+      } else {
+        for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[j]), d);
+      }
+    }
+  }
+};
+
+// Q4_K and Q5_K: 8 parts of 32, each with a 6-bit scale sc and min m packed
+// in 12 bytes (parts 0-3: the low 6 bits of bytes 0-3 and 4-7; parts 4-7:
+// the nibbles of bytes 8-11 below the top 2 bits of bytes 0-3 and 4-7).
+// Part p's nibbles are those (low for even p) of bytes 32 (p / 2) to
+// 32 (p / 2) + 31; Q5_K's fifth bit of value i of part p is bit p of qh[i].
+// d sc and dmin m are exact in float32, so q (d sc) - dmin m is rounded once.
+template <int TYPE>
+struct KBlock {
+  static constexpr int kQs = TYPE == kQ5_K ? 48 : 16;
+  const uint8_t* b;
+  alignas(32) float ds[8];
+  alignas(32) float dm[8];
+
+  explicit KBlock(const uint8_t* b) : b(b) {
+    uint32_t u[3], sc[2], m[2];
+    std::memcpy(u, b + 4, 12);
+    sc[0] = u[0] & 0x3F3F3F3F;
+    m[0] = u[1] & 0x3F3F3F3F;
+    sc[1] = (u[2] & 0x0F0F0F0F) | ((u[0] >> 2) & 0x30303030);
+    m[1] = ((u[2] >> 4) & 0x0F0F0F0F) | ((u[1] >> 2) & 0x30303030);
+    const auto eight = [](const uint32_t* v) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    };
+    _mm256_store_ps(ds, _mm256_mul_ps(eight(sc), _mm256_set1_ps(half(b))));
+    _mm256_store_ps(dm, _mm256_mul_ps(eight(m), _mm256_set1_ps(half(b + 2))));
+  }
+
+  void widen(int p, __m256 w[4]) const {
+    __m128i q[2];
+    bits(b + kQs + 32 * (p / 2), 4 * (p & 1), 4, q);
+    if constexpr (TYPE == kQ5_K) {
+      __m128i h[2];
+      bits(b + 16, p, 1, h);
+      for (int i = 0; i < 2; ++i) q[i] = _mm_or_si128(q[i], _mm_slli_epi16(h[i], 4));
+    }
+    const __m256 s = _mm256_broadcast_ss(ds + p), m = _mm256_broadcast_ss(dm + p);
+    floats<false>(q, w);
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_fmsub_ps(w[j], s, m);
+  }
+};
+template <>
+struct Block<kQ4_K> : KBlock<kQ4_K> {
+  using KBlock::KBlock;
+};
+template <>
+struct Block<kQ5_K> : KBlock<kQ5_K> {
+  using KBlock::KBlock;
+};
+
+// Q6_K: parts 4 h + k (h, k < 4) take the nibbles (low for even k) of ql
+// bytes 64 h + 32 (k % 2) + i over bits 2 k of qh byte 32 h + i, less 32;
+// one int8 scale per 16 values, times d (exact in float32, as is every value).
+template <>
+struct Block<kQ6_K> {
+  const uint8_t* b;
+  alignas(32) float ds[16];
+
+  explicit Block(const uint8_t* b) : b(b) {
+    const __m256 d = _mm256_set1_ps(half(b + 208));
+    const __m128i sc = load16(b + 192);
+    for (int i = 0; i < 2; ++i) {
+      const __m128i half_sc = i ? _mm_srli_si128(sc, 8) : sc;
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half_sc));
+      _mm256_store_ps(ds + 8 * i, _mm256_mul_ps(v, d));
+    }
+  }
+
+  void widen(int p, __m256 w[4]) const {
+    const int h = p / 4, k = p % 4;
+    __m128i q[2], hi[2];
+    bits(b + 64 * h + 32 * (k % 2), 4 * (k / 2), 4, q);
+    bits(b + 128 + 32 * h, 2 * k, 2, hi);
+    for (int i = 0; i < 2; ++i)  // 0..63 less 32, as int8
+      q[i] = _mm_sub_epi8(_mm_or_si128(q[i], _mm_slli_epi16(hi[i], 4)), _mm_set1_epi8(32));
+    const __m256 s0 = _mm256_broadcast_ss(ds + 2 * p), s1 = _mm256_broadcast_ss(ds + 2 * p + 1);
+    floats<true>(q, w);
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(w[j], j < 2 ? s0 : s1);
+  }
+};
 
 // Rows [n0, n1) of y for T <= 8 rows of x (A accumulators per row).
 template <int TYPE, int T>
 void few_rows_t(const float* x, const uint8_t* w, float* y, int K, int N, int n0, int n1) {
   constexpr int A = T <= 2 ? 4 : (T <= 4 ? 2 : 1);
-  const int nb = K / kBlock, bb = block_bytes(TYPE);
+  constexpr int V = block_values(TYPE), bb = block_bytes(TYPE);
+  const int nb = K / V;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* row = w + int64_t(n) * nb * bb;
     __m256 acc[T][A];
     for (int t = 0; t < T; ++t)
       for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
-      __m256 v[4];
-      widen<TYPE>(row + b * bb, v);
-      for (int t = 0; t < T; ++t) {
-        const float* xb = x + int64_t(t) * K + b * kBlock;
-        for (int j = 0; j < 4; ++j)
-          acc[t][j % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * j), v[j], acc[t][j % A]);
+      const Block<TYPE> block(row + b * bb);
+#pragma GCC unroll 8  // a K super-block's parts: constant shifts and offsets
+      for (int p = 0; p < V / kPart; ++p) {
+        __m256 v[4];
+        block.widen(p, v);
+        for (int t = 0; t < T; ++t) {
+          const float* xb = x + int64_t(t) * K + b * V + p * kPart;
+          for (int j = 0; j < 4; ++j)
+            acc[t][j % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * j), v[j], acc[t][j % A]);
+        }
       }
     }
     for (int t = 0; t < T; ++t) {
@@ -146,7 +269,8 @@ void few_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, i
 template <int TYPE>
 void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, int n0, int n1,
                std::vector<float>& tile) {
-  const int nb = K / kBlock, bb = block_bytes(TYPE);
+  constexpr int V = block_values(TYPE), bb = block_bytes(TYPE);
+  const int nb = K / V;
   const int tile_rows = std::min(n1 - n0, std::max(kTile, kTileFloats / K));
   tile.resize(size_t(tile_rows) * K);
   for (int r0 = n0; r0 < n1; r0 += tile_rows) {
@@ -155,9 +279,13 @@ void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, 
       const uint8_t* row = w + int64_t(r0 + r) * nb * bb;
       float* out = tile.data() + size_t(r) * K;
       for (int b = 0; b < nb; ++b) {
-        __m256 v[4];
-        widen<TYPE>(row + b * bb, v);
-        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * kBlock + 8 * j, v[j]);
+        const Block<TYPE> block(row + b * bb);
+#pragma GCC unroll 8
+        for (int p = 0; p < V / kPart; ++p) {
+          __m256 v[4];
+          block.widen(p, v);
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * V + p * kPart + 8 * j, v[j]);
+        }
       }
     }
     cblas_sgemm(kRowMajor, kNoTrans, kTrans, T, rows, K, 1.0f, x, K, tile.data(), K, 0.0f, y + r0,
@@ -204,7 +332,7 @@ ffi::Error Sgemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBu
   return ffi::Error::Success();
 }
 
-// x [T, K] float32, w [N, K / 32 * block bytes] uint8 (blocks of `type`) -> y [T, N].
+// x [T, K] float32, w [N, K / block values * block bytes] uint8 (blocks of `type`) -> y [T, N].
 ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                        ffi::ResultBuffer<ffi::F32> y, int32_t type) {
   auto dx = x.dimensions();
@@ -212,9 +340,11 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   const int bb = block_bytes(type);
   if (bb == 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxkv_block_matmul: unsupported type");
-  if (dx.size() != 2 || dw.size() != 2 || dx[1] % kBlock || dw[1] != dx[1] / kBlock * bb) {
+  const int V = block_values(type);
+  if (dx.size() != 2 || dw.size() != 2 || dx[1] % V || dw[1] != dx[1] / V * bb) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jaxkv_block_matmul: x [T, K] and w [N, K / 32 * block bytes] expected");
+                      "jaxkv_block_matmul: x [T, K] and w [N, K / block values * block bytes] "
+                      "expected");
   }
   const int T = dx[0], K = dx[1], N = dw[0];
   if (T == 0 || N == 0) return ffi::Error::Success();
@@ -225,7 +355,10 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
     case kQ4_0: run<kQ4_0>(xp, wp, yp, T, K, N); break;
     case kQ4_1: run<kQ4_1>(xp, wp, yp, T, K, N); break;
     case kQ5_0: run<kQ5_0>(xp, wp, yp, T, K, N); break;
-    default: run<kQ8_0>(xp, wp, yp, T, K, N); break;
+    case kQ8_0: run<kQ8_0>(xp, wp, yp, T, K, N); break;
+    case kQ4_K: run<kQ4_K>(xp, wp, yp, T, K, N); break;
+    case kQ5_K: run<kQ5_K>(xp, wp, yp, T, K, N); break;
+    default: run<kQ6_K>(xp, wp, yp, T, K, N); break;
   }
   return ffi::Error::Success();
 }
