@@ -25,10 +25,14 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text part; the vision tower is not loaded
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # `model_type` -> jaxkv architecture, read when `architectures` is absent.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                  "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
+                  "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}
 
 
 _REQUIRED = object()
@@ -202,7 +206,31 @@ def _layer_types(cfg: Mapping[str, Any], arch: str, num_layers: int, window: int
     if arch == "qwen3" and window is not None:
         first = _num(cfg, "max_window_layers", int, 28)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+    if arch == "qwen2_moe" and window is not None:  # its config class's default pattern
+        last = _num(cfg, "max_window_layers", int, 28)
+        return tuple("sliding_attention" if (i + 1) % 2 and i < last else "full_attention" for i in range(num_layers))
     return ()
+
+
+def _moe(cfg: Mapping[str, Any], arch: str, num_layers: int, intermediate: int) -> dict:
+    """The mixture-of-experts fields (none for a dense family): Mixtral's
+    experts in every layer, renormalized; Qwen's sparse where the layer is
+    not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0."""
+    if arch not in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        return {}
+    key = "num_local_experts" if arch == "mixtral" or cfg.get("num_experts") is None else "num_experts"
+    out = dict(num_experts=_num(cfg, key, int, positive=True),
+               num_experts_per_tok=_num(cfg, "num_experts_per_tok", int, positive=True))
+    if arch == "mixtral":
+        return dict(out, moe_intermediate_size=intermediate, norm_topk_prob=True)
+    step = _num(cfg, "decoder_sparse_step", int, 1, positive=True)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise ValueError(f"mlp_only_layers: must be a list of layer indices, got {str(only)[:80]}")
+    shared = _num(cfg, "shared_expert_intermediate_size", int, positive=True) if arch == "qwen2_moe" else 0
+    return dict(out, moe_intermediate_size=_num(cfg, "moe_intermediate_size", int, positive=True),
+                norm_topk_prob=_bool(cfg, "norm_topk_prob"), shared_expert_intermediate_size=shared,
+                sparse_layers=tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers)))
 
 
 def _activation(cfg: Mapping[str, Any], arch: str) -> str:
@@ -238,13 +266,14 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         head_dim = hidden // heads
     num_layers = _num(cfg, "num_hidden_layers", int)
     window = None
-    if arch in ("qwen2", "qwen3"):
-        bias, out_bias = arch == "qwen2" or _bool(cfg, "attention_bias"), False
+    if arch.startswith("qwen"):  # Qwen2-MoE: q/k/v biases unless qkv_bias is false
+        bias = _bool(cfg, "qkv_bias", True) if arch == "qwen2_moe" else arch == "qwen2" or _bool(cfg, "attention_bias")
+        out_bias = False
         if _bool(cfg, "use_sliding_window"):
             window = _num(cfg, "sliding_window", int, None, positive=True)
     else:
         bias = out_bias = _bool(cfg, "attention_bias")
-        if arch == "mistral" or gemma:
+        if arch in ("mistral", "mixtral") or gemma:
             window = _num(cfg, "sliding_window", int, 4096 if gemma else None, positive=True)
     if _bool(cfg, "mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
@@ -257,11 +286,12 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
                                     ("final_logit_softcapping", "final_logit_softcap", 30.0)):
             caps[field] = _num(cfg, key, float, default if arch == "gemma2" and key not in cfg else None,
                                positive=True)
+    intermediate = _num(cfg, "intermediate_size", int)
     return ModelConfig(
         architecture=arch,
         vocab_size=_num(cfg, "vocab_size", int),
         hidden_size=hidden,
-        intermediate_size=_num(cfg, "intermediate_size", int),
+        intermediate_size=intermediate,
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -280,10 +310,11 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         rope_local_theta=rope_local,
         norm_offset=1.0 if gemma else 0.0,
         post_norms=gemma,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
         hidden_act=_activation(cfg, arch),
         embed_scale=gemma,
         query_pre_attn_scalar=(_num(cfg, "query_pre_attn_scalar", float, 256.0, positive=True)
                                if gemma else None),
         **caps,
+        **_moe(cfg, arch, num_layers, intermediate),
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from checkpoints.dtypes import resolve_dtype
 from checkpoints.limits import check_layer_count
 from checkpoints.model_config import from_hf_config
+from checkpoints.moe_tensors import Into, hf_moe_map
 from jaxkv.config import ModelConfig
 from jaxkv.model.params import check_params, expected_shapes, shape_problems
 from jaxkv.tokenizer import MAX_INDEX_BYTES, read_json_file
@@ -81,9 +82,11 @@ def _hf_shape(how: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     raise AssertionError(how)
 
 
-def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+def hf_tensor_map(config: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple[str, Any, tuple[int, ...]]]:
     """HF name -> (jaxkv name, transform, expected HF shape) for every tensor the
-    model needs. ``lm_head.weight`` is absent for tied embeddings."""
+    model needs. ``lm_head.weight`` is absent for tied embeddings. A sparse
+    layer's tensors transform by `checkpoints.moe_tensors.Into` (experts
+    stacked), in the layout ``names``, the checkpoint's, holds."""
     want = expected_shapes(config)
     table: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     layer_map = {**HF_LAYER_MAP, **HF_QK_NORM_MAP, **(HF_POST_NORM_MAP if config.post_norms else {})}
@@ -93,6 +96,7 @@ def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, str, tuple[int, .
     for hf, (name, how) in entries:
         if name in want:  # skips lm_head when tied and biases when absent
             table[hf] = (name, how, _hf_shape(how, want[name]))
+    table.update(hf_moe_map(config, names))
     return table
 
 
@@ -137,8 +141,8 @@ def hf_to_params(
         check_layer_count(config.num_layers, tensors, "model.layers.", layers_field)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
-    table = hf_tensor_map(config)
     names = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")}
+    table, want = hf_tensor_map(config, names), expected_shapes(config)
     if config.tie_word_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")  # a tied copy of the embedding, dropped
     problems = shape_problems({n: t[2] for n, t in table.items()},
@@ -151,6 +155,9 @@ def hf_to_params(
         name, how, _ = table[hf]
         if kept and hf in kept:
             params[name] = kept[hf]
+            continue
+        if isinstance(how, Into):  # a sparse layer's tensor, maybe one expert of a stack
+            how.put(params, name, np.asarray(tensors[hf]()), want[name], dt)
             continue
         w = _transform(how, np.asarray(tensors[hf]()), config)
         # Always a fresh C-order copy: sources may be memory-mapped files.

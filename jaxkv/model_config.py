@@ -24,6 +24,17 @@ What the families differ in (defaults are Llama's):
 `attention_sinks` (a learned logit per query head in the softmax's
 denominator, gpt-oss) works with any of them.
 
+Mixtures of experts (`jaxkv.model.moe`; the rest as qwen3 / qwen2 / mistral):
+
+    field                            qwen3_moe        qwen2_moe          mixtral
+    num_experts (X)                  num_experts      num_experts        num_local_experts
+    num_experts_per_tok (k)          from config      from config        from config
+    moe_intermediate_size            from config      from config        intermediate_size
+    norm_topk_prob                   from config      from config        always
+    shared_expert_intermediate_size  0                from config        0
+    sparse_layers                    not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
+                                     mixtral: every layer
+
 Shape legend used throughout jaxkv: B batch, T tokens, S sequences, L layers,
 H query heads, K/KVH kv heads, D head dim, P pages, V vocab, E embed,
 F MLP hidden (intermediate).
@@ -35,7 +46,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe",
+                         "mixtral"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -96,6 +108,15 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # cap * tanh(scores / cap)
     final_logit_softcap: float | None = None
     attention_sinks: bool = False  # a learned logit per query head (layers.i.sinks [H])
+    # Mixture of experts (jaxkv.model.moe); num_experts 0: every layer dense.
+    num_experts: int = 0  # X, routed experts of a sparse layer
+    num_experts_per_tok: int = 0  # k, experts each token is routed to
+    moe_intermediate_size: int = 0  # each routed expert's F
+    norm_topk_prob: bool = False  # the k chosen probabilities renormalized to sum to 1
+    shared_expert_intermediate_size: int = 0  # F of the sigmoid-gated shared expert; 0: none
+    # Per layer: whether its MLP is the mixture (True) or dense (False).
+    # Empty: every layer is sparse when num_experts > 0.
+    sparse_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
         self.validate()
@@ -140,11 +161,41 @@ class ModelConfig:
             raise ValueError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {list(ACTIVATIONS)}")
         if not isinstance(self.norm_offset, (int, float)) or self.norm_offset not in (0, 1):
             raise ValueError(f"norm_offset: must be 0 (w) or 1 (1 + w), got {self.norm_offset!r}")
+        self._validate_moe()
         for tok in self.eos_token_ids + ((self.bos_token_id,) if self.bos_token_id is not None else ()):
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
                 raise ValueError(f"bos/eos token id {tok} outside vocab_size {self.vocab_size}")
 
+    def _validate_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob: must be true or false, got {self.norm_topk_prob!r}")
+        if any(not isinstance(s, bool) for s in self.sparse_layers):
+            raise ValueError(f"sparse_layers: must be booleans, got {list(self.sparse_layers)[:8]}")
+        if not self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: set without experts (num_experts is 0)")
+            if any(self.sparse_layers):
+                raise ValueError("sparse_layers: sparse layers without experts (num_experts is 0)")
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok: must be in 1..num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok}")
+        if not self.moe_intermediate_size:
+            raise ValueError("moe_intermediate_size: must be positive when num_experts > 0")
+        if self.sparse_layers and len(self.sparse_layers) != self.num_layers:
+            raise ValueError(f"sparse_layers: {len(self.sparse_layers)} entries for num_layers {self.num_layers}")
+
     # ------------------------------------------------------------ per layer
+    def layer_sparse(self, i: int) -> bool:
+        """Whether layer `i`'s MLP is the mixture of experts."""
+        return bool(self.num_experts) and (not self.sparse_layers or self.sparse_layers[i])
+
     def layer_window(self, i: int) -> int | None:
         """Keys a query of layer `i` sees (None: all before it)."""
         if self.sliding_window is None:
@@ -179,6 +230,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["sparse_layers"] = list(self.sparse_layers)
         return d
 
     @classmethod
@@ -193,7 +245,7 @@ class ModelConfig:
             if not isinstance(d["rope_scaling"], Mapping):
                 raise ValueError(f"rope_scaling: must be an object, got {str(d['rope_scaling'])[:60]}")
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        for name in ("eos_token_ids", "layer_types"):
+        for name in ("eos_token_ids", "layer_types", "sparse_layers"):
             v = d.get(name, ())
             if not isinstance(v, (list, tuple)):
                 raise ValueError(f"{name}: must be a list, got {str(v)[:60]}")

@@ -1,4 +1,5 @@
-"""The one Flax NNX decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3)
+"""The one Flax NNX decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3;
+Qwen3-MoE, Qwen2-MoE and Mixtral, whose sparse layers' MLP is `jaxkv.model.moe`)
 that reads and writes the paged KV cache through StepBatch metadata. What
 the families differ in (windows per layer, RoPE bases, norm placement and
 convention, q/k norms, activation, scales, soft caps, sinks, biases) comes
@@ -25,6 +26,7 @@ from jaxkv.model.attention import AttentionSpec, attend, local_view
 from jaxkv.model.blocks import BlockDense, BlockWeight
 from jaxkv.model.kv_cache import KVCache
 from jaxkv.model.layers import activation, apply_rope, rms_norm, rope_frequencies, soft_cap
+from jaxkv.model.moe import MoE
 from jaxkv.model.params import check_params
 from jaxkv.model.quant import Dense, rotate_blocks
 
@@ -66,6 +68,9 @@ class Block(nnx.Module):
         if config.post_norms:  # Gemma: the attention's and the MLP's outputs normed too
             self.post_attn_norm = nnx.Param(init(f"{p}.post_attn_norm", (E,)))
             self.post_mlp_norm = nnx.Param(init(f"{p}.post_mlp_norm", (E,)))
+        if config.layer_sparse(i):  # a mixture of experts
+            self.moe = MoE(config, p, init, quantize)
+            return
         # w_gate_up [E, 2F]: gate and up side by side, one matmul.
         self.w_gate_up = _dense([init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], E, quantize)
         self.w_down = _dense([init(f"{p}.w_down", (F, E))], F, quantize)
@@ -112,7 +117,9 @@ class Llama(nnx.Module):
                 return jnp.asarray(1.0 - config.norm_offset + 0.1 * rng.standard_normal(shape), dtype)
             if name.endswith("sinks"):
                 return jnp.asarray(rng.standard_normal(shape), dtype)
-            fan_in = shape[0] if len(shape) > 1 else 1
+            fan_in = shape[0] if len(shape) > 1 or name.endswith("expert_gate") else 1
+            if ".experts_" in name:  # [X, in, out]
+                fan_in = shape[1]
             if name.endswith(".wo"):
                 fan_in = shape[0] * shape[1]
             std = 0.02 if name == "embed" else 1.0 / np.sqrt(fan_in)
@@ -185,9 +192,12 @@ class Llama(nnx.Module):
                 o = rms_norm(o, layer.post_attn_norm[...], eps, off)
             x = x + o
             h = rms_norm(x, layer.mlp_norm[...], eps, off)
-            gu = layer.w_gate_up(h, native).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
-            g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)
-            m = layer.w_down(act(g) * u, native)
+            if hasattr(layer, "moe"):
+                m = layer.moe(h, act)
+            else:
+                gu = layer.w_gate_up(h, native).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
+                g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)
+                m = layer.w_down(act(g) * u, native)
             if cfg.post_norms:
                 m = rms_norm(m, layer.post_mlp_norm[...], eps, off)
             x = x + m

@@ -2,7 +2,9 @@
 
 Every loader returns ``(config, params)`` with ``params`` a FLAT dict of numpy
 arrays named and shaped as `expected_shapes` says. Legend: V vocab, E hidden,
-H heads, K kv heads, D head dim, F MLP hidden, L layers.
+H heads, K kv heads, D head dim, F MLP hidden, L layers; in a sparse layer
+(`ModelConfig.layer_sparse`) X experts, Fm each expert's F
+(moe_intermediate_size), Fs the shared expert's.
 
     embed                 [V, E]
     layers.{i}.attn_norm  [E]
@@ -19,9 +21,16 @@ H heads, K kv heads, D head dim, F MLP hidden, L layers.
     layers.{i}.sinks      [H]           only when config.attention_sinks
     layers.{i}.post_attn_norm [E]       only when config.post_norms
     layers.{i}.mlp_norm   [E]
-    layers.{i}.w_gate     [E, F]
-    layers.{i}.w_up       [E, F]
-    layers.{i}.w_down     [F, E]
+    layers.{i}.w_gate     [E, F]        dense layers
+    layers.{i}.w_up       [E, F]        dense layers
+    layers.{i}.w_down     [F, E]        dense layers
+    layers.{i}.router     [E, X]        sparse layers: 'TE,EX->TX'
+    layers.{i}.experts_gate_up [X, E, 2Fm]  gate | up on the last axis
+    layers.{i}.experts_down [X, Fm, E]
+    layers.{i}.shared_w_gate [E, Fs]    only when a shared expert (Fs > 0)
+    layers.{i}.shared_w_up [E, Fs]
+    layers.{i}.shared_w_down [Fs, E]
+    layers.{i}.shared_expert_gate [E]   its sigmoid gate's logit 'TE,E->T'
     layers.{i}.post_mlp_norm [E]        only when config.post_norms
     final_norm            [E]
     lm_head               [E, V]        only when not config.tie_word_embeddings
@@ -60,14 +69,28 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.post_norms:
             shapes[p + "post_attn_norm"] = (E,)
         shapes[p + "mlp_norm"] = (E,)
-        shapes[p + "w_gate"] = (E, F)
-        shapes[p + "w_up"] = (E, F)
-        shapes[p + "w_down"] = (F, E)
+        if config.layer_sparse(i):
+            shapes.update(moe_shapes(config, p))
+        else:
+            shapes[p + "w_gate"] = (E, F)
+            shapes[p + "w_up"] = (E, F)
+            shapes[p + "w_down"] = (F, E)
         if config.post_norms:
             shapes[p + "post_mlp_norm"] = (E,)
     shapes["final_norm"] = (E,)
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
+    return shapes
+
+
+def moe_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of a sparse layer's MLP (names under prefix `p`)."""
+    E, X, Fm, Fs = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
+                    config.shared_expert_intermediate_size)
+    shapes = {p + "router": (E, X), p + "experts_gate_up": (X, E, 2 * Fm), p + "experts_down": (X, Fm, E)}
+    if Fs:
+        shapes.update({p + "shared_w_gate": (E, Fs), p + "shared_w_up": (E, Fs), p + "shared_w_down": (Fs, E),
+                       p + "shared_expert_gate": (E,)})
     return shapes
 
 
