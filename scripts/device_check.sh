@@ -82,7 +82,7 @@ run_part e2e "$T_E2E" "$B_E2E" "${MODEL[@]}"; rc_e2e=$(rc_of $?)
 run_part throughput "$T_THR" "$B_THR"; rc_throughput=$(rc_of $?)
 run_part profile "$T_PRO" "$B_PRO"; rc_profile=$(rc_of $?)
 
-"$PY" scripts/device_check_engine.py --summarize --out "$OUT" --rc attention=$rc_attention \
+"$PY" scripts/device_check_engine.py --summarize "${SMOKE[@]}" --out "$OUT" --rc attention=$rc_attention \
   e2e=$rc_e2e throughput=$rc_throughput profile=$rc_profile
 rc=$?
 echo "device_check.sh: exit status $rc (0 ok, 2 correctness failure, 1 other failure)" \

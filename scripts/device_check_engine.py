@@ -197,14 +197,19 @@ def main(argv=None):
                     help="start no new work in this part after this many seconds")
     ap.add_argument("--matmul-precision", default="highest")
     a = ap.parse_args(argv)
-    if a.summarize or not a.part:
-        return lib.summarize(a.out, a.rc) if a.summarize else ap.error("--part or --summarize")
+    if not (a.summarize or a.part):
+        ap.error("--part or --summarize")
     import jax
 
     dev, res = jax.devices()[0], lib.Results(a.out)
-    res.update(a.part, dict(status="running"), mode="smoke" if a.smoke else "full",
-               jax=jax.__version__, python=platform.python_version(),
-               device=f"{dev.platform}: {getattr(dev, 'device_kind', '?')}")
+    meta = dict(mode="smoke" if a.smoke else "full", jax=jax.__version__,
+                python=platform.python_version(),
+                device=f"{dev.platform}: {getattr(dev, 'device_kind', '?')}")
+    if a.summarize:  # the meta too where no engine part ran (--parts attention)
+        have = res.load().get("meta", {})
+        res.update(**{k: v for k, v in meta.items() if k not in have})
+        return lib.summarize(a.out, a.rc)
+    res.update(a.part, dict(status="running"), **meta)
     t0 = time.monotonic()
     try:
         entry = dict(e2e=part_e2e, throughput=part_throughput, profile=part_profile)[a.part](

@@ -73,13 +73,16 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
 
 
 def load(gguf: str | None, layers: int | None = None, family: bool = False):
-    """The tiny random model (FAMILY's with `family`), or the GGUF's (its
-    first `layers` layers only, when given: the same weights and head
-    layout, fewer to compile)."""
+    """The tiny random model (FAMILY's with `family`), or the GGUF's; with
+    `layers`, only that many layers (the GGUF's first ones: the same
+    weights and head layout), fewer to compile."""
     from jaxkv.model.llama import Llama
 
     if gguf is None:
-        return Llama.random_init(FAMILY if family else TINY, seed=1)
+        cfg = FAMILY if family else TINY
+        if layers is not None:
+            cfg = dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers])
+        return Llama.random_init(cfg, seed=1)
     from checkpoints import load_checkpoint
 
     config, params, _ = load_checkpoint(gguf)

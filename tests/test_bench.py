@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# One xdist worker runs this module: its benchmark fixture runs once.
+pytestmark = pytest.mark.xdist_group("bench")
+
 from tests.model_utils import make_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -8,6 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+# One xdist worker runs this module: transformers' load of the GGUF (about a
+# minute) happens once.
+pytestmark = pytest.mark.xdist_group("gemma3")
+
 TEXTS = ["The capital of France is", "  two  spaces, tabs\tand\nnew lines", "naïve café 東京 🙂 1234567",
          "def f(x):\n    return x ** 2  # square"]
 

@@ -5,9 +5,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.conftest import SMOLLM2_KV_BYTES, SMOLLM2_PAGES
 from tests.model_utils import Seq, nan_cache, step_logits
+
+# With tests/checkpoints/test_smollm2.py on one xdist worker: transformers'
+# SmolLM2 load (the session fixture hf_smollm2) happens once.
+pytestmark = pytest.mark.xdist_group("hf_smollm2")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "Explain paged attention in one sentence."]

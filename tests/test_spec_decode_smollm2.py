@@ -1,8 +1,10 @@
 """Speculative decoding on the real model: SmolLM2-135M-Instruct's greedy
-answers to 16 chat prompts, batched with chunked prefill, prefix caching
+answers to 8 chat prompts, batched with chunked prefill, prefix caching
 and preemption, are the same tokens with n-gram speculation as without;
 with the model as its own draft too, where nearly every proposal must be
 accepted."""
+
+import pytest
 
 from jaxkv.config import EngineConfig
 from jaxkv.core.engine import LLMEngine
@@ -14,6 +16,10 @@ ASKS = ["Repeat this text exactly: ", "Rewrite in the present tense: ",
         "Replace 'harbour' with 'port' in: ", "Summarize in one sentence: ",
         "What is a KV cache?", "Write a haiku about the sea.",
         "Explain photosynthesis briefly.", "List three prime numbers."]
+
+
+# One xdist worker runs this module: both tests read the plain answers.
+pytestmark = pytest.mark.xdist_group("spec_smollm2")
 
 
 def _prompts(tok, n):
@@ -37,25 +43,36 @@ def _run(model, tok, prompts, spec, draft=None, max_tokens=16):
     return eng, [final[r].outputs[0].token_ids for r in ids]
 
 
-def test_ngram_and_self_draft_keep_smollm2s_greedy_answers(smollm2):
+@pytest.fixture(scope="module")
+def plain(smollm2):
+    """The prompts and their greedy answers without speculation."""
     model, tok = smollm2
-    prompts = _prompts(tok, 16)
-    _, plain = _run(model, tok, prompts, None)
+    prompts = _prompts(tok, 8)
+    return prompts, _run(model, tok, prompts, None)[1]
+
+
+def test_ngram_keeps_smollm2s_greedy_answers(smollm2, plain):
+    model, tok = smollm2
+    prompts, want = plain
     eng, spec = _run(model, tok, prompts, {"method": "ngram", "num_speculative_tokens": 4,
                                            "adaptive": False})
     assert eng.scheduler.num_preemptions > 0, "no preemption happened"
     assert eng.bm.prefix_hit_tokens > 0 and eng.stats["partial_prefills"] > 0
     m = eng.speculative_metrics()
-    assert m["accepted"] > 10, m
-    diff = [i for i, (a, b) in enumerate(zip(plain, spec)) if a != b]
+    assert m["accepted"] > 5, m  # 11 of 32 on this greedy run
+    diff = [i for i, (a, b) in enumerate(zip(want, spec)) if a != b]
     assert not diff, f"requests {diff} differ with n-gram speculation"
     print(f"n-gram on SmolLM2: {m}")
 
-    eng, own = _run(model, tok, prompts[:8], {"method": "draft_model", "model": "self",
+
+def test_self_draft_keeps_smollm2s_greedy_answers(smollm2, plain):
+    model, tok = smollm2
+    prompts, want = plain
+    eng, own = _run(model, tok, prompts, {"method": "draft_model", "model": "self",
                                               "num_speculative_tokens": 3, "adaptive": False},
                     draft=model)
     m = eng.speculative_metrics()
-    assert own == plain[:8]
+    assert own == want
     # One-row draft steps and the multi-row verify step round differently,
     # so a near-tie may flip; anything below 97% is a broken draft cache.
     assert m["proposed"] > 50 and m["acceptance_rate"] >= 0.97, m

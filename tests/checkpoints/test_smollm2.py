@@ -6,6 +6,10 @@ import pytest
 from checkpoints.gguf_io import load_gguf
 from jaxkv.model.params import expected_shapes
 
+# With tests/test_smollm2.py on one xdist worker: transformers' SmolLM2 load
+# (the session fixture hf_smollm2) happens once.
+pytestmark = pytest.mark.xdist_group("hf_smollm2")
+
 
 @pytest.fixture(scope="module")
 def ours(smollm2_gguf):
