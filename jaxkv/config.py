@@ -101,6 +101,9 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(
         1, "devices the model is split over (tensor parallel over the mesh's 'model' axis; "
            "with several processes, every device of the job)")
+    enable_expert_parallel: bool = _opt(
+        False, "mixture-of-experts layers: split whole experts over the tensor-parallel "
+               "devices (expert parallel) instead of every expert's intermediate columns")
     num_processes: int | None = _opt(
         None, "processes (hosts) of a multi-process job, joined through jax.distributed "
               "(default: $JAXKV_NUM_PROCESSES, else one)")

@@ -27,6 +27,11 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
     w_gate_up scales         [2F]              ("model",)
     w_down w, w8             [F, E]            ("model", None)  row parallel (3)
     w_down scales            [E]               replicated
+    moe router               [E, X]            replicated       every device routes (6)
+    experts_gate_up          [X, E, 2Fm]       Fm on "model"    tensor parallel (2, 6)
+                                               X on "model"     expert parallel (6)
+    experts_down             [X, Fm, E]        Fm / X on "model" likewise
+    shared_w_gate_up, _down  as w_gate_up, w_down                a dense MLP's split
     lm_head w, w8, scales    [E, V], [V]       V on "model"     (4)
     cache k, v (per layer)   [KVH', P, ps, D]  ("model",)       (5)
     cache int8 scales        [KVH', P, ps]     ("model",)       (5)
@@ -45,6 +50,10 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
     logits are one all-reduce.
 (5) Whole KV heads per shard: the cache write and the attention kernel run
     per shard under shard_map, and nothing gathers the cache.
+(6) Mixture-of-experts layers run under shard_map (`jaxkv.model.moe`):
+    each device's experts (whole experts with `expert_parallel`, else
+    every expert's Fm/t slice) and one all-reduce of [T, E]. X % t (expert
+    parallel) or Fm % t (tensor parallel) is refused by name.
 
 Fused layout: wqkv and w_gate_up are each one matmul; with t shards their
 columns are ordered shard by shard ([q_s, k_s, v_s] for s = 0..t-1, and
@@ -98,6 +107,20 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> int:
     return tp
 
 
+def check_expert_split(cfg: ModelConfig, tp: int, expert_parallel: bool) -> None:
+    """Raises ValueError when a mixture of experts cannot be split `tp` ways."""
+    if expert_parallel and cfg.num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: {cfg.num_experts} experts cannot be split "
+                         f"evenly over tensor_parallel_size={tp} devices")
+    if not expert_parallel and cfg.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: the experts' intermediate size "
+                         f"{cfg.moe_intermediate_size} is not divisible by {tp}; "
+                         f"enable_expert_parallel splits whole experts instead")
+    if cfg.shared_expert_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: the shared expert's intermediate size "
+                         f"{cfg.shared_expert_intermediate_size} is not divisible by {tp}")
+
+
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=None) -> Mesh:
     """A ("data", "model") mesh over the first dp x tp of `devices` (default:
     every device of every process, in jax's order)."""
@@ -125,18 +148,21 @@ class ShardingPlan:
     model_kv_heads: int
     shard_embed: bool
     shard_vocab: bool
+    expert_parallel: bool = False
 
     @classmethod
     def make(cls, cfg: ModelConfig, tensor_parallel_size: int, mesh=None,
-             devices=None) -> "ShardingPlan":
+             devices=None, expert_parallel: bool = False) -> "ShardingPlan":
         tp = tensor_parallel_size
         kv = check_tensor_parallel(cfg, tp)
+        if cfg.num_experts:
+            check_expert_split(cfg, tp, expert_parallel)
         mesh = make_mesh(tp, 1, devices) if mesh is None else mesh
         if dict(mesh.shape).get("model") != tp:
             raise ValueError(f"mesh: its 'model' axis has {dict(mesh.shape).get('model')} "
                              f"devices, tensor_parallel_size is {tp}")
         return cls(mesh, tp, kv, cfg.num_kv_heads, cfg.hidden_size % tp == 0,
-                   cfg.vocab_size % tp == 0)
+                   cfg.vocab_size % tp == 0, bool(expert_parallel and cfg.num_experts))
 
     @property
     def kv_replicas(self) -> int:
@@ -172,6 +198,14 @@ class ShardingPlan:
             return P("model")
         if owner in ("wo", "w_down"):
             return P("model", None) if leaf in ("w", "w8") else P()
+        if leaf in ("experts_gate_up", "experts_down"):
+            if self.expert_parallel:
+                return P("model")
+            return P(None, None, "model") if leaf == "experts_gate_up" else P(None, "model")
+        if leaf == "shared_w_gate_up":
+            return P(None, "model")
+        if leaf == "shared_w_down":
+            return P("model")
         return P()  # norms, rotary frequencies, biases after an all-reduce, replicated heads
 
 
@@ -192,9 +226,8 @@ def _qkv_columns(cfg: ModelConfig, plan: ShardingPlan) -> np.ndarray:
     return np.concatenate(cols)
 
 
-def _gate_up_columns(cfg: ModelConfig, tp: int) -> np.ndarray:
-    """Column order of the sharded w_gate_up ([gate F | up F] unsharded)."""
-    F = cfg.intermediate_size
+def _gate_up_columns(F: int, tp: int) -> np.ndarray:
+    """Column order of a sharded gate | up weight ([gate F | up F] unsharded)."""
     Fl = F // tp
     return np.concatenate([np.r_[s * Fl:(s + 1) * Fl, F + s * Fl:F + (s + 1) * Fl]
                            for s in range(tp)])
@@ -217,11 +250,17 @@ def shard_model(model, plan: ShardingPlan):
     if getattr(model, "num_shards", 1) != 1:
         raise ValueError("shard_model: the model is already sharded")
     cfg = model.config
-    columns = {"wqkv": _qkv_columns(cfg, plan), "w_gate_up": _gate_up_columns(cfg, plan.tp)}
+    columns = {"wqkv": _qkv_columns(cfg, plan), "w_gate_up": _gate_up_columns(cfg.intermediate_size, plan.tp)}
+    if cfg.num_experts and not plan.expert_parallel:
+        columns["experts_gate_up"] = _gate_up_columns(cfg.moe_intermediate_size, plan.tp)
+    if cfg.shared_expert_intermediate_size:
+        columns["shared_w_gate_up"] = _gate_up_columns(cfg.shared_expert_intermediate_size, plan.tp)
 
     def place(path, x):
         names = [p for p in path if isinstance(p, str)]
-        cols = columns.get("wqkv" if names[-1] == "bqkv" else names[-2] if len(names) > 1 else "")
+        owner = names[-2] if len(names) > 1 else ""
+        cols = columns.get("wqkv" if names[-1] == "bqkv" else names[-1] if names[-1] in columns
+                           else owner)
         if cols is not None:
             x = _take_columns(x, cols)
         sharding = plan.named(*plan.param_spec(path))
@@ -236,6 +275,7 @@ def shard_model(model, plan: ShardingPlan):
     model = nnx.merge(graphdef, state)  # new modules: the input model is unchanged
     model.config = plan.model_config(cfg)
     model.num_shards = plan.tp
+    model.expert_parallel = plan.expert_parallel
     return model
 
 

@@ -3,6 +3,7 @@ the test chose (XLA_FLAGS, set before jax starts), or one process of a
 multi-process job. Prints one JSON line (process 0 only).
 
     python -m tests.sharding_worker tp --tp 1,2,4 [--backend pallas] [--gguf PATH]
+    python -m tests.sharding_worker tp --moe --tp 2,ep2,ep4   (ep: expert parallel)
     python -m tests.sharding_worker job --process-id I --coordinator 127.0.0.1:PORT
         [--async-scheduling]
 """
@@ -31,6 +32,11 @@ FAMILY = dataclasses.replace(
     rope_theta=1e6, rope_local_theta=1e4, norm_offset=1.0, post_norms=True, qk_norm=True,
     hidden_act="gelu_tanh", embed_scale=True, query_pre_attn_scalar=48.0, attn_logit_softcap=20.0,
     final_logit_softcap=15.0, attention_sinks=True, tie_word_embeddings=True)
+# A mixture of experts on TINY's attention: a dense layer, then 8 experts
+# (top 2) beside a sigmoid-gated shared expert, as Qwen2-MoE mixes them.
+MOE = dataclasses.replace(
+    TINY, architecture="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    shared_expert_intermediate_size=96, sparse_layers=(False, True))
 # A pool small enough that 16 prompts preempt, a token budget that chunks
 # the longer prompts, and shared prefixes that hit the prefix cache.
 ENGINE = dict(warmup=False, num_pages=24, page_size=8, max_num_seqs=16,
@@ -72,14 +78,14 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
                 planned=planned, shards=len(eng.runner.cache.k[0].addressable_shards))
 
 
-def load(gguf: str | None, layers: int | None = None, family: bool = False):
+def load(gguf: str | None, layers: int | None = None, family: bool = False, moe: bool = False):
     """The tiny random model (FAMILY's with `family`), or the GGUF's; with
     `layers`, only that many layers (the GGUF's first ones: the same
     weights and head layout), fewer to compile."""
     from jaxkv.model.llama import Llama
 
     if gguf is None:
-        cfg = FAMILY if family else TINY
+        cfg = FAMILY if family else MOE if moe else TINY
         if layers is not None:
             cfg = dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers])
         return Llama.random_init(cfg, seed=1)
@@ -109,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--coordinator", default=None)
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--family", action="store_true", help="the FAMILY model instead of TINY")
+    p.add_argument("--moe", action="store_true", help="the MOE model instead of TINY")
+    p.add_argument("--expert-parallel", action="store_true", help="job: experts split whole")
     a = p.parse_args(argv)
     engine = {} if a.kv_cache_memory is None else dict(num_pages=None,
                                                        kv_cache_memory=a.kv_cache_memory)
@@ -116,6 +124,8 @@ def main(argv=None) -> int:
         engine["num_pages"] = a.num_pages
     if a.async_scheduling:
         engine["async_scheduling"] = True
+    if a.expert_parallel:
+        engine["enable_expert_parallel"] = True
     if a.mode == "job":
         from jaxkv.worker.distributed import init_distributed
 
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
         tp = jax.device_count()
         from jaxkv.core.engine import LLMEngine
 
-        model = load(a.gguf)
+        model = load(a.gguf, moe=a.moe)
         if a.process_id:
             eng = LLMEngine(model, None, EngineConfig(**{**ENGINE, **engine},
                                                       tensor_parallel_size=tp,
@@ -136,8 +146,9 @@ def main(argv=None) -> int:
         out["devices"] = tp
         out["processes"] = jax.process_count()
     else:
-        model = load(a.gguf, a.layers, a.family)
-        out = {tp: run(model, int(tp), a.backend, a.max_tokens, a.prompts, **engine)
+        model = load(a.gguf, a.layers, a.family, a.moe)
+        out = {tp: run(model, int(tp.removeprefix("ep")), a.backend, a.max_tokens, a.prompts,
+                       **engine, **({"enable_expert_parallel": True} if tp.startswith("ep") else {}))
                for tp in a.tp.split(",")}
     print(json.dumps(out), flush=True)
     return 0

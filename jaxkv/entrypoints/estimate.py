@@ -1,6 +1,7 @@
 """`jaxkv estimate`: the KV cache size formula term by term, what fits a
-memory budget beside the weights, and with --tensor-parallel-size what
-one device of the split holds."""
+memory budget beside the weights, with --tensor-parallel-size what one
+device of the split holds, and for a mixture of experts the experts'
+weights apart from the rest and the parameters one token runs through."""
 
 from __future__ import annotations
 
@@ -49,6 +50,31 @@ def _hybrid_report(cfg, geom, full: int, a) -> None:
     print(f"| total | {g + w:,} ({(g + w) / 2**30:.3f} GiB, {(g + w) / full:.1%} of every page kept) |")
 
 
+def _experts_report(cfg, a) -> None:
+    """A mixture of experts' weights: the experts apart from the rest, in
+    all and (with --tensor-parallel-size) per device, and the parameters
+    one token runs through (k of X experts + shared expert + the rest)."""
+    from jaxkv.model import memory
+
+    tp, X, k = a.tensor_parallel_size, cfg.num_experts, cfg.num_experts_per_tok
+    total, b = memory.param_count(cfg), memory.dtype_bytes(a.weight_dtype)
+    experts, active = memory.mlp_params(cfg)["experts"], memory.active_param_count(cfg)
+    pd = memory.per_device_bytes(cfg, tp, a.weight_dtype)
+    sparse = sum(map(cfg.layer_sparse, range(cfg.num_layers)))
+    rows = [(f"experts ({sparse} layers x {X})", experts, pd["experts"]),
+            ("the rest (attention, routers, norms, embeddings, shared and dense MLPs)",
+             total - experts, pd["params"] - pd["experts"]), ("total", total, pd["params"])]
+    dev = f" bytes per device of {tp} |" if tp > 1 else ""
+    print(f"\nWeights of the mixture of experts ({a.weight_dtype}):\n")
+    print(f"| term | parameters | bytes |{dev}\n|---|---|---|{'---|' if dev else ''}")
+    for name, n, d in rows:
+        print(f"| {name} | {n:,} ({n / 1e9:.2f} B) | {n * b:,} ({n * b / 2**30:.2f} GiB) |"
+              + (f" {d:,} ({d / 2**30:.2f} GiB) |" if dev else ""))
+    shared = " + the shared expert" if cfg.shared_expert_intermediate_size else ""
+    print(f"\nActive per token: {active:,} parameters ({active / 1e9:.2f} B, {active / total:.1%}): "
+          f"{k} of {X} experts in each sparse layer{shared} + all the rest.")
+
+
 def cmd_estimate(a) -> int:
     from jaxkv.model import memory
     from jaxkv.sharding import check_tensor_parallel
@@ -83,6 +109,8 @@ def cmd_estimate(a) -> int:
               f"{cfg.num_heads} KV heads (MHA) would need {mha:,} bytes.")
     if cfg is not None:
         _hybrid_report(cfg, geom, br.total_bytes, a)
+    if cfg is not None and cfg.num_experts:
+        _experts_report(cfg, a)
     if a.memory:
         budget = a.memory
         mb = memory.max_batch(geom, a.context, budget, wbytes, a.kv_dtype, page_size=a.page_size)

@@ -98,6 +98,7 @@ class Llama(nnx.Module):
         # Tensor-parallel shards the fused wqkv / w_gate_up columns are
         # grouped by (`jaxkv.sharding.shard_model`); 1 unsharded.
         self.num_shards = 1
+        self.expert_parallel = False  # experts split whole over the shards (jaxkv.model.moe)
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
@@ -193,7 +194,7 @@ class Llama(nnx.Module):
             x = x + o
             h = rms_norm(x, layer.mlp_norm[...], eps, off)
             if hasattr(layer, "moe"):
-                m = layer.moe(h, act)
+                m = layer.moe(h, act, mesh, self.expert_parallel)
             else:
                 gu = layer.w_gate_up(h, native).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
                 g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)

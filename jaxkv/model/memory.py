@@ -189,20 +189,43 @@ def pages_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head
     return max(budget_bytes, 0) // page
 
 
+def mlp_params(cfg: Any) -> dict[str, int]:
+    """The MLPs' parameters over all layers, by term (`jaxkv.model.params`):
+    "dense" 3·E·F per dense layer; per sparse layer (`layer_sparse`)
+    "experts" X·3·E·Fm (gate, up, down of each of X experts), "shared"
+    3·E·Fs (a shared expert, Fs > 0) and "router" E·X (+ E, the shared
+    expert's gate)."""
+    E, L = cfg.hidden_size, cfg.num_layers
+    X, Fm, Fs = (getattr(cfg, k, 0) for k in ("num_experts", "moe_intermediate_size",
+                                               "shared_expert_intermediate_size"))
+    sparse = sum(1 for i in range(L) if cfg.layer_sparse(i)) if X else 0
+    return {"dense": (L - sparse) * 3 * E * cfg.intermediate_size, "experts": sparse * X * 3 * E * Fm,
+            "shared": sparse * 3 * E * Fs, "router": sparse * (E * X + (E if Fs else 0))}
+
+
 def param_count(cfg: Any) -> int:
     """Parameters of a `ModelConfig`'s decoder: embeddings, per layer
-    q/k/v/o projections (+ biases), gated MLP, two RMSNorms (four with
-    Gemma's post norms; q/k norms, sinks), the final norm, and the LM head
-    unless tied."""
-    E, F, H, K, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q/k/v/o projections (+ biases), two RMSNorms (four with Gemma's post
+    norms; q/k norms, sinks), the MLPs (`mlp_params`: dense, or experts,
+    router and shared expert), the final norm, and the LM head unless tied."""
+    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = E * H * D + 2 * E * K * D + H * D * E
     if cfg.attention_bias:
         attn += H * D + 2 * K * D
     if getattr(cfg, "attention_out_bias", False):
         attn += E
-    layer = attn + 3 * E * F + 2 * E + _small_per_layer(cfg)
+    layer = attn + 2 * E + _small_per_layer(cfg)
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * E
-    return cfg.vocab_size * E + cfg.num_layers * layer + E + head
+    return cfg.vocab_size * E + cfg.num_layers * layer + sum(mlp_params(cfg).values()) + E + head
+
+
+def active_param_count(cfg: Any) -> int:
+    """Parameters one token runs through: all of `param_count` but the
+    experts, of which k of X per sparse layer (Qwen3-30B-A3B: 3.3e9 of
+    30.5e9). Embeddings and LM head count, as the published figures do."""
+    X = getattr(cfg, "num_experts", 0)
+    experts = mlp_params(cfg)["experts"]
+    return param_count(cfg) - experts + (experts // X * cfg.num_experts_per_tok if X else 0)
 
 
 def _small_per_layer(cfg: Any) -> int:
@@ -222,25 +245,32 @@ def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bflo
                      page_size: int = 16) -> dict[str, int]:
     """What one device holds when a `ModelConfig`'s model is split
     `tensor_parallel_size` ways (`jaxkv.sharding`'s table): {"params",
-    "kv", "total"} bytes. Column- and row-parallel matrices divide by the
-    shard count; norms, the rotary frequencies (float32) and the output
-    bias stay whole; embed divides when E splits evenly, lm_head when V
-    does; KV heads replicated to one per shard when there are fewer than
-    shards (as stored) count in full. `num_pages` pages of `page_size`
-    tokens of `kv_dtype` (default: dtype) for the KV pool."""
-    from jaxkv.sharding import check_tensor_parallel
+    "experts", "kv", "total"} bytes ("experts" is part of "params").
+    Column- and row-parallel matrices divide by the shard count, the
+    experts too (each expert's Fm columns, or X/t whole experts with expert
+    parallelism: the same bytes), a shared expert as a dense MLP; norms,
+    routers, the shared expert's gate, the rotary frequencies (float32) and
+    the output bias stay whole; embed divides when E splits evenly,
+    lm_head when V does; KV heads replicated to one per shard when there
+    are fewer than shards (as stored) count in full. `num_pages` pages of
+    `page_size` tokens of `kv_dtype` (default: dtype) for the KV pool."""
+    from jaxkv.sharding import check_expert_split, check_tensor_parallel
 
     t = tensor_parallel_size
     K = check_tensor_parallel(cfg, t)  # KV heads as stored
-    E, F, H, D, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim,
-                     cfg.vocab_size)
-    split = (E * (H + 2 * K) * D + H * D * E + 3 * E * F) // t  # per layer
+    if getattr(cfg, "num_experts", 0) and t > 1:  # expert parallel where Fm does not split
+        check_expert_split(cfg, t, expert_parallel=cfg.moe_intermediate_size % t != 0)
+    E, H, D, V = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.vocab_size
+    split = (E * (H + 2 * K) * D + H * D * E) // t  # per layer
     if cfg.attention_bias:
         split += (H + 2 * K) * D // t
     whole = 2 * E + (E if cfg.attention_out_bias else 0)
     whole += (2 * D if getattr(cfg, "qk_norm", False) else 0) + (2 * E if getattr(cfg, "post_norms", False) else 0)
     b = dtype_bytes(dtype)
-    params = cfg.num_layers * (split + whole) * b + E * b + (D // 2) * 4
+    mlp = mlp_params(cfg)
+    experts = mlp["experts"] // t * b
+    params = (cfg.num_layers * (split + whole) + (mlp["dense"] + mlp["shared"]) // t + mlp["router"]) * b
+    params += experts + E * b + (D // 2) * 4
     if getattr(cfg, "attention_sinks", False):  # float32, split with the query heads
         params += cfg.num_layers * (H // t) * 4
     if getattr(cfg, "rope_local_theta", None) is not None:  # the sliding layers' frequencies
@@ -249,4 +279,4 @@ def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bflo
     if not cfg.tie_word_embeddings:
         params += E * V * b // (t if V % t == 0 else 1)
     kv = kv_cache_bytes(cfg.num_layers, K // t, D, page_size, num_pages, kv_dtype or dtype)
-    return dict(params=params, kv=kv, total=params + kv)
+    return {"params": params, "experts": experts, "kv": kv, "total": params + kv}

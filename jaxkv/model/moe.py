@@ -31,14 +31,37 @@ summed with their routing weights. Why this form:
 On TPU and GPU `ragged_dot` lowers to a grouped GEMM (XLA's ragged dot, or
 jax's Triton kernel on GPU). On CPU jax lowers it to a product over every
 expert with the rows of other groups masked to zero: the same numbers,
-fixed shapes, but X times the grouped flops; a faster CPU path and expert
-parallelism over the mesh are later stages of issue 28. Expert weights are
-plain arrays of the model dtype (weight-only int8 applies to dense layers);
-under tensor parallelism they are replicated.
+fixed shapes, but X times the grouped flops. Expert weights are plain
+arrays of the model dtype (weight-only int8 applies to dense layers).
+
+On a mesh (t devices on its "model" axis) the layer runs under shard_map,
+in one of two splits (`EngineConfig.enable_expert_parallel`):
+
+- expert parallel: device s holds experts [s X/t, (s+1) X/t) whole. The
+  residual stream h is already replicated (attention is tensor parallel
+  and ends in an all-reduce), so every device routes every token itself
+  and no dispatch moves tokens: a device keeps the (token, choice) rows
+  whose expert it holds (the others get a sentinel id that sorts last and
+  lie in no group), runs its grouped matmuls, and one all-reduce of
+  [T, E] sums the devices' partial outputs: the same single collective as
+  a dense tensor-parallel MLP. An all-to-all dispatch pays off only when
+  the tokens themselves are split over devices (data-parallel attention),
+  which jaxkv does not build; here it would add two exchanges to save
+  nothing.
+- tensor parallel (the default): every device holds every expert's Fm/t
+  slice of gate | up and down (the dense MLP's Megatron split per expert),
+  again one all-reduce. It balances work whatever the routing; expert
+  parallel gives each device fewer, whole experts (larger groups per
+  matmul, no split of a small Fm).
+
+Both hold 1/t of the expert weights per device; the router and its top-k
+run replicated (the same numbers on every device), and a shared expert is
+split as a dense MLP (column then row parallel) into the same all-reduce.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -70,13 +93,31 @@ class MoE(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
-    def __call__(self, h, act):
-        """h [T, E] (normed) -> [T, E] in h's dtype."""
+    def __call__(self, h, act, mesh=None, expert_parallel: bool = False):
+        """h [T, E] (normed) -> [T, E] in h's dtype; under `mesh`, split over
+        its "model" axis as the module docstring says."""
         shared = None
         if hasattr(self, "shared_w_gate_up"):
             shared = (self.shared_w_gate_up[...], self.shared_w_down[...], self.shared_expert_gate[...])
-        return moe_mlp(h, self.router[...], self.experts_gate_up[...], self.experts_down[...],
-                       top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, act=act, shared=shared)
+        fn = functools.partial(moe_mlp, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, act=act)
+        args = (h, self.router[...], self.experts_gate_up[...], self.experts_down[...], shared)
+        if mesh is None:
+            return fn(*args)
+        from jax.sharding import PartitionSpec as P
+
+        experts = (P("model"), P("model")) if expert_parallel else (P(None, None, "model"),
+                                                                    P(None, "model"))
+        shared_spec = None if shared is None else (P(None, "model"), P("model"), P())
+        body = functools.partial(_moe_shard, fn=fn, expert_parallel=expert_parallel)
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), *experts, shared_spec),
+                             out_specs=P(), check_vma=False)(*args)
+
+
+def _moe_shard(h, router, gate_up, down, shared, *, fn, expert_parallel: bool):
+    """One device's part of `moe_mlp` under shard_map, all-reduced."""
+    first = jax.lax.axis_index("model") * gate_up.shape[0] if expert_parallel else 0
+    out = fn(h, router, gate_up, down, shared, first_expert=first, partial=True)
+    return jax.lax.psum(out, "model").astype(h.dtype)
 
 
 def route(h, router, top_k: int, norm_topk_prob: bool):
@@ -90,33 +131,39 @@ def route(h, router, top_k: int, norm_topk_prob: bool):
     return weights, experts.astype(jnp.int32)
 
 
-def grouped_experts(h, experts, weights, gate_up, down, act):
+def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]): h [T, E],
     experts / weights [T, k], gate_up [X, E, 2Fm], down [X, Fm, E] -> [T, E]
-    float32, as grouped matmuls over the rows sorted by expert."""
+    float32, as grouped matmuls over the rows sorted by expert. With expert
+    parallelism `gate_up` / `down` hold experts [first_expert, first_expert
+    + X) only, and the choices of other experts add nothing."""
     T, k = experts.shape
     X = gate_up.shape[0]
-    flat = experts.reshape(-1)  # [Tk], row r = token r // k, choice r % k
+    local = experts.reshape(-1) - first_expert  # [Tk], row r = token r // k, choice r % k
+    held = (local >= 0) & (local < X)
+    flat = jnp.where(held, local, X)  # X: held elsewhere, sorts last, in no group
     order = jnp.argsort(flat, stable=True)  # rows grouped by expert
-    sizes = jnp.bincount(flat, length=X).astype(jnp.int32)  # [X], rows per expert (0: idle)
+    sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # [X], rows per expert (0: idle)
     rows = h[order // k]  # [Tk, E]
     gu = jax.lax.ragged_dot(rows, gate_up, sizes)  # [Tk, 2Fm]
     g, u = jnp.split(gu, 2, axis=-1)
     y = jax.lax.ragged_dot((act(g) * u).astype(h.dtype), down, sizes)  # [Tk, E]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
-    y = y[inverse].reshape(T, k, -1)  # back in (token, choice) order
+    y = jnp.where(held[:, None], y[inverse], 0).reshape(T, k, -1)  # (token, choice) order
     return jnp.einsum("TKE,TK->TE", y.astype(jnp.float32), weights)
 
 
-def moe_mlp(h, router, gate_up, down, *, top_k: int, norm_topk_prob: bool, act, shared=None):
-    """The sparse layer's MLP: h [T, E] -> [T, E] in h's dtype. `shared`:
-    (w_gate_up [E, 2Fs], w_down [Fs, E], gate [E]) of a shared expert."""
+def moe_mlp(h, router, gate_up, down, shared=None, *, top_k: int, norm_topk_prob: bool, act,
+            first_expert=0, partial: bool = False):
+    """The sparse layer's MLP: h [T, E] -> [T, E] in h's dtype (float32 and
+    this device's part of the sum when `partial`). `shared`: (w_gate_up
+    [E, 2Fs], w_down [Fs, E], gate [E]) of a shared expert."""
     weights, experts = route(h, router, top_k, norm_topk_prob)
-    out = grouped_experts(h, experts, weights, gate_up, down, act)
+    out = grouped_experts(h, experts, weights, gate_up, down, act, first_expert)
     if shared is not None:
         w_gate_up, w_down, gate = shared
         g, u = jnp.split(h @ w_gate_up, 2, axis=-1)
         s = (act(g) * u) @ w_down  # [T, E]
         scale = jax.nn.sigmoid(jnp.einsum("TE,E->T", h, gate))[:, None]
         out = out + (scale * s).astype(jnp.float32)
-    return out.astype(h.dtype)
+    return out if partial else out.astype(h.dtype)

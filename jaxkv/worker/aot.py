@@ -38,12 +38,12 @@ def abstract_runner(cfg: ModelConfig, mesh, *, num_pages: int, page_size: int = 
                     max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                     max_model_len: int = 8192, num_decode_steps: int = 8,
                     backend: str = "pallas", platform: str | None = None,
-                    num_top_logprobs: int = 20) -> Runner:
+                    num_top_logprobs: int = 20, expert_parallel: bool = False) -> Runner:
     """A Runner over `mesh` (its "model" axis is the tensor-parallel size)
     whose parameters and cache are abstract: `runner.lower(key)` lowers
     any of its programs, `runner.program_keys()` lists them."""
     tp = dict(mesh.shape)["model"]
-    plan = ShardingPlan.make(cfg, tp, mesh=mesh)
+    plan = ShardingPlan.make(cfg, tp, mesh=mesh, expert_parallel=expert_parallel)
     model = shard_model(abstract_model(cfg, dtype), plan)
     sh = plan.cache_sharding()
     cache = jax.tree_util.tree_map(

@@ -130,7 +130,7 @@ def scale_out(model, config):
                          f"tensor_parallel_size={jax.device_count()} (got {tp})")
     if tp == 1:
         return model, None, None
-    plan = ShardingPlan.make(model.config, tp)
+    plan = ShardingPlan.make(model.config, tp, expert_parallel=config.enable_expert_parallel)
     return shard_model(model, plan), plan, Channel() if procs > 1 else None
 
 
