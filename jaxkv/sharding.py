@@ -93,7 +93,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> int:
     if H % tp:
         raise ValueError(f"tensor_parallel_size: the model's {H} query heads cannot be split "
                          f"over {tp} shards ({H} is not a multiple of {tp})")
-    if F % tp:
+    dense = not cfg.num_experts or any(not cfg.layer_sparse(i) for i in range(cfg.num_layers))
+    if F % tp and dense:  # an all-expert model (Mixtral) has no dense MLP to split
         raise ValueError(f"tensor_parallel_size: the MLP's intermediate size {F} is not a "
                          f"multiple of {tp}")
     if tp <= K:
