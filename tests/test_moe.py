@@ -266,6 +266,42 @@ def test_engine_greedy_tokens_match_transformers_generate(tmp_path):
         assert final[ids[i]].outputs[0].token_ids == want[i, n:].tolist(), i
 
 
+def test_routed_counts_reach_metrics_as_transformers_routes(tmp_path):
+    """The engine's tokens routed per expert (summed over layers) are the
+    top-k of transformers' router logits over the rows the model ran, and
+    /metrics' counter shows them, idle experts at 0."""
+    import torch
+
+    from jaxkv.config import EngineConfig
+    from jaxkv.core.engine import LLMEngine
+    from jaxkv.core.sampling_params import SamplingParams
+    from jaxkv.entrypoints.openai.metrics import ServerMetrics
+
+    model = _hf_model("qwen3_moe")
+    config, params = load_hf_dir(_saved(model, tmp_path))
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (11, 6)]
+    eng = LLMEngine(Llama.from_params(config, params), None, EngineConfig(
+        warmup=False, num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=32))
+    ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0)) for p in prompts]
+    final = eng.run_to_completion(ids)
+    want = np.zeros(8, np.int64)
+    for p, i in zip(prompts, ids):  # rows run: the prompt and every output but the last
+        run = torch.tensor([p + list(final[i].outputs[0].token_ids[:-1])])
+        with torch.no_grad():
+            logits = model(run, output_router_logits=True).router_logits
+        for layer in logits:  # the sparse layers' [T, X]
+            want += np.bincount(torch.topk(layer.float(), 2, dim=-1).indices.reshape(-1).numpy(),
+                                minlength=8)
+    assert eng.runner.routed.tolist() == want.tolist()
+    metrics = ServerMetrics("m")
+    metrics.refresh(eng)
+    text = metrics.render().decode()
+    for x in range(8):
+        assert f'jaxkv:moe_routed_tokens_total{{expert="{x}",model_name="m"}} {float(want[x])}' in text
+    eng.shutdown()
+
+
 def test_expert_parallel_2_and_4_and_two_processes_match_one_device():
     """Experts split whole (EP 2, EP 4) or by their intermediate (TP 2) on
     CPU devices, and EP over two processes through jax.distributed: the

@@ -36,12 +36,17 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """k, v: L x [KVH, P, page_size, D]; k_scale, v_scale: L x [KVH, P, page_size]
-    float32 when the cache is int8, else None."""
+    float32 when the cache is int8, else None. routed: [X] int32 for a
+    mixture of experts (else None), the choices each expert has received,
+    summed over layers, counted by every step and wrapping at 2**32 (the
+    host reads differences: `jaxkv.worker.runner`); it rides in the cache
+    because the cache is what every program carries in and out."""
 
     k: tuple
     v: tuple
     k_scale: tuple | None = None
     v_scale: tuple | None = None
+    routed: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
@@ -79,7 +84,20 @@ def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
     layers = tuple(jax.ShapeDtypeStruct((K, P, ps, D), dtype) for P in pages)
     scales = tuple(jax.ShapeDtypeStruct((K, P, ps), jnp.float32) for P in pages)
     q = cache.kv_dtype == "int8"
-    return KVCache(k=layers, v=layers, k_scale=scales if q else None, v_scale=scales if q else None)
+    X = getattr(model, "num_experts", 0)
+    return KVCache(k=layers, v=layers, k_scale=scales if q else None, v_scale=scales if q else None,
+                   routed=jax.ShapeDtypeStruct((X,), jnp.int32) if X else None)
+
+
+def cache_shardings(shapes: KVCache, sharding):
+    """Each leaf's sharding: `sharding` (KV heads split) for the pages and
+    scales, replicated for the routed counts."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    tree = jax.tree_util.tree_map(lambda _: sharding, shapes)
+    if shapes.routed is None:
+        return tree
+    return dataclasses.replace(tree, routed=NamedSharding(sharding.mesh, PartitionSpec()))
 
 
 def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCache:
@@ -92,7 +110,7 @@ def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCac
 
     if sharding is None:
         return zeros()
-    return jax.jit(zeros, out_shardings=sharding)()
+    return jax.jit(zeros, out_shardings=cache_shardings(shapes, sharding))()
 
 
 def quantize_vectors(x):
@@ -136,8 +154,8 @@ def replace_layer(cache: KVCache, layer: int, k, v, k_scale=None, v_scale=None) 
     def put(t, x):
         return None if t is None else t[:layer] + (x,) + t[layer + 1:]
 
-    return KVCache(k=put(cache.k, k), v=put(cache.v, v),
-                   k_scale=put(cache.k_scale, k_scale), v_scale=put(cache.v_scale, v_scale))
+    return dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v),
+                               k_scale=put(cache.k_scale, k_scale), v_scale=put(cache.v_scale, v_scale))
 
 
 def copy_pages(cache: KVCache, src, dst, layers: tuple[int, ...] | None = None) -> KVCache:
@@ -149,4 +167,5 @@ def copy_pages(cache: KVCache, src, dst, layers: tuple[int, ...] | None = None) 
         return tuple(x.at[:, dst].set(x[:, src]) if layers is None or i in layers else x
                      for i, x in enumerate(t))
 
-    return KVCache(k=cp(cache.k), v=cp(cache.v), k_scale=cp(cache.k_scale), v_scale=cp(cache.v_scale))
+    return dataclasses.replace(cache, k=cp(cache.k), v=cp(cache.v), k_scale=cp(cache.k_scale),
+                               v_scale=cp(cache.v_scale))

@@ -13,6 +13,8 @@ the cache is passed in and returned. GQA: H query heads share KVH kv heads
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, Mapping
 
 import jax
@@ -159,6 +161,7 @@ class Llama(nnx.Module):
         native = cpu_gemm.use_native(T, attention.platform, mesh)  # MKL sgemm on CPU
         # Hybrid pool: the sliding layers read and write their own rings of pages.
         local = local_view(batch, attention.ring_pages, cache.page_size) if attention.ring_pages else None
+        routed = None
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], eps, off)
             a = layer.attn
@@ -193,8 +196,9 @@ class Llama(nnx.Module):
                 o = rms_norm(o, layer.post_attn_norm[...], eps, off)
             x = x + o
             h = rms_norm(x, layer.mlp_norm[...], eps, off)
-            if hasattr(layer, "moe"):
-                m = layer.moe(h, act, mesh, self.expert_parallel)
+            if hasattr(layer, "moe"):  # routed counts over the rows that are tokens (not the trash page's)
+                m, n = layer.moe(h, act, mesh, self.expert_parallel, batch.slot_mapping >= cache.page_size)
+                routed = n if routed is None else routed + n
             else:
                 gu = layer.w_gate_up(h, native).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
                 g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)
@@ -202,6 +206,8 @@ class Llama(nnx.Module):
             if cfg.post_norms:
                 m = rms_norm(m, layer.post_mlp_norm[...], eps, off)
             x = x + m
+        if routed is not None and cache.routed is not None:
+            cache = dataclasses.replace(cache, routed=cache.routed + routed)
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], eps, off)
         if blocks:

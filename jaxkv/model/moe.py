@@ -93,31 +93,43 @@ class MoE(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
-    def __call__(self, h, act, mesh=None, expert_parallel: bool = False):
-        """h [T, E] (normed) -> [T, E] in h's dtype; under `mesh`, split over
-        its "model" axis as the module docstring says."""
+    def __call__(self, h, act, mesh=None, expert_parallel: bool = False, valid=None):
+        """h [T, E] (normed) -> ([T, E] in h's dtype, routed [X] int32: the
+        choices of each expert among the `valid` rows, all when None); under
+        `mesh`, split over its "model" axis as the module docstring says."""
         shared = None
         if hasattr(self, "shared_w_gate_up"):
             shared = (self.shared_w_gate_up[...], self.shared_w_down[...], self.shared_expert_gate[...])
-        fn = functools.partial(moe_mlp, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, act=act)
+        fn = functools.partial(moe_mlp, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, act=act,
+                               return_choices=True)
         args = (h, self.router[...], self.experts_gate_up[...], self.experts_down[...], shared)
         if mesh is None:
-            return fn(*args)
-        from jax.sharding import PartitionSpec as P
+            out, choices = fn(*args)
+        else:
+            from jax.sharding import PartitionSpec as P
 
-        experts = (P("model"), P("model")) if expert_parallel else (P(None, None, "model"),
-                                                                    P(None, "model"))
-        shared_spec = None if shared is None else (P(None, "model"), P("model"), P())
-        body = functools.partial(_moe_shard, fn=fn, expert_parallel=expert_parallel)
-        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), *experts, shared_spec),
-                             out_specs=P(), check_vma=False)(*args)
+            experts = (P("model"), P("model")) if expert_parallel else (P(None, None, "model"),
+                                                                        P(None, "model"))
+            shared_spec = None if shared is None else (P(None, "model"), P("model"), P())
+            body = functools.partial(_moe_shard, fn=fn, expert_parallel=expert_parallel)
+            out, choices = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), *experts, shared_spec),
+                                         out_specs=(P(), P()), check_vma=False)(*args)
+        return out, routed_counts(choices, valid, self.router.shape[1])
 
 
 def _moe_shard(h, router, gate_up, down, shared, *, fn, expert_parallel: bool):
     """One device's part of `moe_mlp` under shard_map, all-reduced."""
     first = jax.lax.axis_index("model") * gate_up.shape[0] if expert_parallel else 0
-    out = fn(h, router, gate_up, down, shared, first_expert=first, partial=True)
-    return jax.lax.psum(out, "model").astype(h.dtype)
+    out, choices = fn(h, router, gate_up, down, shared, first_expert=first, partial=True)
+    return jax.lax.psum(out, "model").astype(h.dtype), choices  # choices: the same everywhere
+
+
+def routed_counts(experts, valid, num_experts: int):
+    """[X] int32: how many of the rows' choices experts [T, k] went to each
+    expert, over the rows where `valid` [T] (all when None)."""
+    if valid is not None:
+        experts = jnp.where(valid[:, None], experts, num_experts)  # X: counted nowhere
+    return jnp.bincount(experts.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
 
 def route(h, router, top_k: int, norm_topk_prob: bool):
@@ -154,10 +166,11 @@ def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0):
 
 
 def moe_mlp(h, router, gate_up, down, shared=None, *, top_k: int, norm_topk_prob: bool, act,
-            first_expert=0, partial: bool = False):
+            first_expert=0, partial: bool = False, return_choices: bool = False):
     """The sparse layer's MLP: h [T, E] -> [T, E] in h's dtype (float32 and
-    this device's part of the sum when `partial`). `shared`: (w_gate_up
-    [E, 2Fs], w_down [Fs, E], gate [E]) of a shared expert."""
+    this device's part of the sum when `partial`), and each token's experts
+    [T, k] too when `return_choices`. `shared`: (w_gate_up [E, 2Fs],
+    w_down [Fs, E], gate [E]) of a shared expert."""
     weights, experts = route(h, router, top_k, norm_topk_prob)
     out = grouped_experts(h, experts, weights, gate_up, down, act, first_expert)
     if shared is not None:
@@ -166,4 +179,5 @@ def moe_mlp(h, router, gate_up, down, shared=None, *, top_k: int, norm_topk_prob
         s = (act(g) * u) @ w_down  # [T, E]
         scale = jax.nn.sigmoid(jnp.einsum("TE,E->T", h, gate))[:, None]
         out = out + (scale * s).astype(jnp.float32)
-    return out if partial else out.astype(h.dtype)
+    out = out if partial else out.astype(h.dtype)
+    return (out, experts) if return_choices else out

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxkv.config import CacheConfig, ModelConfig
 from jaxkv.model.attention import AttentionSpec
-from jaxkv.model.kv_cache import cache_shapes
+from jaxkv.model.kv_cache import cache_shardings, cache_shapes
 from jaxkv.sharding import ShardingPlan, shard_model
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.runner import Runner
@@ -46,9 +46,9 @@ def abstract_runner(cfg: ModelConfig, mesh, *, num_pages: int, page_size: int = 
     plan = ShardingPlan.make(cfg, tp, mesh=mesh, expert_parallel=expert_parallel)
     model = shard_model(abstract_model(cfg, dtype), plan)
     sh = plan.cache_sharding()
-    cache = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        cache_shapes(model.config, CacheConfig(num_pages, page_size, kv_dtype or dtype)))
+    shapes = cache_shapes(model.config, CacheConfig(num_pages, page_size, kv_dtype or dtype))
+    cache = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                   shapes, cache_shardings(shapes, sh))
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, -(-max_model_len // page_size),
                            max_model_len)
     attention = AttentionSpec(backend, cfg.uniform_window, 0, mesh=mesh, platform=platform)

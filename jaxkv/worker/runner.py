@@ -112,6 +112,9 @@ class Runner:
         # step() calls, their wall time (dispatch to outputs on the host), and
         # the part of it the host spent blocked reading them
         self.stats = dict(calls=0, seconds=0.0, wait_seconds=0.0)
+        # Tokens routed to each expert, summed over layers (a mixture of experts).
+        self.routed: np.ndarray | None = None
+        self._routed_seen: np.ndarray | None = None
 
     # ------------------------------------------------------------ programs
 
@@ -181,9 +184,21 @@ class Runner:
         S = pending.num_seqs
         res = StepResult(*(to_host(x)[:n, :S] for x in pending.fields),
                          counts=to_host(pending.out.counts)[:S])
+        if pending.out.routed is not None:
+            self._count_routed(to_host(pending.out.routed))
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - pending.t0
         return res
+
+    def _count_routed(self, now: np.ndarray) -> None:
+        """Adds the routed counts since the last read (the cache's counters
+        wrap at 2**32, so the difference modulo 2**32) to `routed`."""
+        now = now.astype(np.uint32)
+        if self._routed_seen is not None:
+            self.routed += (now - self._routed_seen).astype(np.int64)  # uint32: modulo 2**32
+        else:
+            self.routed = now.astype(np.int64)
+        self._routed_seen = now
 
     def forward(self, plan: StepPlan, key: ProgramKey | None = None) -> None:
         """Run `plan` for its K/V writes alone (program ("forward", key));

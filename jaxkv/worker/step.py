@@ -46,7 +46,8 @@ class StepOutput:
     activations show here instead of as a silent token 0); steps[] the model
     calls run (rows past it are zeros); logits [S, V] f32 of the last call;
     counts [S] the rows of each sequence that are its tokens (steps, or in
-    a verify step its accepted proposals plus one)."""
+    a verify step its accepted proposals plus one); routed [X] the cache's
+    wrapping routed counts after the step (a mixture of experts; else None)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -56,6 +57,7 @@ class StepOutput:
     steps: jax.Array
     logits: jax.Array
     counts: jax.Array
+    routed: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -128,7 +130,7 @@ def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *, kind: 
     out, cache = _step(nnx.merge(graphdef, state), cache, take_previous(batch, last), rng,
                        kind=kind, max_steps=max_steps, num_top_logprobs=num_top_logprobs,
                        attention=attention)
-    return out, cache, newest(out, last.shape[0])
+    return dataclasses.replace(out, routed=cache.routed), cache, newest(out, last.shape[0])
 
 
 def _step(model, cache: KVCache, batch: StepBatch, rng, *, kind: str, max_steps: int,

@@ -22,6 +22,8 @@ y != x. Greedy (temperature 0) is the special case "x equals the argmax".
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -47,7 +49,7 @@ def verify_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *,
     out, cache = _verify(nnx.merge(graphdef, state), cache, take_previous(batch, last), rng,
                          num_spec=num_spec, num_top_logprobs=num_top_logprobs,
                          attention=attention)
-    return out, cache, newest(out, last.shape[0])
+    return dataclasses.replace(out, routed=cache.routed), cache, newest(out, last.shape[0])
 
 
 def _verify(model, cache: KVCache, batch: StepBatch, rng, *, num_spec: int,

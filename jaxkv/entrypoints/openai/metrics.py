@@ -71,7 +71,13 @@ class ServerMetrics:
                                 m + ["finished_reason"], registry=r)
         self._errors = Counter("jaxkv:request_errors", "Requests refused or failed, by reason.",
                                m + ["reason"], registry=r)
+        self._routed = Counter("jaxkv:moe_routed_tokens", "Token choices routed to each expert of "
+                               "a mixture of experts, summed over layers (k per token per sparse "
+                               "layer; every row the model ran, rejected speculative rows "
+                               "included); a skewed router shows as a few large experts.",
+                               m + ["expert"], registry=r)
         self._seen = dict(queries=0, hits=0, preemptions=0, drafts=0, proposed=0, accepted=0)
+        self._routed_seen = None
 
     def error(self, reason: str) -> None:
         self._errors.labels(self.model_name, reason).inc()
@@ -97,6 +103,18 @@ class ServerMetrics:
             if now > self._seen[key]:
                 metric.inc(now - self._seen[key])
             self._seen[key] = now
+        self._count_routed(engine.runner.routed)
+
+    def _count_routed(self, routed) -> None:
+        if routed is None:
+            return
+        if self._routed_seen is None:  # every expert's series from the start, idle ones at 0
+            for x in range(len(routed)):
+                self._routed.labels(self.model_name, str(x))
+        seen = self._routed_seen if self._routed_seen is not None else 0 * routed
+        for x in (routed - seen).nonzero()[0]:
+            self._routed.labels(self.model_name, str(x)).inc(int(routed[x] - seen[x]))
+        self._routed_seen = routed.copy()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
