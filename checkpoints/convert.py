@@ -3,6 +3,8 @@
     python -m checkpoints.convert SRC DST [--dtype float32|bfloat16] [--overwrite]
                                   [--no-verify-checksums]
 
+It prints what it wrote: the parameters, a mixture of experts' expert
+parameters among them and those one token runs through, and the bytes.
 A bad source is one line on stderr ("error: ..." naming the file, field or
 tensor) and exit status 1, never a traceback.
 """
@@ -18,6 +20,21 @@ from checkpoints.jaxkv_format import save
 from checkpoints.dtypes import cast_params
 
 
+def summary(config, params) -> str:
+    """"N parameters[, E in X experts, A active per token], B bytes" of the
+    saved arrays (the active count from the planner)."""
+    from jaxkv.model.memory import active_param_count
+
+    total = sum(int(v.size) for v in params.values())
+    nbytes = sum(int(v.nbytes) for v in params.values())
+    X = getattr(config, "num_experts", 0)
+    if not X:
+        return f"{total:,} parameters, {nbytes:,} bytes"
+    experts = sum(int(v.size) for k, v in params.items() if ".experts_" in k)
+    return (f"{total:,} parameters, {experts:,} in {X} experts, "
+            f"{active_param_count(config):,} active per token, {nbytes:,} bytes")
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", *,
             overwrite: bool = False, progress: bool = True, verify_checksums: bool = True) -> Path:
     """Load ``src`` (any supported kind), cast to ``dtype`` and save it at
@@ -26,7 +43,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     config, params, tokenizer = load_checkpoint(src, dtype=dtype, progress=progress,
                                                 verify_checksums=verify_checksums)
     params = cast_params(params, dtype)
-    return save(dst, config, params, tokenizer, overwrite=overwrite)
+    out = save(dst, config, params, tokenizer, overwrite=overwrite)
+    if progress:
+        print(f"{out}: {summary(config, params)}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
