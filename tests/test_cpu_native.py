@@ -73,3 +73,26 @@ def test_switched_off_by_the_environment():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "JAXKV_NATIVE_CPU": "0"}, check=True)
     assert "JAXKV_NATIVE_CPU=0" in out.stdout
+
+
+@needs_native
+@pytest.mark.parametrize("m,k,g,n,idle", [(40, 64, 8, 96, (0, 5)), (9, 16, 4, 300, ()), (64, 8, 3, 5, (0, 1, 2))])
+def test_grouped_sgemm_matches_float64_per_group(m, k, g, n, idle):
+    """Each group's rows times its weights, idle groups and the rows past
+    the groups (zeros) included, against numpy float64."""
+    rng = np.random.default_rng(m + g)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((g, k, n), dtype=np.float32)
+    sizes = rng.multinomial(m - 3, np.ones(g) / g).astype(np.int32)
+    for i in idle:  # their rows go to the next busy group
+        sizes[(i + 1) % g] += sizes[i] if (i + 1) % g not in idle else 0
+        sizes[i] = 0
+    sizes = np.minimum(sizes, m)
+    got = np.asarray(jax.jit(cpu_gemm.grouped_matmul)(x, w, sizes))
+    want = np.zeros((m, n))
+    start = np.concatenate([[0], np.cumsum(sizes)])
+    for i in range(g):
+        a, b = start[i], min(start[i + 1], m)
+        want[a:b] = x[a:b].astype(np.float64) @ w[i].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    np.testing.assert_allclose(got, np.asarray(jax.lax.ragged_dot(x, w, sizes)), rtol=1e-5, atol=1e-4)

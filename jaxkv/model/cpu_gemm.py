@@ -37,7 +37,7 @@ def available() -> bool:
     from pallas_kernels import native
 
     return native.load("cpu_matmul", Path(__file__).with_name("cpu_matmul.cc"),
-                       ("sgemm", "block_matmul"))
+                       ("sgemm", "block_matmul", "grouped_sgemm"))
 
 
 def use_native(num_rows: int, platform: str | None, mesh) -> bool:
@@ -54,3 +54,15 @@ def matmul(x, w):
                          f"{x.dtype}{list(x.shape)} @ {w.dtype}{list(w.shape)}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call("jaxkv_sgemm", out)(x, w)
+
+
+def grouped_matmul(x, w, sizes):
+    """x [M, K] float32 rows sorted by group @ w [G, K, N] float32, group g
+    its next sizes[g] rows -> [M, N] float32, rows past the groups zero:
+    `jax.lax.ragged_dot`'s result, each group one sgemm (XLA's CPU lowering
+    multiplies every row by every group's weights and masks)."""
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"cpu_gemm.grouped_matmul takes float32 [M, K] @ [G, K, N], got "
+                         f"{x.dtype}{list(x.shape)} @ {w.dtype}{list(w.shape)}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+    return jax.ffi.ffi_call("jaxkv_grouped_sgemm", out)(x, w, sizes.astype(jnp.int32))

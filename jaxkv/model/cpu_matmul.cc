@@ -4,6 +4,11 @@
 // sgemm: float32 x [M, K] @ w [K, N] through MKL's sgemm (see
 // jaxkv/model/cpu_gemm.py for why and when it is used).
 //
+// grouped_sgemm: rows x [M, K] sorted by group, w [G, K, N], sizes [G]: group
+// g's rows times w[g], each piece (a group's rows, a slice of N) one sgemm,
+// the pieces over the threads; rows past the groups are zeros (a mixture of
+// experts' grouped matmul, jaxkv/model/moe.py, as jax.lax.ragged_dot).
+//
 // block_matmul: x @ W^T for a weight W [N, K] kept in its GGUF file's blocks, as shipped:
 // each row is K / V blocks of one type, V = 32 values (Q4_0, Q4_1, Q5_0, Q8_0) or a
 // 256-value K-quant super-block (Q4_K, Q5_K, Q6_K; K % 256 == 0), an XLA FFI
@@ -332,6 +337,48 @@ ffi::Error Sgemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBu
   return ffi::Error::Success();
 }
 
+// x [M, K] rows in groups of sizes [G] (sum <= M) @ w [G, K, N] -> y [M, N].
+ffi::Error GroupedSgemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> sizes,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  auto dx = x.dimensions();
+  auto dw = w.dimensions();
+  if (dx.size() != 2 || dw.size() != 3 || dx[1] != dw[1] || sizes.element_count() != size_t(dw[0])) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jaxkv_grouped_sgemm: x [M, K], w [G, K, N], sizes [G] expected");
+  }
+  const int M = dx[0], K = dx[1], G = dw[0], N = dw[2];
+  const int32_t* sz = sizes.typed_data();
+  std::vector<int> start(G + 1, 0);
+  for (int g = 0; g < G; ++g) start[g + 1] = start[g] + std::clamp(sz[g], 0, M - start[g]);
+  float* yp = y->typed_data();
+  std::memset(yp + int64_t(start[G]) * N, 0, sizeof(float) * int64_t(M - start[G]) * N);
+  std::vector<int> busy;
+  for (int g = 0; g < G; ++g)
+    if (start[g + 1] > start[g]) busy.push_back(g);
+  if (busy.empty() || N == 0) return ffi::Error::Success();
+  const int threads = omp_get_max_threads();
+  const int slices = std::max(1, std::min((N + 63) / 64, (4 * threads + int(busy.size()) - 1) /
+                                                            int(busy.size())));
+  const int width = (N + slices - 1) / slices;
+  const int pieces = int(busy.size()) * slices;
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+#pragma omp parallel num_threads(std::min(threads, pieces))
+  {
+    const int prev = MKL_Set_Num_Threads_Local(1);
+#pragma omp for schedule(dynamic, 1)
+    for (int p = 0; p < pieces; ++p) {
+      const int g = busy[p / slices], n0 = (p % slices) * width, n = std::min(N, n0 + width) - n0;
+      if (n <= 0) continue;
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, start[g + 1] - start[g], n, K, 1.0f,
+                  xp + int64_t(start[g]) * K, K, wp + int64_t(g) * K * N + n0, N, 0.0f,
+                  yp + int64_t(start[g]) * N + n0, N);
+    }
+    MKL_Set_Num_Threads_Local(prev);
+  }
+  return ffi::Error::Success();
+}
+
 // x [T, K] float32, w [N, K / block values * block bytes] uint8 (blocks of `type`) -> y [T, N].
 ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                        ffi::ResultBuffer<ffi::F32> y, int32_t type) {
@@ -376,3 +423,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(block_matmul, BlockMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("type"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(grouped_sgemm, GroupedSgemm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
