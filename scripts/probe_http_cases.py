@@ -59,8 +59,10 @@ def plan_probes(vocab: int) -> list[tuple]:
     err("logprobs: 'yes' chat", CH, {**M, "logprobs": "yes"}, "logprobs")
     err("top_logprobs: 1000", CH, {**M, "logprobs": True, "top_logprobs": 1000}, "top_logprobs", "logprobs")
     err("top_logprobs without logprobs", CH, {**M, "top_logprobs": 2}, "top_logprobs")
-    err("tools", CH, {**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")
-    err("tool_choice: auto", CH, {**M, "tool_choice": "auto"}, "tool_choice")
+    err("tools: bad schema", CH, {**M, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}}]},
+        "tools[0].function.parameters")
+    err("tool_choice: required, no tools", CH, {**M, "tool_choice": "required"}, "tool_choice")
     err("model: unknown", C, {**P, "model": "gpt-5"}, "model")
     err("prompt: nested 200 deep", C, {**P, "prompt": json.loads("[" * 200 + "1" + "]" * 200)}, "prompt")
     err("prompt: 1000 prompts", C, {**P, "prompt": ["hi"] * 1000}, "prompt")

@@ -176,7 +176,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 50}, "top_logprobs", 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, "tools", 400),
+                              "tools": [{"type": "function"}]}, "tools[0].function", 400),
     ("/detokenize", {"tokens": [-1]}, "tokens", 400),
     # Found by scripts/probe.py: once "tokens: must be a list of token ids" for a list body.
     ("/detokenize", [1, 2], None, 400),

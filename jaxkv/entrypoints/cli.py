@@ -177,6 +177,7 @@ def cmd_serve(a) -> int:
                  max_queued_requests=a.max_queued_requests or None,
                  shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
                  api_key=a.api_key, enable_kv_map=a.enable_kv_map,
+                 tool_call_parser=a.tool_call_parser,
                  log_level="info" if a.verbose else "warning")
 
 
@@ -236,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="every endpoint but /health needs 'Authorization: Bearer KEY' (401 "
                         "otherwise); default: $JAXKV_API_KEY if set, else no key")
+    s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how tool calls are read from answers (default: by the model's chat "
+                        "template: llama3_json where it speaks Llama 3's, else hermes)")
     s.add_argument("--enable-kv-map", action="store_true",
                    help="serve the live KV page map (GET / and /v1/kv_map): it shows every "
                         "running request's length and timing to whoever may read it")

@@ -16,6 +16,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from jaxkv.entrypoints.openai import tools as tools_mod
 from jaxkv.entrypoints.openai.engine_loop import QueueFull, ShuttingDown
 from jaxkv.entrypoints.openai.prepare import Context, Item, chat_items, completion_items
 from jaxkv.entrypoints.openai.protocol import APIError
@@ -74,6 +75,12 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
             idx = i * it.params.n + c.index
             if chat:
                 choice = fmt.chat_choice(idx, c, logprobs=lps)
+                if it.tools is not None:
+                    content, calls = tools_mod.parse(c.text, it.tools)
+                    if calls:
+                        choice["message"].update(content=content, tool_calls=calls)
+                        if c.finish_reason == "stop":
+                            choice["finish_reason"] = "tool_calls"
             else:
                 text = ((it.text or "") if echo else "") + c.text
                 choice = fmt.completion_choice(idx, c, text=text, logprobs=lps, final=True)
@@ -128,6 +135,8 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
               for i, it in enumerate(items) for k in range(it.params.n)}
     generated = [0] * len(items)
     cached = [0] * len(items)
+    parsers = {(i, k): tools_mod.StreamParser(it.tools) for i, it in enumerate(items)
+               if chat and it.tools is not None for k in range(it.params.n)}
 
     def chunk(choices):
         return sse(fmt.envelope(rid, obj, created, choices, with_usage=include_usage))
@@ -164,7 +173,21 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
                 if not (c.delta_text or lps or done or with_ids and c.delta_token_ids):
                     continue
                 idx = i * items[i].params.n + c.index
-                if chat:
+                if chat and key in parsers:  # content and tool calls apart
+                    p = parsers[key]
+                    content, calls = p.feed(c.delta_text, done)
+                    for d in calls:  # each call: its id and name, then its arguments
+                        yield chunk([{"index": idx, "delta": {"tool_calls": [d]}, "logprobs": None,
+                                      "finish_reason": None}])
+                    finish = c.finish_reason
+                    if p.calls and finish == "stop":
+                        finish = "tool_calls"
+                    if not (content or lps or done):
+                        continue
+                    choice = {"index": idx, "delta": {"content": content} if content else {},
+                              "logprobs": lps, "finish_reason": finish if done else None,
+                              "stop_reason": c.stop_reason if done else None}
+                elif chat:
                     choice = {"index": idx,
                               "delta": {"content": c.delta_text} if c.delta_text else {},
                               "logprobs": lps, "finish_reason": c.finish_reason if done else None,

@@ -20,6 +20,7 @@ from jaxkv.core.sampling_params import SamplingParams, is_unicode
 from jaxkv.entrypoints.openai.protocol import (APIError, chat_messages, check_common,
                                                completion_prompts, from_value_error,
                                                sampling_params)
+from jaxkv.entrypoints.openai import tools as tools_mod
 from jaxkv.entrypoints.openai.responses import now
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -32,6 +33,16 @@ class Context:
     fmt: object  # Formatter
     served: list[str]
     created: int = dataclasses.field(default_factory=now)
+    tool_parser: str | None = None  # None: by the model's family (`tool_parser`)
+
+    def parser(self) -> str:
+        """The tool-call format: as configured, else Llama 3's JSON for a
+        template that speaks it, else hermes blocks (Qwen's, and the fallback's)."""
+        if self.tool_parser:
+            return self.tool_parser
+        tok = self.engine.tokenizer
+        template = getattr(tok, "chat_template", None) or ""
+        return "llama3_json" if "<|python_tag|>" in template else "hermes"
 
 
 @dataclasses.dataclass
@@ -41,6 +52,7 @@ class Item:
     text: str | None  # the prompt text (echo, chat)
     ids: list[int]
     params: SamplingParams
+    tools: tools_mod.Tools | None = None  # a chat request's tools
 
 
 def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -99,7 +111,7 @@ def _prepare(ctx: Context, prompt, params: SamplingParams, salt, rename, echo: b
     return Item(text, ids, params)
 
 
-def render_chat(ctx: Context, messages: list[dict], body: dict) -> str:
+def render_chat(ctx: Context, messages: list[dict], body: dict, tools=None) -> str:
     tok = ctx.engine.tokenizer
     if tok is None or not tok.chat_template:
         raise APIError("messages: this model has no chat template; use /v1/completions",
@@ -111,9 +123,11 @@ def render_chat(ctx: Context, messages: list[dict], body: dict) -> str:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise APIError("chat_template_kwargs: must be an object", "chat_template_kwargs")
+    messages, extra = tools_mod.for_template(messages, tools,
+                                             tools_mod.template_renders_tools(tok.chat_template))
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=body.get(
-            "add_generation_prompt", True), **kwargs)
+            "add_generation_prompt", True), **{**extra, **kwargs})
     except (ValueError, TypeError) as e:
         raise APIError(f"messages: the chat template refused them ({e})", "messages") from None
 
@@ -133,8 +147,14 @@ def completion_items(ctx: Context, body) -> tuple[list[Item], bool]:
 def chat_items(ctx: Context, body) -> list[Item]:
     """The engine request of a /v1/chat/completions body."""
     check_common(body, chat=True, served=ctx.served)
-    text = render_chat(ctx, chat_messages(body), body)
+    tools = tools_mod.check_tools(body, ctx.parser())
+    text = render_chat(ctx, chat_messages(body), body, tools)
     params = sampling_params(body, chat=True, default_max_tokens=None)
+    if tools is not None and tools.forced:  # the answer is calls: a grammar makes sure
+        if params.structured_outputs is not None:
+            raise APIError("tool_choice: a forced tool call cannot be combined with "
+                           "response_format or structured outputs", "tool_choice")
+        params = dataclasses.replace(params, structured_outputs={"grammar": tools_mod.grammar(tools)})
     rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
     if body.get("max_completion_tokens") is not None:
         rename["max_tokens"] = "max_completion_tokens"
@@ -142,6 +162,7 @@ def chat_items(ctx: Context, body) -> list[Item]:
     item = _prepare(ctx, {"prompt_token_ids": ids}, params, body.get("cache_salt"), rename,
                     echo=False)
     item.text = text
+    item.tools = tools
     return [item]
 
 

@@ -114,11 +114,6 @@ def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
     for name in ("max_tokens", "max_completion_tokens"):
         _check_type(body, name, int, "an integer")
     if chat:
-        if body.get("tools"):
-            raise APIError("tools: tool calling is not supported by this server", "tools")
-        if body.get("tool_choice") not in (None, "none"):
-            raise APIError("tool_choice: tool calling is not supported by this server",
-                           "tool_choice")
         _check_type(body, "add_generation_prompt", bool, "true or false")
     else:
         if body.get("suffix") is not None:
@@ -174,7 +169,9 @@ def completion_prompts(body: dict) -> list[Any]:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """`messages` checked and with text parts joined: [{"role", "content"}]."""
+    """`messages` checked and with text parts joined: [{"role", "content"}],
+    an assistant's `tool_calls` (arguments parsed) and a tool result's
+    `tool_call_id` kept."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError("messages: must be a non-empty list of messages", "messages")
@@ -199,5 +196,41 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(f"messages[{i}].content: must be a string or a list of text parts",
                            f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+        msg = {"role": m["role"], "content": content}
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise APIError(f"messages[{i}].tool_call_id: a tool message needs the id of the "
+                               "call it answers", f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("tool_calls") and m["role"] == "assistant":
+            msg["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                                 for j, c in enumerate(_list(m["tool_calls"],
+                                                             f"messages[{i}].tool_calls"))]
+        out.append(msg)
     return out
+
+
+def _list(v, where: str) -> list:
+    if not isinstance(v, list):
+        raise APIError(f"{where}: must be a list", where)
+    return v
+
+
+def _tool_call(c, where: str) -> dict:
+    """An assistant message's tool call, its arguments parsed from JSON."""
+    import json
+
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise APIError(f"{where}: must be {{'id', 'type': 'function', 'function': {{'name', "
+                       f"'arguments'}}}}", where)
+    args = f.get("arguments", "{}")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        raise APIError(f"{where}.function.arguments: not valid JSON", f"{where}.function.arguments") from None
+    if not isinstance(parsed, dict):
+        raise APIError(f"{where}.function.arguments: must be a JSON object",
+                       f"{where}.function.arguments")
+    return {"id": c.get("id") or "", "type": "function",
+            "function": {"name": f["name"], "arguments": parsed}}

@@ -1,0 +1,183 @@
+"""Tool calling on /v1/chat/completions (`jaxkv.entrypoints.openai.tools`)
+with the real `openai` client, on a random 2-layer model that has SmolLM2's
+real tokenizer and chat template (which does not render tools: the
+documented fallback): forced calls (named, required, parallel) whose
+arguments validate against their schemas, streamed deltas reassembling to
+the non-streamed call, a tool result sent back and answered, bad tool
+fields answered 400 naming the field while the server goes on; the parsers
+on scripted answers ("auto")."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from jaxkv.entrypoints.openai import tools as T
+from jaxkv.entrypoints.openai.protocol import chat_messages
+from tests.serve_utils import ThreadServer, post
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"],
+    "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+         "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+ASK = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from probe_common import make_tiny_model
+
+    from jaxkv.core.engine import LLMEngine
+    from jaxkv.entrypoints.openai.server import build_app
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tools") / "model")
+    eng = LLMEngine.from_pretrained(str(path), num_pages=64, page_size=16, max_num_seqs=4,
+                                    warmup=False)
+    srv = ThreadServer(build_app(eng, ["tiny"]))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _check_calls(calls, names=None):
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_")
+        assert names is None or c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+def test_named_tool_choice_forces_a_valid_call_and_the_stream_reassembles_to_it(client):
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert len(ch.message.tool_calls) == 1
+    _check_calls(ch.message.tool_calls, {"get_weather"})
+    # Streamed: the call's id and name first, then its arguments; the same call.
+    calls, order, finish = {}, [], None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        for tc in d.tool_calls or []:
+            e = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            if tc.id:
+                order.append("id")
+                e["id"], e["name"] = tc.id, tc.function.name
+            if tc.function and tc.function.arguments:
+                order.append("arguments")
+                e["arguments"] += tc.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and order[0] == "id" and list(calls) == [0]
+    want = ch.message.tool_calls[0].function
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (want.name, json.loads(want.arguments))
+
+
+def test_required_may_call_several_tools_each_valid(client):
+    done = 0
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200,
+                                           tool_choice="required", temperature=1.0, seed=seed)
+        ch = r.choices[0]
+        if ch.finish_reason == "length":  # a random model may keep calling past the budget
+            continue
+        assert ch.finish_reason == "tool_calls"
+        _check_calls(ch.message.tool_calls, set(SCHEMAS))
+        done += 1
+    assert done
+
+
+def test_a_tool_result_sent_back_is_rendered_and_answered(server, client):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}}
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > 0
+    # What the model read: the fallback's tool list, the call and its result.
+    msgs2, _ = T.for_template(chat_messages({"messages": msgs}), None, native=False)
+    assert msgs2[1]["content"].startswith("<tool_call>\n{\"name\": \"get_weather\"")
+    assert msgs2[2] == {"role": "user", "content": "<tool_response>\nsunny, 21 C\n</tool_response>"}
+
+
+@pytest.mark.parametrize("edit, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "get_time", "arguments": "{not json"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_fields_are_400s_naming_the_field(server, client, edit, param):
+    status, body = post(server.port, "/v1/chat/completions",
+                        {"model": "tiny", "messages": ASK, "max_tokens": 2, **edit})
+    assert status == 400 and body["error"]["param"] == param, body
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+
+
+def _tools(parser="hermes", parallel=True):
+    return T.check_tools({"tools": TOOLS, "parallel_tool_calls": parallel}, parser)
+
+
+def test_auto_parses_what_the_model_wrote():
+    text = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    content, calls = T.parse(text, _tools())
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Lima", "days": 2}), ("get_time", {"zone": "UTC"})]
+    assert len(T.parse(text, _tools(parallel=False))[1]) == 1
+    # Not a call: broken JSON, an unknown function: content, never an error.
+    for bad in ('<tool_call>{"name": "get_weather", </tool_call>',
+                '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "plain words"):
+        assert T.parse(bad, _tools()) == (bad, [])
+    content, calls = T.parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; '
+                             '{"name": "get_weather", "parameters": {"city": "Paris", "days": 1}}',
+                             _tools("llama3_json"))
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert T.parse('{"name": "get_time"} is JSON', _tools("llama3_json"))[1] == []
+
+
+def test_the_stream_parser_holds_back_only_what_may_be_a_call():
+    text = ('Sure <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> and <to'
+            'ol maybe> <tool_call>{"broken</tool_call> done')
+    want_content, want_calls = T.parse(text, _tools())
+    for step in (1, 3, 7, len(text)):
+        p = T.StreamParser(_tools())
+        content, deltas = "", []
+        pieces = [text[i:i + step] for i in range(0, len(text), step)]
+        for j, piece in enumerate(pieces):
+            c, d = p.feed(piece, j == len(pieces) - 1)
+            content += c
+            deltas += d
+        assert " ".join(content.split()) == " ".join(want_content.split())
+        assert [d["function"]["name"] for d in deltas if "id" in d] == ["get_time"]
+        assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"zone": "UTC"}
+    assert len(want_calls) == 1
