@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Annotated, Literal  # noqa: F401 - the agent's tool signature (postponed annotations)
 
 import jsonschema
 import openai
 import pytest
+from pydantic import Field  # noqa: F401 - as above
 
 from jaxkv.entrypoints.openai import tools as T
 from jaxkv.entrypoints.openai.protocol import chat_messages
@@ -181,3 +183,31 @@ def test_the_stream_parser_holds_back_only_what_may_be_a_call():
         assert [d["function"]["name"] for d in deltas if "id" in d] == ["get_time"]
         assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"zone": "UTC"}
     assert len(want_calls) == 1
+
+
+def test_the_openai_agents_sdk_runs_its_loop_against_the_server(server):
+    """The OpenAI Agents SDK's own Runner, its chat-completions model pointed
+    at the server: the forced call reaches the Python function, whose
+    return value ends the run (deterministic: a forced choice, greedy)."""
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)  # nothing leaves this machine
+    seen = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Tokyo"], days: Annotated[int, Field(ge=1, le=7)]) -> str:
+        """The forecast for a city."""
+        seen.append((city, days))
+        return f"sunny in {city} for {days} days"
+
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    agent = Agent(name="forecaster", instructions="Answer with the tools.", tools=[get_weather],
+                  model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+                  model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=64),
+                  tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    assert len(seen) == 1 and seen[0][0] in ("Paris", "Tokyo") and 1 <= seen[0][1] <= 7
+    assert result.final_output == f"sunny in {seen[0][0]} for {seen[0][1]} days"
