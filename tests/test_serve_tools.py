@@ -5,7 +5,8 @@ documented fallback): forced calls (named, required, parallel) whose
 arguments validate against their schemas, streamed deltas reassembling to
 the non-streamed call, a tool result sent back and answered, bad tool
 fields answered 400 naming the field while the server goes on; the parsers
-on scripted answers ("auto")."""
+on scripted answers ("auto"); the OpenAI Agents SDK's loop; reasoning
+(`<think>`, written by a regex the answer is held to) in reasoning_content."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def server(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tools") / "model")
     eng = LLMEngine.from_pretrained(str(path), num_pages=64, page_size=16, max_num_seqs=4,
                                     warmup=False)
-    srv = ThreadServer(build_app(eng, ["tiny"]))
+    srv = ThreadServer(build_app(eng, ["tiny"], reasoning_parser="qwen3"))
     yield srv
     srv.stop()
 
@@ -211,3 +212,23 @@ def test_the_openai_agents_sdk_runs_its_loop_against_the_server(server):
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
     assert len(seen) == 1 and seen[0][0] in ("Paris", "Tokyo") and 1 <= seen[0][1] <= 7
     assert result.final_output == f"sunny in {seen[0][0]} for {seen[0][1]} days"
+
+
+def test_thinking_goes_to_reasoning_content_streamed_or_not(client):
+    from jaxkv.entrypoints.openai.reasoning import Reasoning
+
+    kw = dict(model="tiny", messages=ASK, max_tokens=40, temperature=0,
+              extra_body={"structured_outputs": {"regex": "<think>\nthe (cache|model) is (big|small)\n</think>\n\n(yes|no)"}})
+    m = client.chat.completions.create(**kw).choices[0].message
+    thinking = m.model_extra["reasoning_content"]
+    assert thinking.startswith("the ") and thinking.endswith("\n") and m.content in ("yes", "no")
+    got = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for k in got:
+            got[k] += (chunk.choices[0].delta.model_extra.get(k) if k == "reasoning_content"
+                       else chunk.choices[0].delta.content) or "" if chunk.choices else ""
+    assert got == {"reasoning_content": thinking, "content": m.content}
+    # Without a <think> the answer is all content; DeepSeek-R1's way starts inside.
+    assert Reasoning("qwen3", "").split("plain") == (None, "plain")
+    assert Reasoning("deepseek_r1", "").split("hmm</think>ok") == ("hmm", "ok")
+    assert Reasoning("qwen3", "<|im_start|>assistant\n<think>\n").split("a</think>b") == ("a", "b")

@@ -177,7 +177,7 @@ def cmd_serve(a) -> int:
                  max_queued_requests=a.max_queued_requests or None,
                  shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
                  api_key=a.api_key, enable_kv_map=a.enable_kv_map,
-                 tool_call_parser=a.tool_call_parser,
+                 tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
                  log_level="info" if a.verbose else "warning")
 
 
@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="how tool calls are read from answers (default: by the model's chat "
                         "template: llama3_json where it speaks Llama 3's, else hermes)")
+    s.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                   help="put the <think>...</think> part of answers in reasoning_content")
     s.add_argument("--enable-kv-map", action="store_true",
                    help="serve the live KV page map (GET / and /v1/kv_map): it shows every "
                         "running request's length and timing to whoever may read it")

@@ -20,6 +20,7 @@ from jaxkv.entrypoints.openai import tools as tools_mod
 from jaxkv.entrypoints.openai.engine_loop import QueueFull, ShuttingDown
 from jaxkv.entrypoints.openai.prepare import Context, Item, chat_items, completion_items
 from jaxkv.entrypoints.openai.protocol import APIError
+from jaxkv.entrypoints.openai.reasoning import Reasoning
 from jaxkv.entrypoints.openai.responses import now, sse, usage
 
 log = logging.getLogger("jaxkv.serve")
@@ -75,8 +76,12 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
             idx = i * it.params.n + c.index
             if chat:
                 choice = fmt.chat_choice(idx, c, logprobs=lps)
+                text = c.text
+                if ctx.reasoning_parser:
+                    thinking, text = Reasoning(ctx.reasoning_parser, it.text or "").split(text)
+                    choice["message"].update(content=text, reasoning_content=thinking)
                 if it.tools is not None:
-                    content, calls = tools_mod.parse(c.text, it.tools)
+                    content, calls = tools_mod.parse(text, it.tools)
                     if calls:
                         choice["message"].update(content=content, tool_calls=calls)
                         if c.finish_reason == "stop":
@@ -137,6 +142,8 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
     cached = [0] * len(items)
     parsers = {(i, k): tools_mod.StreamParser(it.tools) for i, it in enumerate(items)
                if chat and it.tools is not None for k in range(it.params.n)}
+    thinkers = {(i, k): Reasoning(ctx.reasoning_parser, it.text or "") for i, it in enumerate(items)
+                if chat and ctx.reasoning_parser for k in range(it.params.n)}
 
     def chunk(choices):
         return sse(fmt.envelope(rid, obj, created, choices, with_usage=include_usage))
@@ -173,24 +180,24 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
                 if not (c.delta_text or lps or done or with_ids and c.delta_token_ids):
                     continue
                 idx = i * items[i].params.n + c.index
-                if chat and key in parsers:  # content and tool calls apart
-                    p = parsers[key]
-                    content, calls = p.feed(c.delta_text, done)
+                if chat:  # reasoning, content and tool calls apart where parsers are on
+                    thinking, content = (thinkers[key].feed(c.delta_text, done) if key in thinkers
+                                         else ("", c.delta_text))
+                    calls, finish = [], c.finish_reason
+                    if key in parsers:
+                        content, calls = parsers[key].feed(content, done)
+                        if parsers[key].calls and finish == "stop":
+                            finish = "tool_calls"
                     for d in calls:  # each call: its id and name, then its arguments
                         yield chunk([{"index": idx, "delta": {"tool_calls": [d]}, "logprobs": None,
                                       "finish_reason": None}])
-                    finish = c.finish_reason
-                    if p.calls and finish == "stop":
-                        finish = "tool_calls"
-                    if not (content or lps or done):
+                    delta = {"reasoning_content": thinking} if thinking else {}
+                    if content:
+                        delta["content"] = content
+                    if not (delta or lps or done or with_ids and c.delta_token_ids):
                         continue
-                    choice = {"index": idx, "delta": {"content": content} if content else {},
-                              "logprobs": lps, "finish_reason": finish if done else None,
-                              "stop_reason": c.stop_reason if done else None}
-                elif chat:
-                    choice = {"index": idx,
-                              "delta": {"content": c.delta_text} if c.delta_text else {},
-                              "logprobs": lps, "finish_reason": c.finish_reason if done else None,
+                    choice = {"index": idx, "delta": delta, "logprobs": lps,
+                              "finish_reason": finish if done else None,
                               "stop_reason": c.stop_reason if done else None}
                 else:
                     choice = fmt.completion_choice(idx, c, text=c.delta_text, logprobs=lps,

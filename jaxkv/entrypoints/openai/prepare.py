@@ -34,6 +34,7 @@ class Context:
     served: list[str]
     created: int = dataclasses.field(default_factory=now)
     tool_parser: str | None = None  # None: by the model's family (`tool_parser`)
+    reasoning_parser: str | None = None  # jaxkv.entrypoints.openai.reasoning (None: off)
 
     def parser(self) -> str:
         """The tool-call format: as configured, else Llama 3's JSON for a

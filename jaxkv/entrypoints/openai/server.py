@@ -36,6 +36,7 @@ from jaxkv.entrypoints.openai.guard import (DEFAULT_MAX_REQUEST_BYTES, Guard,
                                             install_error_handlers, read_json)
 from jaxkv.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jaxkv.entrypoints.openai.responses import Formatter
+from jaxkv.entrypoints.openai.reasoning import PARSERS as REASONING
 from jaxkv.entrypoints.openai.tools import PARSERS
 
 log = logging.getLogger("jaxkv.serve")
@@ -43,7 +44,8 @@ log = logging.getLogger("jaxkv.serve")
 
 def build_app(engine, served_model_names: list[str], *, max_queued_requests: int | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
-              enable_kv_map: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_kv_map: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app and its engine loop (`app.state.engine_loop`); the loop starts
     and stops with the app's lifespan. `max_request_bytes`: the largest body
     accepted (413 beyond). `api_key`: when set, what every endpoint but
@@ -56,8 +58,11 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser: {tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING:
+        raise ValueError(f"reasoning_parser: {reasoning_parser!r} is not one of {', '.join(REASONING)}")
     ctx = prepare.Context(engine, loop, Formatter(engine.tokenizer, served_model_names[0]),
-                          list(served_model_names), tool_parser=tool_call_parser)
+                          list(served_model_names), tool_parser=tool_call_parser,
+                          reasoning_parser=reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -164,12 +169,13 @@ def serve(engine, served_model_names: list[str], *, host: str = "127.0.0.1", por
           max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
           enable_kv_map: bool = False, log_level: str = "info",
-          tool_call_parser: str | None = None) -> int:
+          tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status (0).
     `api_key` None reads $JAXKV_API_KEY."""
     app = build_app(engine, served_model_names, max_queued_requests=max_queued_requests,
                     max_request_bytes=max_request_bytes, api_key=resolve_api_key(api_key),
-                    enable_kv_map=enable_kv_map, tool_call_parser=tool_call_parser)
+                    enable_kv_map=enable_kv_map, tool_call_parser=tool_call_parser,
+                    reasoning_parser=reasoning_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(shutdown_timeout) + 5)
     # uvicorn re-raises the signal it stopped on once it is done; with this
