@@ -41,9 +41,9 @@ def _with_ids(ctx: Context, body: dict) -> bool:
     return bool(body.get("return_token_ids")) or ctx.engine.tokenizer is None
 
 
-async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *, chat: bool,
-               echo: bool):
-    q: asyncio.Queue = asyncio.Queue()
+def submit_items(ctx: Context, items: list[Item], body: dict, q: asyncio.Queue) -> list:
+    """Hand `items` to the engine loop, outputs to `q` by index; all or none
+    (429 when the queue is full, 503 while shutting down)."""
     streams = []
     try:
         for i, it in enumerate(items):
@@ -55,6 +55,13 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
         if isinstance(e, QueueFull):
             raise APIError(str(e), None, 429, "RateLimitError") from None
         raise APIError(str(e), None, 503, "ServiceUnavailableError") from None
+    return streams
+
+
+async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *, chat: bool,
+               echo: bool):
+    q: asyncio.Queue = asyncio.Queue()
+    streams = submit_items(ctx, items, body, q)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if body.get("stream"):
         return StreamingResponse(_stream(ctx, rid, body, items, streams, q, chat, echo),

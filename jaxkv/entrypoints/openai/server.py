@@ -30,7 +30,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from jaxkv.entrypoints.openai import generate, kv_map, prepare
+from jaxkv.entrypoints.openai import generate, kv_map, prepare, responses_api
+from jaxkv.entrypoints.openai.protocol import APIError
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
 from jaxkv.entrypoints.openai.guard import (DEFAULT_MAX_REQUEST_BYTES, Guard,
                                             install_error_handlers, read_json)
@@ -89,6 +90,25 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate.chat(ctx, request, await body(request))
+
+    store = responses_api.Store()
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request):
+        return await responses_api.create(ctx, store, request, await body(request))
+
+    @app.get("/v1/responses/{rid}")
+    async def responses_get(rid: str):
+        got = store.get(rid)
+        if got is None:
+            raise APIError(f"response_id: no stored response {rid!r}", "response_id", 404, "NotFoundError")
+        return got[0]
+
+    @app.delete("/v1/responses/{rid}")
+    async def responses_delete(rid: str):
+        if not store.delete(rid):
+            raise APIError(f"response_id: no stored response {rid!r}", "response_id", 404, "NotFoundError")
+        return {"id": rid, "object": "response", "deleted": True}
 
     @app.get("/v1/models")
     async def models():
