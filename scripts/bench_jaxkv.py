@@ -37,10 +37,11 @@ class JaxkvBench:
 
     def __init__(self, model: str, sizes, meter: CompileMeter, quantize: str | None = None,
                  tensor_parallel_size: int = 1, *, share: "JaxkvBench | None" = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, engine_options: dict | None = None):
         """`max_num_batched_tokens`: an engine for lone prompts (one
         sequence a step) with this token budget instead of the default;
-        `share`: reuse that bench's weights and tokenizer, not a new load."""
+        `share`: reuse that bench's weights and tokenizer, not a new load;
+        `engine_options`: more EngineConfig fields (enable_expert_parallel, ...)."""
         import jax
 
         from bench_common import e2e_lengths
@@ -62,6 +63,7 @@ class JaxkvBench:
         kw = dict(page_size=ps, num_pages=need + 2, quantize=quantize, **blocks,
                   max_num_seqs=max(64, *sizes.decode_batches),
                   tensor_parallel_size=tensor_parallel_size)
+        kw.update(engine_options or {})
         if max_num_batched_tokens is not None:
             kw.update(num_pages=longest + 2, max_num_seqs=1,
                       max_num_batched_tokens=max_num_batched_tokens)
