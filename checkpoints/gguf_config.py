@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from checkpoints.model_config import _REQUIRED, _eos_tuple, _num, _token_id
+from checkpoints.hf_fields import _REQUIRED, _num
+from checkpoints.model_config import _eos_tuple, _token_id
 from jaxkv.model_config import ModelConfig, RopeScaling
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",

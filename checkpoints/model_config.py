@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from checkpoints.hf_fields import _bool, _num
+from checkpoints.moe_config import moe_fields
 from jaxkv.model_config import LAYER_TYPES, ModelConfig, RopeScaling
 
 # Hugging Face `architectures` / `model_type` values we can run: all are the
@@ -28,45 +30,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # `model_type` -> jaxkv architecture, read when `architectures` is absent.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                   "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
-                  "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}
-
-
-_REQUIRED = object()
-
-
-def _num(cfg: Mapping[str, Any], key: str, kind, default=_REQUIRED, *, name: str | None = None,
-         positive: bool = False):
-    """cfg[key] as `kind` (int or float), `default` when it is absent or
-    null; ValueError naming the key (or `name`) when required and missing,
-    not a number, or (`positive`) not a positive finite number. Only an
-    absent value gets the default: a present but invalid one is an error."""
-    name = name or key
-    v = cfg.get(key)
-    if v is None:
-        if default is _REQUIRED:
-            raise ValueError(f"{name}: missing from config")
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-            kind is int and isinstance(v, float) and not v.is_integer()):
-        raise ValueError(f"{name}: must be {'an integer' if kind is int else 'a number'}, "
-                         f"got {str(v)[:80]}")
-    if positive and not 0 < v < math.inf:  # NaN fails the comparison too
-        raise ValueError(f"{name}: must be a positive {'integer' if kind is int else 'finite number'}, "
-                         f"got {v!r}")
-    return kind(v)
-
-
-def _bool(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    v = cfg.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ValueError(f"{key}: must be true or false, got {str(v)[:80]}")
-    return v
+                  "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
 
 
 def _object(cfg: Mapping[str, Any], key: str) -> dict | None:
@@ -108,12 +77,30 @@ def _rope_scaling_from_hf(rs: Mapping[str, Any] | None, where: str) -> RopeScali
 
     if kind == "linear":
         return RopeScaling(factor=field("factor"), rope_type="linear")
+    if kind == "yarn":
+        return _yarn(rs, where, field)
     if kind != "llama3":
         raise ValueError(f"{where}: unsupported rope_type {kind!r} "
-                         "(supported: 'llama3', 'linear')")
+                         "(supported: 'llama3', 'linear', 'yarn')")
     return RopeScaling(factor=field("factor"), low_freq_factor=field("low_freq_factor"),
                        high_freq_factor=field("high_freq_factor"),
                        original_max_position_embeddings=field("original_max_position_embeddings", int))
+
+
+def _yarn(rs: Mapping[str, Any], where: str, field) -> RopeScaling:
+    """YaRN's fields; its cos / sin factor `attention_factor` when given,
+    else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both
+    are, else mscale(factor) = 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+    factor = field("factor")
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    beta = {k: _num(rs, k, float, d, name=f"{where}.{k}", positive=True) for k, d in (("beta_fast", 32.0), ("beta_slow", 1.0))}
+    attn = _num(rs, "attention_factor", float, None, name=f"{where}.attention_factor", positive=True)
+    if attn is None:
+        m, m_all = (_num(rs, k, float, None, name=f"{where}.{k}") for k in ("mscale", "mscale_all_dim"))
+        attn = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+    return RopeScaling(factor=factor, rope_type="yarn", attention_factor=attn,
+                       original_max_position_embeddings=field("original_max_position_embeddings", int),
+                       truncate=_bool(rs, "truncate", True, name=f"{where}.truncate"), **beta)
 
 
 def _family(cfg: Mapping[str, Any]) -> str:
@@ -153,7 +140,7 @@ def _rope(cfg: Mapping[str, Any], arch: str) -> tuple[float, RopeScaling | None,
     type); 4.x wrote "rope_theta" and "rope_scaling" at the top level, and
     Gemma 3's "rope_local_base_freq"."""
     rope = _object(cfg, "rope_parameters") or {}
-    default_theta = 1e6 if arch == "gemma3" else 10000.0
+    default_theta = {"gemma3": 1e6, "gpt_oss": 150000.0}.get(arch, 10000.0)
     local = None
     if set(rope) & {"full_attention", "sliding_attention"}:  # keyed by layer type
         extra = sorted(set(rope) - {"full_attention", "sliding_attention"})
@@ -197,7 +184,7 @@ def _layer_types(cfg: Mapping[str, Any], arch: str, num_layers: int, window: int
             raise ValueError(f"layer_types: must be a list of {num_layers} of {list(LAYER_TYPES)}, "
                              f"got {str(given)[:80]}")
         return tuple(given) if window is not None or "sliding_attention" not in given else ()
-    if arch == "gemma2":
+    if arch in ("gemma2", "gpt_oss"):
         return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))
     if arch == "gemma3":
         n = _num(cfg, "sliding_window_pattern", int, None, positive=True)
@@ -210,27 +197,6 @@ def _layer_types(cfg: Mapping[str, Any], arch: str, num_layers: int, window: int
         last = _num(cfg, "max_window_layers", int, 28)
         return tuple("sliding_attention" if (i + 1) % 2 and i < last else "full_attention" for i in range(num_layers))
     return ()
-
-
-def _moe(cfg: Mapping[str, Any], arch: str, num_layers: int, intermediate: int) -> dict:
-    """The mixture-of-experts fields (none for a dense family): Mixtral's
-    experts in every layer, renormalized; Qwen's sparse where the layer is
-    not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0."""
-    if arch not in ("qwen3_moe", "qwen2_moe", "mixtral"):
-        return {}
-    key = "num_local_experts" if arch == "mixtral" or cfg.get("num_experts") is None else "num_experts"
-    out = dict(num_experts=_num(cfg, key, int, positive=True),
-               num_experts_per_tok=_num(cfg, "num_experts_per_tok", int, positive=True))
-    if arch == "mixtral":
-        return dict(out, moe_intermediate_size=intermediate, norm_topk_prob=True)
-    step = _num(cfg, "decoder_sparse_step", int, 1, positive=True)
-    only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise ValueError(f"mlp_only_layers: must be a list of layer indices, got {str(only)[:80]}")
-    shared = _num(cfg, "shared_expert_intermediate_size", int, positive=True) if arch == "qwen2_moe" else 0
-    return dict(out, moe_intermediate_size=_num(cfg, "moe_intermediate_size", int, positive=True),
-                norm_topk_prob=_bool(cfg, "norm_topk_prob"), shared_expert_intermediate_size=shared,
-                sparse_layers=tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers)))
 
 
 def _activation(cfg: Mapping[str, Any], arch: str) -> str:
@@ -272,9 +238,9 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         if _bool(cfg, "use_sliding_window"):
             window = _num(cfg, "sliding_window", int, None, positive=True)
     else:
-        bias = out_bias = _bool(cfg, "attention_bias")
-        if arch in ("mistral", "mixtral") or gemma:
-            window = _num(cfg, "sliding_window", int, 4096 if gemma else None, positive=True)
+        bias = out_bias = _bool(cfg, "attention_bias", arch == "gpt_oss")
+        if arch in ("mistral", "mixtral", "gpt_oss") or gemma:
+            window = _num(cfg, "sliding_window", int, 128 if arch == "gpt_oss" else 4096 if gemma else None, positive=True)
     if _bool(cfg, "mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
     if _bool(cfg, "use_bidirectional_attention"):
@@ -316,5 +282,6 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         query_pre_attn_scalar=(_num(cfg, "query_pre_attn_scalar", float, 256.0, positive=True)
                                if gemma else None),
         **caps,
-        **_moe(cfg, arch, num_layers, intermediate),
+        attention_sinks=arch == "gpt_oss",
+        **moe_fields(cfg, arch, num_layers, intermediate),
     )

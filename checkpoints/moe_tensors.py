@@ -15,7 +15,16 @@ per layer by the names present:
 The router is ``mlp.gate.weight`` (Mixtral per expert:
 ``block_sparse_moe.gate.weight``) [X, E]; Qwen2-MoE's shared expert
 ``mlp.shared_expert.{gate,up,down}_proj.weight`` and its gate
-``mlp.shared_expert_gate.weight`` [1, E]. A missing expert tensor, or one
+``mlp.shared_expert_gate.weight`` [1, E].
+
+gpt-oss keeps its experts fused and [in, out] already, with biases:
+``mlp.experts.gate_up_proj`` [X, E, 2Fm] whose gate and up columns
+alternate (gate at even, up at odd indices; split into jaxkv's gate | up
+halves here, its bias ``gate_up_proj_bias`` [X, 2Fm] too),
+``mlp.experts.down_proj`` [X, Fm, E], ``down_proj_bias`` [X, E], and the
+router ``mlp.router.weight`` [X, E] with ``mlp.router.bias`` [X]. Its
+MXFP4 checkpoints' ``*_blocks`` / ``*_scales`` pairs arrive here already
+dequantized (`checkpoints.mxfp4`). A missing expert tensor, or one
 not in the table (an expert index past X), is an error naming it
 (`checkpoints.safetensors_io.hf_to_params`).
 """
@@ -34,7 +43,8 @@ from jaxkv.model.params import moe_shapes
 @dataclasses.dataclass(frozen=True)
 class Into:
     """How one HF tensor lands in its jaxkv param: "T" transposed; "row"
-    [1, E] -> [E]; "stack" a fused [X, out, in] -> [X, in, out]; or expert
+    [1, E] -> [E]; "stack" a fused [X, out, in] -> [X, in, out]; "copy" as
+    it is; "deinterleave" [..., 2Fm] alternating gate, up -> gate | up; or expert
     `expert`'s slice of a stacked param: "gate" / "up" (the halves of
     experts_gate_up's last axis) or "down", each transposed."""
 
@@ -49,6 +59,8 @@ class Into:
             return (1,) + shape
         if self.kind == "stack":
             return (shape[0], shape[2], shape[1])
+        if self.kind in ("copy", "deinterleave"):
+            return shape
         if self.kind in ("gate", "up"):  # [X, E, 2Fm] <- [Fm, E] each
             return (shape[2] // 2, shape[1])
         return (shape[2], shape[1])  # down: [X, Fm, E] <- [E, Fm]
@@ -63,7 +75,9 @@ class Into:
             out = out[self.expert, :, :F] if self.kind == "gate" else out[self.expert, :, F:]
         elif self.kind == "down":
             out = out[self.expert]
-        src = {"row": lambda: w.reshape(-1), "stack": lambda: w.transpose(0, 2, 1)}.get(self.kind, lambda: w.T)()
+        src = {"row": lambda: w.reshape(-1), "stack": lambda: w.transpose(0, 2, 1), "copy": lambda: w,
+               "deinterleave": lambda: np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+               }.get(self.kind, lambda: w.T)()
         np.copyto(out, src, casting="unsafe")
 
 
@@ -82,7 +96,13 @@ def hf_moe_map(config: ModelConfig, names: Iterable[str] = ()) -> dict[str, tupl
         fused = p + "mlp.experts.gate_up_proj" in names
         moe = p + ("block_sparse_moe." if mixtral and not fused else "mlp.")
         entries = [(moe + "gate.weight", "router", Into("T"))]
-        if fused:
+        if config.architecture == "gpt_oss":
+            entries = [(moe + "router.weight", "router", Into("T")), (moe + "router.bias", "router_bias", Into("copy")),
+                       (moe + "experts.gate_up_proj", "experts_gate_up", Into("deinterleave")),
+                       (moe + "experts.gate_up_proj_bias", "experts_gate_up_bias", Into("deinterleave")),
+                       (moe + "experts.down_proj", "experts_down", Into("copy")),
+                       (moe + "experts.down_proj_bias", "experts_down_bias", Into("copy"))]
+        elif fused:
             entries += [(moe + "experts.gate_up_proj", "experts_gate_up", Into("stack")),
                         (moe + "experts.down_proj", "experts_down", Into("stack"))]
         else:

@@ -24,6 +24,7 @@ from checkpoints.dtypes import resolve_dtype
 from checkpoints.limits import check_layer_count
 from checkpoints.model_config import from_hf_config
 from checkpoints.moe_tensors import Into, hf_moe_map
+from checkpoints.mxfp4 import mxfp4_tensors
 from jaxkv.config import ModelConfig
 from jaxkv.model.params import check_params, expected_shapes, shape_problems
 from jaxkv.tokenizer import MAX_INDEX_BYTES, read_json_file
@@ -172,7 +173,8 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
     with the `safetensors` library (it validates the header, and that the
     tensors' data offsets are in range, contiguous and do not overlap).
     Raises ValueError naming the file when it is truncated or corrupt, or a
-    tensor has a dtype jaxkv does not load."""
+    tensor has a dtype jaxkv does not load (uint8 only as MXFP4 ``*_blocks``
+    / ``*_scales``, `checkpoints.mxfp4`)."""
     path = Path(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
@@ -183,7 +185,7 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
     except OSError as e:
         raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
     for name, (_, dtype) in info.items():
-        if dtype not in _ST_DTYPES:
+        if dtype not in _ST_DTYPES and not (dtype == "U8" and name.endswith(("_blocks", "_scales"))):
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype} "
                              f"(supported: {_ST_DTYPES})")
 
@@ -282,7 +284,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str | np.dtype | None = "floa
                 progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load an HF model dir (config.json + safetensors) into (config, params)."""
     config = read_hf_config(path)
-    tensors = text_tensors(load_hf_tensors(path))
+    tensors = mxfp4_tensors(text_tensors(load_hf_tensors(path)), str(path))  # MXFP4 experts: float
     params = hf_to_params(
         config, {n: t[1] for n, t in tensors.items()}, {n: t[0] for n, t in tensors.items()},
         dtype=dtype, source=str(path), progress=progress)

@@ -26,14 +26,19 @@ denominator, gpt-oss) works with any of them.
 
 Mixtures of experts (`jaxkv.model.moe`; the rest as qwen3 / qwen2 / mistral):
 
-    field                            qwen3_moe        qwen2_moe          mixtral
+    field                            qwen3_moe        qwen2_moe          mixtral / gpt_oss
     num_experts (X)                  num_experts      num_experts        num_local_experts
     num_experts_per_tok (k)          from config      from config        from config
     moe_intermediate_size            from config      from config        intermediate_size
     norm_topk_prob                   from config      from config        always
     shared_expert_intermediate_size  0                from config        0
     sparse_layers                    not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
-                                     mixtral: every layer
+                                     mixtral, gpt_oss: every layer
+    moe_bias, swiglu_limit           -                -                  gpt_oss: router and expert
+                                                                         biases, clamped SwiGLU
+
+gpt_oss is otherwise attention biases (q/k/v and o), sinks, sliding and full
+layers alternating, and YaRN RoPE.
 
 Shape legend used throughout jaxkv: B batch, T tokens, S sequences, L layers,
 H query heads, K/KVH kv heads, D head dim, P pages, V vocab, E embed,
@@ -47,7 +52,7 @@ import math
 from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe",
-                         "mixtral"}
+                         "mixtral", "gpt_oss"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -57,20 +62,30 @@ class RopeScaling:
     """RoPE scaling. "linear": every inverse frequency divided by `factor`
     (positions interpolated). "llama3": frequency-dependent (long
     wavelengths divided by `factor`, short ones kept, a smooth band between),
-    which also uses the three fields after `factor`."""
+    which also uses the three fields after `factor`. "yarn": the frequencies
+    that turn fewer than `beta_slow` times over the original context
+    divided by `factor`, those turning more than `beta_fast` times kept, a
+    linear ramp over the dimensions between (`truncate`: its ends rounded
+    outward to whole dimensions); cos and sin are then multiplied by
+    `attention_factor` (so every q.k by its square)."""
 
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
+        if self.rope_type not in ("llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling: unsupported rope_type {self.rope_type!r} "
-                             "(supported: 'llama3', 'linear')")
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling: factor must be positive, got {self.factor}")
+                             "(supported: 'llama3', 'linear', 'yarn')")
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"rope_scaling: {name} must be positive, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +132,11 @@ class ModelConfig:
     # Per layer: whether its MLP is the mixture (True) or dense (False).
     # Empty: every layer is sparse when num_experts > 0.
     sparse_layers: tuple[bool, ...] = ()
+    moe_bias: bool = False  # router [X], gate | up [X, 2Fm] and down [X, E] biases (gpt-oss)
+    # Experts' clamped SwiGLU (gpt-oss): gate <= limit, |up| <= limit,
+    # (up + 1) * gate * sigmoid(alpha * gate); None: act(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         self.validate()
@@ -172,12 +192,17 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"norm_topk_prob: must be true or false, got {self.norm_topk_prob!r}")
+        for name in ("norm_topk_prob", "moe_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        _positive("swiglu_alpha", self.swiglu_alpha)
+        if self.swiglu_limit is not None:
+            _positive("swiglu_limit", self.swiglu_limit)
         if any(not isinstance(s, bool) for s in self.sparse_layers):
             raise ValueError(f"sparse_layers: must be booleans, got {list(self.sparse_layers)[:8]}")
         if not self.num_experts:
-            for name in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                         "moe_bias", "swiglu_limit"):
                 if getattr(self, name):
                     raise ValueError(f"{name}: set without experts (num_experts is 0)")
             if any(self.sparse_layers):
@@ -220,6 +245,12 @@ class ModelConfig:
     def sm_scale(self) -> float:
         """Attention's score scale."""
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def rope_scale(self, i: int) -> float:
+        """What layer `i` multiplies RoPE's cos and sin by (YaRN's attention
+        factor on the layers that rotate with the scaled frequencies)."""
+        rs = self.rope_scaling
+        return rs.attention_factor if rs is not None and not self.local_rope(i) else 1.0
 
     def local_rope(self, i: int) -> bool:
         """Whether layer `i` rotates with the sliding layers' own RoPE base."""

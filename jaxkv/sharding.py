@@ -31,6 +31,10 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
     experts_gate_up          [X, E, 2Fm]       Fm on "model"    tensor parallel (2, 6)
                                                X on "model"     expert parallel (6)
     experts_down             [X, Fm, E]        Fm / X on "model" likewise
+    experts_gate_up_bias     [X, 2Fm]          as experts_gate_up (gpt-oss)
+    experts_down_bias        [X, E]            X on "model"     expert parallel;
+                                               replicated       tensor parallel (6)
+    router_bias              [X]               replicated       every device routes
     shared_w_gate_up, _down  as w_gate_up, w_down                a dense MLP's split
     lm_head w, w8, scales    [E, V], [V]       V on "model"     (4)
     cache k, v (per layer)   [KVH', P, ps, D]  ("model",)       (5)
@@ -53,7 +57,8 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
 (6) Mixture-of-experts layers run under shard_map (`jaxkv.model.moe`):
     each device's experts (whole experts with `expert_parallel`, else
     every expert's Fm/t slice) and one all-reduce of [T, E]. X % t (expert
-    parallel) or Fm % t (tensor parallel) is refused by name.
+    parallel) or Fm % t (tensor parallel) is refused by name. A tensor-
+    parallel down bias is whole everywhere and added by device 0 alone.
 
 Fused layout: wqkv and w_gate_up are each one matmul; with t shards their
 columns are ordered shard by shard ([q_s, k_s, v_s] for s = 0..t-1, and
@@ -199,10 +204,11 @@ class ShardingPlan:
             return P("model")
         if owner in ("wo", "w_down"):
             return P("model", None) if leaf in ("w", "w8") else P()
-        if leaf in ("experts_gate_up", "experts_down"):
+        if leaf in ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias"):
             if self.expert_parallel:
                 return P("model")
-            return P(None, None, "model") if leaf == "experts_gate_up" else P(None, "model")
+            return {"experts_gate_up": P(None, None, "model"), "experts_down": P(None, "model"),
+                    "experts_gate_up_bias": P(None, "model")}.get(leaf, P())
         if leaf == "shared_w_gate_up":
             return P(None, "model")
         if leaf == "shared_w_down":
@@ -254,6 +260,7 @@ def shard_model(model, plan: ShardingPlan):
     columns = {"wqkv": _qkv_columns(cfg, plan), "w_gate_up": _gate_up_columns(cfg.intermediate_size, plan.tp)}
     if cfg.num_experts and not plan.expert_parallel:
         columns["experts_gate_up"] = _gate_up_columns(cfg.moe_intermediate_size, plan.tp)
+        columns["experts_gate_up_bias"] = columns["experts_gate_up"]
     if cfg.shared_expert_intermediate_size:
         columns["shared_w_gate_up"] = _gate_up_columns(cfg.shared_expert_intermediate_size, plan.tp)
 

@@ -1,6 +1,6 @@
 """The memory planner and `jaxkv estimate` on mixtures of experts (issue 28):
 parameter counts against the arrays jaxkv builds and against transformers'
-own models of random small Qwen3-MoE, Qwen2-MoE and Mixtral configs; the
+own models of random small Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss configs; the
 bytes one device holds under tensor parallelism against a hand formula;
 the published totals of real models' shapes."""
 
@@ -181,3 +181,51 @@ def test_estimate_of_qwen3_30b_a3b(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"| total | {experts + rest:,} (30.53 B) | {2 * (experts + rest):,} (56.87 GiB) |\n" in out
     assert f"beside {2 * (experts + rest):,} bytes of weights" in out
+
+
+GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json, the fields jaxkv reads
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "truncate": False, "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 131072, "swiglu_limit": 7.0, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_gpt_oss_param_count_is_jaxkv_arrays_and_transformers_parameters(seed):
+    """gpt-oss: q/k/v/o biases, sinks, and per sparse layer the router's
+    bias [X] and each expert's gate | up [2Fm] and down [E] biases."""
+    import jax
+    import torch
+    import transformers as tf
+    from flax import nnx
+
+    from jaxkv.model.llama import Llama
+
+    r = np.random.default_rng(seed)
+    hf = tf.GptOssConfig(vocab_size=int(r.integers(50, 300)), hidden_size=int(r.choice([32, 48])),
+                         intermediate_size=int(r.choice([16, 24])), num_hidden_layers=int(r.integers(2, 4)),
+                         num_attention_heads=4, num_key_value_heads=int(r.choice([1, 2])), head_dim=8,
+                         num_local_experts=int(r.integers(2, 6)), num_experts_per_tok=1, sliding_window=8)
+    cfg = from_hf_config(hf.to_dict())
+    ours = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(Llama.random_init(cfg), nnx.Param)))
+    torch.manual_seed(0)
+    theirs = sum(p.numel() for p in tf.GptOssForCausalLM(hf).parameters())
+    assert memory.param_count(cfg) == ours == theirs == sum(math.prod(s) for s in expected_shapes(cfg).values())
+    E, X, Fm, L = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
+    assert memory.mlp_params(cfg)["experts"] == L * X * (3 * E * Fm + 2 * Fm + E)
+    # Two devices, tensor parallel: every expert's Fm (weights, gate | up bias) split, its down bias whole.
+    even = dataclasses.replace(cfg, moe_intermediate_size=2 * Fm, intermediate_size=2 * Fm)
+    assert memory.per_device_bytes(even, 2, "float32")["experts"] == 4 * L * X * (3 * E * Fm + 2 * Fm + E)
+    # Expert parallel where Fm does not split: half the experts whole, biases with them.
+    odd = dataclasses.replace(cfg, moe_intermediate_size=9, num_experts=4, num_experts_per_tok=1)
+    assert memory.per_device_bytes(odd, 2, "float32")["experts"] * 2 == 4 * L * 4 * (3 * E * 9 + 2 * 9 + E)
+
+
+def test_gpt_oss_20b_published_totals():
+    """21B parameters (20.91e9), 3.6B active: the model card's active
+    count leaves the embedding table out (the LM head in)."""
+    cfg = from_hf_config(GPT_OSS_20B)
+    assert abs(memory.param_count(cfg) - 20.91e9) < 0.01e9
+    assert abs(memory.active_param_count(cfg) - cfg.vocab_size * cfg.hidden_size - 3.61e9) < 0.01e9

@@ -13,7 +13,8 @@ from jaxkv.config import ModelConfig
 def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     """Inverse frequencies [D/2] with the configured scaling: "linear" divides
     all of them by `factor`; "llama3" divides long wavelengths by `factor`,
-    keeps short ones, and interpolates the band in between smoothly.
+    keeps short ones, and interpolates the band in between smoothly; "yarn"
+    likewise with a ramp over the dimensions (`yarn_frequencies`).
     `local`: the sliding layers' own base (`rope_local_theta`), unscaled."""
     D = config.head_dim
     theta = config.rope_local_theta if local else config.rope_theta
@@ -23,6 +24,8 @@ def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
         return inv.astype(np.float32)
     if rs.rope_type == "linear":  # positions interpolated: p / factor
         return (inv / rs.factor).astype(np.float32)
+    if rs.rope_type == "yarn":
+        return yarn_frequencies(inv, theta, D, rs).astype(np.float32)
     wavelen = 2 * np.pi / inv
     low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
@@ -34,11 +37,34 @@ def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     return scaled.astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
+def yarn_frequencies(inv: np.ndarray, theta: float, D: int, rs) -> np.ndarray:
+    """YaRN's inverse frequencies [D/2] (float64) from the unscaled `inv`.
+    Dimension pair i turns p * inv[i] / (2 pi) times over p positions; the
+    pair that turns r times over the original context L0 is
+    d(r) = D ln(L0 / (2 pi r)) / (2 ln theta). Pairs below d(beta_fast)
+    (fast, many turns) keep their frequency, pairs above d(beta_slow) (slow)
+    are divided by `factor`, and the ramp (i - low) / (high - low) clipped
+    to [0, 1] blends the two between."""
+    L0 = rs.original_max_position_embeddings
+    dim = lambda turns: D * np.log(L0 / (turns * 2 * np.pi)) / (2 * np.log(theta))
+    low, high = dim(rs.beta_fast), dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if high == low:
+        high = high + 1e-3  # a step rather than a ramp, not a division by zero
+    ramp = np.clip((np.arange(D // 2, dtype=np.float32) - low) / (high - low), 0, 1)  # float32 as the reference
+    return inv / rs.factor * ramp + inv * (1 - ramp)
+
+
+def apply_rope(x, positions, inv_freq, scale: float = 1.0):
     """x [T, N, D] rotated by positions [T] in the half-split layout (the
-    first D/2 features pair with the last D/2)."""
+    first D/2 features pair with the last D/2); `scale` multiplies cos and
+    sin (YaRN's attention factor)."""
     ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

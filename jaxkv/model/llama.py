@@ -1,5 +1,5 @@
 """The one Flax NNX decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3;
-Qwen3-MoE, Qwen2-MoE and Mixtral, whose sparse layers' MLP is `jaxkv.model.moe`)
+Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss, whose sparse layers' MLP is `jaxkv.model.moe`)
 that reads and writes the paged KV cache through StepBatch metadata. What
 the families differ in (windows per layer, RoPE bases, norm placement and
 convention, q/k norms, activation, scales, soft caps, sinks, biases) comes
@@ -176,8 +176,8 @@ class Llama(nnx.Module):
             if cfg.qk_norm:
                 q = rms_norm(q, a.q_norm[...], eps, off)
                 k = rms_norm(k, a.k_norm[...], eps, off)
-            q = apply_rope(q, batch.positions, inv_freq)
-            k = apply_rope(k, batch.positions, inv_freq)
+            q = apply_rope(q, batch.positions, inv_freq, cfg.rope_scale(i))
+            k = apply_rope(k, batch.positions, inv_freq, cfg.rope_scale(i))
             if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
             window = cfg.layer_window(i)

@@ -194,13 +194,16 @@ def mlp_params(cfg: Any) -> dict[str, int]:
     "dense" 3·E·F per dense layer; per sparse layer (`layer_sparse`)
     "experts" X·3·E·Fm (gate, up, down of each of X experts), "shared"
     3·E·Fs (a shared expert, Fs > 0) and "router" E·X (+ E, the shared
-    expert's gate)."""
+    expert's gate). With `moe_bias` (gpt-oss) each expert adds its
+    2Fm + E biases to "experts" and the router its X."""
     E, L = cfg.hidden_size, cfg.num_layers
     X, Fm, Fs = (getattr(cfg, k, 0) for k in ("num_experts", "moe_intermediate_size",
                                                "shared_expert_intermediate_size"))
     sparse = sum(1 for i in range(L) if cfg.layer_sparse(i)) if X else 0
-    return {"dense": (L - sparse) * 3 * E * cfg.intermediate_size, "experts": sparse * X * 3 * E * Fm,
-            "shared": sparse * 3 * E * Fs, "router": sparse * (E * X + (E if Fs else 0))}
+    bias = bool(getattr(cfg, "moe_bias", False))
+    return {"dense": (L - sparse) * 3 * E * cfg.intermediate_size,
+            "experts": sparse * X * (3 * E * Fm + bias * (2 * Fm + E)),
+            "shared": sparse * 3 * E * Fs, "router": sparse * (E * X + (E if Fs else 0) + bias * X)}
 
 
 def param_count(cfg: Any) -> int:
@@ -258,8 +261,9 @@ def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bflo
 
     t = tensor_parallel_size
     K = check_tensor_parallel(cfg, t)  # KV heads as stored
+    ep = bool(getattr(cfg, "num_experts", 0)) and cfg.moe_intermediate_size % t != 0
     if getattr(cfg, "num_experts", 0) and t > 1:  # expert parallel where Fm does not split
-        check_expert_split(cfg, t, expert_parallel=cfg.moe_intermediate_size % t != 0)
+        check_expert_split(cfg, t, expert_parallel=ep)
     E, H, D, V = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.vocab_size
     split = (E * (H + 2 * K) * D + H * D * E) // t  # per layer
     if cfg.attention_bias:
@@ -268,7 +272,10 @@ def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bflo
     whole += (2 * D if getattr(cfg, "qk_norm", False) else 0) + (2 * E if getattr(cfg, "post_norms", False) else 0)
     b = dtype_bytes(dtype)
     mlp = mlp_params(cfg)
-    experts = mlp["experts"] // t * b
+    # Tensor parallel keeps each expert's down bias [E] whole (moe_bias).
+    whole_bias = 0 if ep or not getattr(cfg, "moe_bias", False) else (
+        sum(map(cfg.layer_sparse, range(cfg.num_layers))) * cfg.num_experts * E)
+    experts = ((mlp["experts"] - whole_bias) // t + whole_bias) * b
     params = (cfg.num_layers * (split + whole) + (mlp["dense"] + mlp["shared"]) // t + mlp["router"]) * b
     params += experts + E * b + (D // 2) * 4
     if getattr(cfg, "attention_sinks", False):  # float32, split with the query heads

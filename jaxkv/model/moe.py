@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP of a sparse layer (Qwen3-MoE, Qwen2-MoE,
-Mixtral; `ModelConfig.layer_sparse`). Legend as in `jaxkv.model_config`,
+Mixtral, gpt-oss; `ModelConfig.layer_sparse`). Legend as in `jaxkv.model_config`,
 plus X experts, k experts per token (`num_experts_per_tok`), Fm each
 expert's hidden size, Fs the shared expert's.
 
@@ -8,6 +8,10 @@ over the X experts, the top k kept; with `norm_topk_prob` the k
 probabilities are renormalized to sum to 1 (Mixtral always: the softmax of
 the k largest logits is exactly that). Qwen2-MoE adds a shared expert, a
 dense SwiGLU MLP every token runs, scaled by sigmoid(h . shared_expert_gate).
+gpt-oss (`moe_bias`) adds a bias to the router logits and to each expert's
+gate | up and down outputs (its softmax over the k largest logits is the
+renormalized form again), and its experts' SwiGLU is clamped
+(`ModelConfig.swiglu_limit`, `swiglu`).
 
 Experts as grouped matmuls. The T k (token, choice) rows are sorted by
 expert (a stable argsort of their expert ids); each row is a copy of its
@@ -57,6 +61,10 @@ in one of two splits (`EngineConfig.enable_expert_parallel`):
 Both hold 1/t of the expert weights per device; the router and its top-k
 run replicated (the same numbers on every device), and a shared expert is
 split as a dense MLP (column then row parallel) into the same all-reduce.
+Expert biases split with their experts under expert parallel; under tensor
+parallel the gate | up bias splits with its Fm columns, and the down bias,
+whole on every device, is added by device 0 alone (the all-reduce would
+otherwise count it t times).
 """
 
 from __future__ import annotations
@@ -90,8 +98,13 @@ class MoE(nnx.Module):
                 [init(p + "shared_w_gate", (E, Fs)), init(p + "shared_w_up", (E, Fs))], axis=1))
             self.shared_w_down = nnx.Param(init(p + "shared_w_down", (Fs, E)))
             self.shared_expert_gate = nnx.Param(init(p + "shared_expert_gate", (E,)))
+        if config.moe_bias:
+            self.router_bias = nnx.Param(init(p + "router_bias", (X,)))
+            self.experts_gate_up_bias = nnx.Param(init(p + "experts_gate_up_bias", (X, 2 * Fm)))
+            self.experts_down_bias = nnx.Param(init(p + "experts_down_bias", (X, E)))
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
 
     def __call__(self, h, act, mesh=None, expert_parallel: bool = False, valid=None):
         """h [T, E] (normed) -> ([T, E] in h's dtype, routed [X] int32: the
@@ -100,9 +113,13 @@ class MoE(nnx.Module):
         shared = None
         if hasattr(self, "shared_w_gate_up"):
             shared = (self.shared_w_gate_up[...], self.shared_w_down[...], self.shared_expert_gate[...])
+        bias = None
+        if hasattr(self, "router_bias"):
+            bias = (self.router_bias[...], self.experts_gate_up_bias[...], self.experts_down_bias[...])
         fn = functools.partial(moe_mlp, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, act=act,
-                               return_choices=True)
-        args = (h, self.router[...], self.experts_gate_up[...], self.experts_down[...], shared)
+                               return_choices=True, swiglu_limit=self.swiglu_limit,
+                               swiglu_alpha=self.swiglu_alpha)
+        args = (h, self.router[...], self.experts_gate_up[...], self.experts_down[...], shared, bias)
         if mesh is None:
             out, choices = fn(*args)
         else:
@@ -111,16 +128,21 @@ class MoE(nnx.Module):
             experts = (P("model"), P("model")) if expert_parallel else (P(None, None, "model"),
                                                                         P(None, "model"))
             shared_spec = None if shared is None else (P(None, "model"), P("model"), P())
+            bias_spec = None if bias is None else ((P(), P("model"), P("model")) if expert_parallel
+                                                   else (P(), P(None, "model"), P()))
             body = functools.partial(_moe_shard, fn=fn, expert_parallel=expert_parallel)
-            out, choices = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), *experts, shared_spec),
+            out, choices = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), *experts, shared_spec, bias_spec),
                                          out_specs=(P(), P()), check_vma=False)(*args)
         return out, routed_counts(choices, valid, self.router.shape[1])
 
 
-def _moe_shard(h, router, gate_up, down, shared, *, fn, expert_parallel: bool):
+def _moe_shard(h, router, gate_up, down, shared, bias, *, fn, expert_parallel: bool):
     """One device's part of `moe_mlp` under shard_map, all-reduced."""
     first = jax.lax.axis_index("model") * gate_up.shape[0] if expert_parallel else 0
-    out, choices = fn(h, router, gate_up, down, shared, first_expert=first, partial=True)
+    if bias is not None and not expert_parallel:  # the whole down bias: added once, by device 0
+        router_bias, gate_up_bias, down_bias = bias
+        bias = (router_bias, gate_up_bias, jnp.where(jax.lax.axis_index("model") == 0, down_bias, 0))
+    out, choices = fn(h, router, gate_up, down, shared, bias, first_expert=first, partial=True)
     return jax.lax.psum(out, "model").astype(h.dtype), choices  # choices: the same everywhere
 
 
@@ -132,10 +154,12 @@ def routed_counts(experts, valid, num_experts: int):
     return jnp.bincount(experts.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
 
-def route(h, router, top_k: int, norm_topk_prob: bool):
+def route(h, router, top_k: int, norm_topk_prob: bool, bias=None):
     """(weights [T, k] float32, experts [T, k] int32) of each token's k
-    choices, largest probability first."""
+    choices, largest probability first; `bias` [X] adds to the logits."""
     logits = jnp.einsum("TE,EX->TX", h, router, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -143,12 +167,24 @@ def route(h, router, top_k: int, norm_topk_prob: bool):
     return weights, experts.astype(jnp.int32)
 
 
-def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0):
+def swiglu(g, u, act, limit: float | None = None, alpha: float = 1.702):
+    """The experts' gated activation: act(g) * u, or with `limit` the
+    clamped form (g <= limit, |u| <= limit): (u + 1) * g * sigmoid(alpha g)."""
+    if limit is None:
+        return act(g) * u
+    g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+
+def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0, bias=None, limit=None,
+                    alpha=1.702):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]): h [T, E],
     experts / weights [T, k], gate_up [X, E, 2Fm], down [X, Fm, E] -> [T, E]
     float32, as grouped matmuls over the rows sorted by expert. With expert
     parallelism `gate_up` / `down` hold experts [first_expert, first_expert
-    + X) only, and the choices of other experts add nothing."""
+    + X) only, and the choices of other experts add nothing. `bias`:
+    (gate_up [X, 2Fm], down [X, E]) of the same experts; `limit`, `alpha`:
+    the clamped `swiglu`."""
     T, k = experts.shape
     X = gate_up.shape[0]
     local = experts.reshape(-1) - first_expert  # [Tk], row r = token r // k, choice r % k
@@ -158,21 +194,30 @@ def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0):
     sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # [X], rows per expert (0: idle)
     rows = h[order // k]  # [Tk, E]
     gu = jax.lax.ragged_dot(rows, gate_up, sizes)  # [Tk, 2Fm]
+    ids = jnp.minimum(flat[order], X - 1)  # each sorted row's expert (rows held elsewhere: masked below)
+    if bias is not None:
+        gu = gu + bias[0][ids]
     g, u = jnp.split(gu, 2, axis=-1)
-    y = jax.lax.ragged_dot((act(g) * u).astype(h.dtype), down, sizes)  # [Tk, E]
+    y = jax.lax.ragged_dot(swiglu(g, u, act, limit, alpha).astype(h.dtype), down, sizes)  # [Tk, E]
+    if bias is not None:
+        y = y + bias[1][ids]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
     y = jnp.where(held[:, None], y[inverse], 0).reshape(T, k, -1)  # (token, choice) order
     return jnp.einsum("TKE,TK->TE", y.astype(jnp.float32), weights)
 
 
-def moe_mlp(h, router, gate_up, down, shared=None, *, top_k: int, norm_topk_prob: bool, act,
-            first_expert=0, partial: bool = False, return_choices: bool = False):
+def moe_mlp(h, router, gate_up, down, shared=None, bias=None, *, top_k: int, norm_topk_prob: bool, act,
+            first_expert=0, partial: bool = False, return_choices: bool = False,
+            swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
     """The sparse layer's MLP: h [T, E] -> [T, E] in h's dtype (float32 and
     this device's part of the sum when `partial`), and each token's experts
     [T, k] too when `return_choices`. `shared`: (w_gate_up [E, 2Fs],
-    w_down [Fs, E], gate [E]) of a shared expert."""
-    weights, experts = route(h, router, top_k, norm_topk_prob)
-    out = grouped_experts(h, experts, weights, gate_up, down, act, first_expert)
+    w_down [Fs, E], gate [E]) of a shared expert; `bias`: (router [X],
+    gate_up [X, 2Fm], down [X, E]) biases; `swiglu_limit`, `swiglu_alpha`:
+    the experts' clamped `swiglu`."""
+    weights, experts = route(h, router, top_k, norm_topk_prob, None if bias is None else bias[0])
+    out = grouped_experts(h, experts, weights, gate_up, down, act, first_expert,
+                          None if bias is None else bias[1:], swiglu_limit, swiglu_alpha)
     if shared is not None:
         w_gate_up, w_down, gate = shared
         g, u = jnp.split(h @ w_gate_up, 2, axis=-1)

@@ -27,6 +27,9 @@ H heads, K kv heads, D head dim, F MLP hidden, L layers; in a sparse layer
     layers.{i}.router     [E, X]        sparse layers: 'TE,EX->TX'
     layers.{i}.experts_gate_up [X, E, 2Fm]  gate | up on the last axis
     layers.{i}.experts_down [X, Fm, E]
+    layers.{i}.router_bias [X]          only when config.moe_bias (gpt-oss)
+    layers.{i}.experts_gate_up_bias [X, 2Fm]  gate | up, as experts_gate_up
+    layers.{i}.experts_down_bias [X, E]
     layers.{i}.shared_w_gate [E, Fs]    only when a shared expert (Fs > 0)
     layers.{i}.shared_w_up [E, Fs]
     layers.{i}.shared_w_down [Fs, E]
@@ -88,6 +91,9 @@ def moe_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     E, X, Fm, Fs = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
                     config.shared_expert_intermediate_size)
     shapes = {p + "router": (E, X), p + "experts_gate_up": (X, E, 2 * Fm), p + "experts_down": (X, Fm, E)}
+    if config.moe_bias:
+        shapes.update({p + "router_bias": (X,), p + "experts_gate_up_bias": (X, 2 * Fm),
+                       p + "experts_down_bias": (X, E)})
     if Fs:
         shapes.update({p + "shared_w_gate": (E, Fs), p + "shared_w_up": (E, Fs), p + "shared_w_down": (Fs, E),
                        p + "shared_expert_gate": (E,)})
