@@ -103,7 +103,7 @@ class ServerMetrics:
             if now > self._seen[key]:
                 metric.inc(now - self._seen[key])
             self._seen[key] = now
-        self._count_routed(engine.runner.routed)
+        self._count_routed(getattr(getattr(engine, "runner", None), "routed", None))
 
     def _count_routed(self, routed) -> None:
         if routed is None:
