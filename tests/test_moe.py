@@ -210,11 +210,18 @@ def _np_moe(h, router, gate_up, down, k, norm, shared=None):
 
 @pytest.mark.parametrize("k, norm, with_shared, skew", [
     (2, True, False, False), (3, False, True, False), (1, False, False, True), (2, True, True, True)])
-def test_moe_block_matches_a_float64_reference(k, norm, with_shared, skew):
+@pytest.mark.parametrize("native", [False, True], ids=["ragged_dot", "mkl"])
+def test_moe_block_matches_a_float64_reference(k, norm, with_shared, skew, native):
+    """jax.lax.ragged_dot and the native CPU grouped sgemm (one per expert)
+    against numpy float64, a skewed router and an idle expert included."""
     import jax
     import jax.numpy as jnp
 
+    from jaxkv.model import cpu_gemm
     from jaxkv.model.moe import moe_mlp, route
+
+    if native and not cpu_gemm.available():
+        pytest.skip("the native CPU matmul library is not built here")
 
     rng = np.random.default_rng(k)
     T, E, X, F, Fs = 19, 16, 6, 12, 10
@@ -227,7 +234,8 @@ def test_moe_block_matches_a_float64_reference(k, norm, with_shared, skew):
     gate_up, down = f32(X, E, 2 * F, scale=E ** -0.5), f32(X, F, E, scale=F ** -0.5)
     shared = (f32(E, 2 * Fs, scale=E ** -0.5), f32(Fs, E, scale=Fs ** -0.5), f32(E)) if with_shared else None
     fn = jax.jit(lambda h, r, gu, d, s: moe_mlp(h, r, gu, d, top_k=k, norm_topk_prob=norm, act=jax.nn.silu,
-                                                  shared=s))
+                                                  shared=s, native=native))
+    assert ("jaxkv_grouped_sgemm" in fn.lower(h, router, gate_up, down, shared).as_text()) == native
     got = np.asarray(fn(h, router, gate_up, down, shared))
     want = _np_moe(h, router, gate_up, down, k, norm, shared)
     assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()

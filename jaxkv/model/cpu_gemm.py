@@ -47,6 +47,14 @@ def use_native(num_rows: int, platform: str | None, mesh) -> bool:
             and (platform or jax.default_backend()) == "cpu" and available())
 
 
+def use_native_grouped(platform: str | None) -> bool:
+    """Whether the experts' grouped matmuls of a step compiled for
+    `platform` take `grouped_matmul`: at any row count (a group is one
+    sgemm, where XLA's CPU ragged dot runs every group on every row) and
+    under shard_map (each device calls it on its own shard)."""
+    return (platform or jax.default_backend()) == "cpu" and available()
+
+
 def matmul(x, w):
     """x [T, N_in] float32 @ w [N_in, N_out] float32 -> [T, N_out] float32."""
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 2:

@@ -197,7 +197,8 @@ class Llama(nnx.Module):
             x = x + o
             h = rms_norm(x, layer.mlp_norm[...], eps, off)
             if hasattr(layer, "moe"):  # routed counts over the rows that are tokens (not the trash page's)
-                m, n = layer.moe(h, act, mesh, self.expert_parallel, batch.slot_mapping >= cache.page_size)
+                m, n = layer.moe(h, act, mesh, self.expert_parallel, batch.slot_mapping >= cache.page_size,
+                                 cpu_gemm.use_native_grouped(attention.platform))
                 routed = n if routed is None else routed + n
             else:
                 gu = layer.w_gate_up(h, native).reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]

@@ -35,7 +35,10 @@ summed with their routing weights. Why this form:
 On TPU and GPU `ragged_dot` lowers to a grouped GEMM (XLA's ragged dot, or
 jax's Triton kernel on GPU). On CPU jax lowers it to a product over every
 expert with the rows of other groups masked to zero: the same numbers,
-fixed shapes, but X times the grouped flops. Expert weights are plain
+fixed shapes, but X times the grouped flops. So on CPU, with float32
+weights, each group is one MKL sgemm instead (`cpu_gemm.grouped_matmul`,
+an FFI custom call; under shard_map too, where each device runs its own):
+67x ragged_dot at 4096 rows, 267x at 8 (`scripts/bench_moe.py`). Expert weights are plain
 arrays of the model dtype (weight-only int8 applies to dense layers).
 
 On a mesh (t devices on its "model" axis) the layer runs under shard_map,
@@ -106,10 +109,12 @@ class MoE(nnx.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
 
-    def __call__(self, h, act, mesh=None, expert_parallel: bool = False, valid=None):
+    def __call__(self, h, act, mesh=None, expert_parallel: bool = False, valid=None, native: bool = False):
         """h [T, E] (normed) -> ([T, E] in h's dtype, routed [X] int32: the
         choices of each expert among the `valid` rows, all when None); under
-        `mesh`, split over its "model" axis as the module docstring says."""
+        `mesh`, split over its "model" axis as the module docstring says;
+        `native`: the grouped matmuls through `cpu_gemm.grouped_matmul`
+        where the weights are float32."""
         shared = None
         if hasattr(self, "shared_w_gate_up"):
             shared = (self.shared_w_gate_up[...], self.shared_w_down[...], self.shared_expert_gate[...])
@@ -118,7 +123,7 @@ class MoE(nnx.Module):
             bias = (self.router_bias[...], self.experts_gate_up_bias[...], self.experts_down_bias[...])
         fn = functools.partial(moe_mlp, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, act=act,
                                return_choices=True, swiglu_limit=self.swiglu_limit,
-                               swiglu_alpha=self.swiglu_alpha)
+                               swiglu_alpha=self.swiglu_alpha, native=native)
         args = (h, self.router[...], self.experts_gate_up[...], self.experts_down[...], shared, bias)
         if mesh is None:
             out, choices = fn(*args)
@@ -177,15 +182,21 @@ def swiglu(g, u, act, limit: float | None = None, alpha: float = 1.702):
 
 
 def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0, bias=None, limit=None,
-                    alpha=1.702):
+                    alpha=1.702, native: bool = False):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]): h [T, E],
     experts / weights [T, k], gate_up [X, E, 2Fm], down [X, Fm, E] -> [T, E]
     float32, as grouped matmuls over the rows sorted by expert. With expert
     parallelism `gate_up` / `down` hold experts [first_expert, first_expert
     + X) only, and the choices of other experts add nothing. `bias`:
     (gate_up [X, 2Fm], down [X, E]) of the same experts; `limit`, `alpha`:
-    the clamped `swiglu`."""
+    the clamped `swiglu`; `native`: each group one MKL sgemm
+    (`cpu_gemm.grouped_matmul`) when h and the weights are float32."""
     T, k = experts.shape
+    dot = jax.lax.ragged_dot
+    if native and h.dtype == gate_up.dtype == down.dtype == jnp.float32:
+        from jaxkv.model import cpu_gemm
+
+        dot = cpu_gemm.grouped_matmul
     X = gate_up.shape[0]
     local = experts.reshape(-1) - first_expert  # [Tk], row r = token r // k, choice r % k
     held = (local >= 0) & (local < X)
@@ -193,12 +204,12 @@ def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0, bia
     order = jnp.argsort(flat, stable=True)  # rows grouped by expert
     sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # [X], rows per expert (0: idle)
     rows = h[order // k]  # [Tk, E]
-    gu = jax.lax.ragged_dot(rows, gate_up, sizes)  # [Tk, 2Fm]
+    gu = dot(rows, gate_up, sizes)  # [Tk, 2Fm]
     ids = jnp.minimum(flat[order], X - 1)  # each sorted row's expert (rows held elsewhere: masked below)
     if bias is not None:
         gu = gu + bias[0][ids]
     g, u = jnp.split(gu, 2, axis=-1)
-    y = jax.lax.ragged_dot(swiglu(g, u, act, limit, alpha).astype(h.dtype), down, sizes)  # [Tk, E]
+    y = dot(swiglu(g, u, act, limit, alpha).astype(h.dtype), down, sizes)  # [Tk, E]
     if bias is not None:
         y = y + bias[1][ids]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
@@ -208,16 +219,16 @@ def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0, bia
 
 def moe_mlp(h, router, gate_up, down, shared=None, bias=None, *, top_k: int, norm_topk_prob: bool, act,
             first_expert=0, partial: bool = False, return_choices: bool = False,
-            swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
+            swiglu_limit: float | None = None, swiglu_alpha: float = 1.702, native: bool = False):
     """The sparse layer's MLP: h [T, E] -> [T, E] in h's dtype (float32 and
     this device's part of the sum when `partial`), and each token's experts
     [T, k] too when `return_choices`. `shared`: (w_gate_up [E, 2Fs],
     w_down [Fs, E], gate [E]) of a shared expert; `bias`: (router [X],
     gate_up [X, 2Fm], down [X, E]) biases; `swiglu_limit`, `swiglu_alpha`:
-    the experts' clamped `swiglu`."""
+    the experts' clamped `swiglu`; `native`: as `grouped_experts`."""
     weights, experts = route(h, router, top_k, norm_topk_prob, None if bias is None else bias[0])
     out = grouped_experts(h, experts, weights, gate_up, down, act, first_expert,
-                          None if bias is None else bias[1:], swiglu_limit, swiglu_alpha)
+                          None if bias is None else bias[1:], swiglu_limit, swiglu_alpha, native)
     if shared is not None:
         w_gate_up, w_down, gate = shared
         g, u = jnp.split(h @ w_gate_up, 2, axis=-1)
