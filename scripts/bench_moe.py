@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 LAYER = dict(E=512, X=64, k=8, Fm=256)
-TOKENS = (1, 16, 256, 1024)
+TOKENS = (1, 16, 512, 1024)
 # The tiny random Qwen3-MoE (transformers' Qwen3MoeConfig fields).
 TINY = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=2, head_dim=64, moe_intermediate_size=256,
