@@ -132,7 +132,7 @@ def _sizes():
     from bench_common import Sizes
 
     return Sizes(decode_batches=(1, 16), hf_decode_batches=(1, 16), decode_prompt=64, decode_steps=16,
-                 prefill_lens=(256, 1024), prefill_chunked=(), e2e_requests=4, e2e_output=(4, 8),
+                 prefill_lens=(512,), prefill_chunked=(), e2e_requests=4, e2e_output=(4, 8),
                  bandwidth_bytes=256 << 20)
 
 

@@ -3,6 +3,7 @@ direct call of the jaxkv model that returns logits at chosen rows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import NamedTuple, Sequence
 
@@ -121,3 +122,27 @@ def greedy_runs(module, tokenizer, prompts, max_tokens: int = 8):
     ids = [eng.add_request(p, params) for p in prompts]
     fin = eng.run_to_completion()
     return [(fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs]) for i in ids]
+
+
+@contextlib.contextmanager
+def one_gguf_parse():
+    """transformers parses a GGUF's metadata once for the config, again for
+    the weights and once more for the tokenizer; with a 262k-token vocabulary
+    each parse is about 20 s of Python. Inside this block the parses share one
+    `gguf.GGUFReader` per file (a read-only memmap): the same fields, the
+    same tensors, one parse."""
+    import gguf
+
+    made, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = made(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = made

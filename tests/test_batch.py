@@ -1,11 +1,12 @@
-"""scripts/batch_generate.py on the real model: order, error records, resume."""
+"""scripts/batch_generate.py end to end (a subprocess, as a user runs it) on a
+tiny random model with a chat template: order, error records, resume."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import SMOLLM2_KV_BYTES
+from tests.model_utils import make_hf_model, save_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,14 +30,16 @@ def _run(inp, out, model):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "batch_generate.py"), str(inp),
                            str(out), "--model", str(model), "--quiet", "--max-num-seqs", "8",
                            "--max-num-batched-tokens", "64",
-                           "--kv-cache-memory", str(SMOLLM2_KV_BYTES)],
+                           "--kv-cache-memory", "1MB"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
-def test_batch_generate_writes_every_line_in_order_and_resumes(tmp_path, smollm2_gguf):
+def test_batch_generate_writes_every_line_in_order_and_resumes(tmp_path):
+    _, model = make_hf_model("llama", tmp_path / "tiny", max_position_embeddings=512)
+    save_tiny_tokenizer(model)
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(_lines()) + "\n")
-    r = _run(inp, out, smollm2_gguf)
+    r = _run(inp, out, model)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in recs] == list(range(20))
@@ -51,7 +54,7 @@ def test_batch_generate_writes_every_line_in_order_and_resumes(tmp_path, smollm2
     # Resume: keep the first 9 records plus a torn line, run again.
     kept = out.read_text().splitlines()[:9]
     out.write_text("\n".join(kept) + "\n" + '{"index": 9, "te')
-    r = _run(inp, out, smollm2_gguf)
+    r = _run(inp, out, model)
     assert r.returncode == 0, r.stderr[-3000:]
     again = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in again] == list(range(20))

@@ -28,10 +28,13 @@ def hf(gguf):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.model_utils import one_gguf_parse
+
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with one_gguf_parse():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32).eval()
+        return model, AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def test_tokens_and_logits_match_transformers(gguf, hf):

@@ -10,29 +10,51 @@ import pytest
 from jaxkv.model_config import ModelConfig
 
 
-def test_expert_parallel_2_and_4_match_one_device():
-    """Experts split whole (EP 2, EP 4) or by their intermediate (TP 2) on
-    CPU devices: the one-device tokens, with what each device holds as the
-    planner says."""
-    from tests.sharding_worker import MOE, load, run
+# One worker runs the module, so the one-device oracle runs once for all three.
+pytestmark = pytest.mark.xdist_group("moe_parallel")
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    from tests.sharding_worker import load, run
+
+    return run(load(None, moe=True), 1, "reference", 6, 8)
+
+
+def test_expert_parallel_2_and_tensor_parallel_2_match_one_device(oracle):
+    """Experts split whole (EP 2) or by their intermediate (TP 2) on CPU
+    devices: the one-device tokens, with what each device holds as the
+    planner says (the same bytes either way: X/t whole experts or every
+    expert's Fm/t)."""
     from tests.test_sharding import _check_run, _result, _worker
 
-    oracle = run(load(None, moe=True), 1, "reference", 6, 8)
-    runs = _result(_worker(["tp", "--moe", "--tp", "2,ep2,ep4", "--max-tokens", "6",
-                            "--prompts", "8"], devices=4))
+    runs = _result(_worker(["tp", "--moe", "--tp", "2,ep2", "--max-tokens", "6",
+                            "--prompts", "8"], devices=2))
     for name, r in runs.items():
         _check_run(r, oracle, int(name.removeprefix("ep")))
         assert r["params_bytes"] == r["planned"]["params"], name
-    # EP holds X/t whole experts, TP every expert's Fm/t: the same bytes.
     assert runs["ep2"]["params_bytes"] == runs["2"]["params_bytes"]
+
+
+def test_expert_parallel_4_matches_one_device(oracle):
+    """EP 4 on four CPU devices: the one-device tokens; each device holds two
+    of the eight experts, as the planner says."""
+    from jaxkv.model import memory
+    from tests.sharding_worker import MOE
+    from tests.test_sharding import _check_run, _result, _worker
+
+    r = _result(_worker(["tp", "--moe", "--tp", "ep4", "--max-tokens", "6", "--prompts", "8"],
+                        devices=4))["ep4"]
+    _check_run(r, oracle, 4)
+    assert r["params_bytes"] == r["planned"]["params"]
     per_expert = 3 * MOE.hidden_size * MOE.moe_intermediate_size * 4
-    assert runs["ep2"]["params_bytes"] - runs["ep4"]["params_bytes"] > 2 * per_expert
+    ep2 = memory.per_device_bytes(MOE, 2, "float32")["params"]
+    assert ep2 - r["params_bytes"] > 2 * per_expert
 
 
-def test_expert_parallel_over_two_processes_matches_one_device():
+def test_expert_parallel_over_two_processes_matches_one_device(oracle):
     """EP 4 over two processes of two CPU devices each, through
     jax.distributed: the one-device tokens."""
-    from tests.sharding_worker import load, run
     from tests.test_sharding import _check_run, _free_port, _result, _result_follower, _worker
 
     port = _free_port()
@@ -40,7 +62,6 @@ def test_expert_parallel_over_two_processes_matches_one_device():
            "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}"]
     procs = [_worker(job + ["--process-id", str(i)], devices=2) for i in (0, 1)]
     try:
-        oracle = run(load(None, moe=True), 1, "reference", 6, 8)
         two = _result(procs[0])
         _result_follower(procs[1])
     finally:

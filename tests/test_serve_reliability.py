@@ -137,6 +137,12 @@ def test_large_bodies_stall_neither_health_nor_a_running_stream(engine):
     # list checked in Python, a 5 MB text tokenized).
     bodies = [json.dumps({"prompt": [5] * 3_000_000, "max_tokens": 1}).encode(),
               json.dumps({"prompt": "the cache " * 500_000, "max_tokens": 1}).encode()]
+    # The engine runs without warm-up: the stream's programs are compiled
+    # first, offline, so no compile mid-stream (a stall of its own, seconds
+    # on a cold cache) lands in the windows measured here.
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=250, ignore_eos=True,
+                                                    temperature=0.0))
+    engine.run_to_completion([rid])
     with serving(engine) as srv, slow_steps(engine, 0.05):
         arrivals: list[float] = []
         s = SSEStream(srv.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 250,

@@ -53,15 +53,21 @@ MODELS = {"llama3-8b": LLAMA3_8B, "gemma3-27b": GEMMA3_27B, "qwen3-32b": QWEN3_3
 # The tests compile each model's shapes with its first few layers (Gemma's
 # first six: five sliding and its first global one): every kind of layer at
 # full width, with the planner's bytes for those layers, in a fraction of the
-# compile time. The README's figures are the whole models':
+# compile time. The sampler's sort over the vocabulary is half of a compile,
+# so only the first slice keeps its model's whole vocabulary (128256 rows);
+# the others compile with 16384, still split over the mesh. The README's
+# figures are the whole models':
 #   python -m tests.test_sharding_compile gemma3-27b v5e:2x4 8 6442450944
 TEST_LAYERS = {"llama3-8b": 4, "gemma3-27b": 6, "qwen3-32b": 4}
+TEST_VOCAB = {"llama3-8b-v6e:2x4": 16384, "gemma3-27b-v5e:2x4": 16384, "qwen3-32b-v6e:2x4": 16384}
 
 
-def model_config(model: str, layers: int | None = None) -> ModelConfig:
+def model_config(model: str, layers: int | None = None, vocab: int | None = None) -> ModelConfig:
     import dataclasses
 
     cfg = MODELS[model]
+    if vocab is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
     if layers is None:
         return cfg
     types = cfg.layer_types[:layers] if cfg.layer_types else ()
@@ -76,7 +82,8 @@ def pages_for(cfg: ModelConfig, tp: int, kv_bytes: int) -> int:
     return kv_bytes // memory.per_device_bytes(cfg, tp, "bfloat16", num_pages=1, page_size=PAGE_SIZE)["kv"]
 
 
-def compile_for_topology(model: str, topology: str, tp: int, kv_bytes: int, layers: int | None = None) -> dict:
+def compile_for_topology(model: str, topology: str, tp: int, kv_bytes: int, layers: int | None = None,
+                         vocab: int | None = None) -> dict:
     import time
 
     import numpy as np
@@ -88,7 +95,7 @@ def compile_for_topology(model: str, topology: str, tp: int, kv_bytes: int, laye
 
     topo = topologies.get_topology_desc(topology, "tpu")
     mesh = Mesh(np.array(topo.devices[:tp]).reshape(1, tp), AXES)
-    cfg = model_config(model, layers)
+    cfg = model_config(model, layers, vocab)
     pages = pages_for(cfg, tp, kv_bytes)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):  # Mosaic reads the chip generation from the ambient mesh
@@ -110,16 +117,17 @@ def test_sharded_step_compiles_for_tpu_slice(model, topology, tp, hbm, kv_bytes)
         pytest.skip(f"libtpu is not in {compiler} (bash .ci/install_tpu_compiler.sh)")
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(compiler)]))
-    layers = TEST_LAYERS.get(model)
+    layers, vocab = TEST_LAYERS.get(model), TEST_VOCAB.get(f"{model}-{topology}")
+    extra = ([f"--layers={layers}"] if layers else []) + ([f"--vocab={vocab}"] if vocab else [])
     proc = subprocess.run([sys.executable, "-m", "tests.test_sharding_compile", model, topology,
-                           str(tp), str(kv_bytes)] + ([f"--layers={layers}"] if layers else []), cwd=REPO, env=env, capture_output=True,
+                           str(tp), str(kv_bytes)] + extra, cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}:\n{proc.stderr[-4000:]}"
     got = json.loads(lines[-1])
     print(json.dumps({f"{model} {topology}": got}))  # the figures, for the record (-s)
     assert got["mosaic"], "no Mosaic kernel in the compiled step"
-    planned = memory.per_device_bytes(model_config(model, layers), tp, "bfloat16", num_pages=got["pages"],
+    planned = memory.per_device_bytes(model_config(model, layers, vocab), tp, "bfloat16", num_pages=got["pages"],
                                       page_size=PAGE_SIZE)
     # Arguments: the planned weights and KV pool, plus the step's metadata (< 1 MiB).
     assert planned["total"] <= got["argument"] < planned["total"] + 2**20
@@ -157,5 +165,7 @@ if __name__ == "__main__":
     p.add_argument("tp", type=int)
     p.add_argument("kv_bytes", type=int)
     p.add_argument("--layers", type=int, default=None, help="the model's first N layers only")
+    p.add_argument("--vocab", type=int, default=None, help="a vocabulary of N rows instead of the model's")
     a = p.parse_args()
-    print(json.dumps(compile_for_topology(a.model, a.topology, a.tp, a.kv_bytes, a.layers)), flush=True)
+    print(json.dumps(compile_for_topology(a.model, a.topology, a.tp, a.kv_bytes, a.layers, a.vocab)),
+          flush=True)
