@@ -174,15 +174,16 @@ def _tokenizer(engine):
 
 
 def tokenize(ctx: Context, body) -> dict:
-    """POST /tokenize: `prompt` or `messages` -> token ids."""
+    """POST /tokenize: `prompt` or `messages` (with `tools`,
+    `chat_template_kwargs`) -> token ids."""
     tok = _tokenizer(ctx.engine)
     if not isinstance(body, dict):
         raise APIError("request body: must be a JSON object")
     add_special = body.get("add_special_tokens", "messages" not in body)
     if not isinstance(add_special, bool):
         raise APIError("add_special_tokens: must be true or false", "add_special_tokens")
-    if "messages" in body:
-        text = render_chat(ctx, chat_messages(body), body)
+    if "messages" in body:  # rendered as a chat request would be, tools too
+        text = render_chat(ctx, chat_messages(body), body, tools_mod.check_tools(body, ctx.parser()))
     else:
         text = body.get("prompt")
         if not isinstance(text, str):

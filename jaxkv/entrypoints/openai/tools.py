@@ -10,7 +10,8 @@ Formats (`--tool-call-parser`, else by the model's family):
   block per call, as Qwen2.5 / Qwen3 write them. Also the format of the
   fallback below, so the default model's calls are read with it.
 - "llama3_json": Llama 3's `{"name": ..., "parameters": {...}}` (after an
-  optional `<|python_tag|>`), several joined by `;`.
+  optional `<|python_tag|>`), several joined by `;`; an answer is all calls
+  or all content, and content streams as soon as it cannot begin a call.
 
 Where the checkpoint's chat template renders tools itself (it names
 `tools`), it gets them (`tools=[...]`, assistant `tool_calls` with parsed
@@ -20,7 +21,7 @@ hermes blocks, earlier calls are written back as hermes blocks, and results
 come as user turns in `<tool_response>` tags.
 
 `tool_choice` "required" or a named function constrains the answer with a
-grammar (llguidance, as structured outputs are) built from the functions'
+grammar (llguidance's) in the parser's format, built from the functions'
 JSON schemas, so the arguments always parse and validate; "auto" parses
 what the model wrote, and text that does not parse stays content."""
 
@@ -36,6 +37,7 @@ from jaxkv.entrypoints.openai.protocol import APIError
 PARSERS = ("hermes", "llama3_json")
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+PYTHON_TAG = "<|python_tag|>"
 NO_PARAMETERS = {"type": "object", "properties": {}}
 FALLBACK_PROMPT = (
     "You can call these functions. To call one, answer with <tool_call>{{\"name\": the "
@@ -133,18 +135,22 @@ def _schema_problem(schema) -> str | None:
 
 
 def grammar(tools: Tools) -> str:
-    """The Lark grammar (llguidance's, with %json) of a forced answer: one
-    hermes block per call, each a named function with schema-valid
-    arguments; several when parallel calls are allowed."""
+    """The Lark grammar (llguidance's, with %json) of a forced answer in the
+    parser's format (hermes blocks, or Llama 3's JSON joined by "; "): schema-
+    valid calls, several for "required" with parallel calls, one for a name."""
     funcs = [f for f in tools.functions if tools.choice in ("required", f["name"])]
-    alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                              "arguments": f["parameters"]},
-             "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
+    key = "parameters" if tools.parser == "llama3_json" else "arguments"
+    alts = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+             "required": ["name", key], "additionalProperties": False} for f in funcs]
     schema = dict(alts[0]) if len(alts) == 1 else {"anyOf": alts}
     # JSON as json.dumps writes it: no free whitespace for a model to wander in.
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
                             "key_separator": ": "}
-    repeat = ' ("\\n" call)*' if tools.parallel else ""
+    several = tools.parallel and tools.choice == "required"
+    if tools.parser == "llama3_json":
+        repeat = ' ("; " body)*' if several else ""
+        return f"start: body{repeat}\nbody: %json {json.dumps(schema)}"
+    repeat = ' ("\\n" call)*' if several else ""
     return (f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {json.dumps(schema)}")
 
@@ -208,10 +214,8 @@ def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
             calls.append(call)
         rest = "".join(kept) + text[pos:]
     else:  # llama3_json: the whole answer is calls, or none is
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        parts = [p for p in body.split(";") if p.strip()] if body.startswith("{") else []
-        parsed = [_call(p, names, "parameters") for p in parts]
-        if parts and all(parsed):
+        parsed = _json_calls(text.strip().removeprefix(PYTHON_TAG).strip(), names)
+        if parsed:
             calls, rest = parsed, ""
     if calls and not tools.parallel:
         calls = calls[:1]
@@ -219,9 +223,28 @@ def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     return (rest or None), calls
 
 
-def _call(text: str, names: set, key: str) -> dict | None:
+def _json_calls(body: str, names: set) -> list[dict]:
+    """Llama 3's calls: JSON objects separated by ";" (a ";" inside a string
+    is the string's); [] unless the whole of `body` is calls."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return []
+        call = _call(obj, names, "parameters")
+        if call is None:
+            return []
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in "; \t\n":
+            pos += 1
+    return calls
+
+
+def _call(text, names: set, key: str) -> dict | None:
     try:
-        obj = json.loads(text)
+        obj = json.loads(text) if isinstance(text, str) else text
     except ValueError:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
@@ -233,22 +256,22 @@ def _call(text: str, names: set, key: str) -> dict | None:
 
 
 class StreamParser:
-    """A streamed answer's content deltas and tool calls: text that may
-    start a call is held back until it is one (then the call goes out, id
-    and name first, arguments after) or cannot be (then it is content)."""
-
-    OPEN = "<tool_call>"
+    """A streamed answer's content deltas and tool calls: text that may start
+    a call is held back until it is one (then the call goes out, id and name
+    first, arguments after) or cannot be (then it is content)."""
 
     def __init__(self, tools: Tools):
-        self.tools = tools
-        self.text = ""  # everything so far
+        self.tools, self.text, self.calls = tools, "", 0  # text: everything so far
         self.sent = 0  # characters of text decided (sent as content or parsed into calls)
-        self.calls = 0
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         """(content to send, tool-call deltas to send) after `delta`."""
         self.text += delta
-        if self.tools.parser != "hermes":  # a llama3 answer is read whole at the end
+        if self.tools.parser != "hermes":  # Llama 3's: all calls (read at the end) or all content
+            head = self.text.lstrip()
+            if head and not (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
+                content, self.sent = self.text[self.sent:], len(self.text)
+                return content, []
             if not final:
                 return "", []
             content, calls = parse(self.text[self.sent:], self.tools)
@@ -257,9 +280,9 @@ class StreamParser:
         content, calls = "", []
         while True:
             pending = self.text[self.sent:]
-            start = pending.find(self.OPEN)
+            start = pending.find("<tool_call>")
             if start < 0:  # hold back a tail that may begin "<tool_call>"
-                keep = 0 if final else _partial_tail(pending, self.OPEN)
+                keep = 0 if final else _partial_tail(pending, "<tool_call>")
                 content += pending[:len(pending) - keep]
                 self.sent += len(pending) - keep
                 break
