@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from jaxkv.entrypoints.openai import tools as T
+from jaxkv.entrypoints.openai.tool_stream import StreamParser
 from tests.serve_utils import ThreadServer, post
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -128,12 +129,34 @@ def test_a_forced_call_comes_back_parsed_in_the_templates_format(servers, name):
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     parts: dict = {}
+    pieces = 0
     for chunk in client.chat.completions.create(**kw, stream=True):
         for d in chunk.choices[0].delta.tool_calls or []:
             p = parts.setdefault(d.index, {"name": "", "arguments": ""})
             p["name"] += d.function.name or ""
             p["arguments"] += d.function.arguments or ""
+            pieces += bool(d.function.arguments)
     assert parts == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    # hermes: a forced call's arguments stream as the model writes them
+    assert pieces > 1 if name == "qwen" else pieces == 1
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_a_forced_calls_arguments_stream_piece_by_piece(step):
+    tools = T.check_tools({"tools": TOOLS + [{"type": "function", "function": {"name": "noop"}}],
+                           "tool_choice": "required"}, "hermes")
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "x}\\"y", "days": [1, {}]}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
+    parser, args, heads = StreamParser(tools), {}, []
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
+    for j, piece in enumerate(pieces):
+        content, deltas = parser.feed(piece, j == len(pieces) - 1)
+        assert content == ""  # the gaps between calls are no content
+        for d in deltas:
+            heads += [d["function"]["name"]] if "id" in d else []
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    assert heads == ["get_weather", "noop"]
+    assert list(args.values()) == [c["function"]["arguments"] for c in T.parse(text, tools)[1]]
 
 
 def test_llama3_calls_parse_whole_and_content_streams_at_once():
@@ -148,7 +171,7 @@ def test_llama3_calls_parse_whole_and_content_streams_at_once():
         assert T.parse(half, tools) == (half, [])  # not all calls: all content
     grammar = T.grammar(T.Tools(tools.functions, "required", True, "llama3_json"))
     assert '"parameters"' in grammar and "<tool_call>" not in grammar
-    stream = T.StreamParser(tools)
+    stream = StreamParser(tools)
     assert stream.feed(" <|pyth", False) == ("", [])  # may still be the tag
-    stream = T.StreamParser(tools)
+    stream = StreamParser(tools)
     assert stream.feed(" Sure", False) == (" Sure", []) and stream.feed(", no.", True) == (", no.", [])

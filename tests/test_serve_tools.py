@@ -21,6 +21,7 @@ import pytest
 from pydantic import Field  # noqa: F401 - as above
 
 from jaxkv.entrypoints.openai import tools as T
+from jaxkv.entrypoints.openai.tool_stream import StreamParser
 from jaxkv.entrypoints.openai.protocol import chat_messages
 from tests.serve_utils import ThreadServer, post
 
@@ -173,7 +174,7 @@ def test_the_stream_parser_holds_back_only_what_may_be_a_call():
             'ol maybe> <tool_call>{"broken</tool_call> done')
     want_content, want_calls = T.parse(text, _tools())
     for step in (1, 3, 7, len(text)):
-        p = T.StreamParser(_tools())
+        p = StreamParser(_tools())
         content, deltas = "", []
         pieces = [text[i:i + step] for i in range(0, len(text), step)]
         for j, piece in enumerate(pieces):

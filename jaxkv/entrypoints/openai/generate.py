@@ -16,7 +16,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from jaxkv.entrypoints.openai import tools as tools_mod
+from jaxkv.entrypoints.openai import tool_stream, tools as tools_mod
 from jaxkv.entrypoints.openai.engine_loop import QueueFull, ShuttingDown
 from jaxkv.entrypoints.openai.prepare import Context, Item, chat_items, completion_items
 from jaxkv.entrypoints.openai.protocol import APIError
@@ -147,7 +147,7 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
               for i, it in enumerate(items) for k in range(it.params.n)}
     generated = [0] * len(items)
     cached = [0] * len(items)
-    parsers = {(i, k): tools_mod.StreamParser(it.tools) for i, it in enumerate(items)
+    parsers = {(i, k): tool_stream.StreamParser(it.tools) for i, it in enumerate(items)
                if chat and it.tools is not None for k in range(it.params.n)}
     thinkers = {(i, k): Reasoning(ctx.reasoning_parser, it.text or "") for i, it in enumerate(items)
                 if chat and ctx.reasoning_parser for k in range(it.params.n)}

@@ -29,7 +29,7 @@ import threading
 
 from fastapi.responses import Response, StreamingResponse
 
-from jaxkv.entrypoints.openai import generate, tools as tools_mod
+from jaxkv.entrypoints.openai import generate, tool_stream
 from jaxkv.entrypoints.openai.prepare import chat_items
 from jaxkv.entrypoints.openai.protocol import SAMPLING_FIELDS, APIError
 from jaxkv.entrypoints.openai.reasoning import Reasoning
@@ -214,7 +214,7 @@ async def create(ctx, store: Store, request, body):
     resp = _skeleton(ctx, rid, body)
     out = Output(resp)
     thinker = Reasoning(ctx.reasoning_parser, item.text or "") if ctx.reasoning_parser else None
-    parser = tools_mod.StreamParser(item.tools) if item.tools is not None else None
+    parser = tool_stream.StreamParser(item.tools) if item.tools is not None else None
 
     def feed(delta: str, done: bool) -> list[dict]:
         thinking, content = thinker.feed(delta, done) if thinker else ("", delta)
@@ -223,9 +223,8 @@ async def create(ctx, store: Store, request, body):
         if parser is not None:
             content, calls = parser.feed(content, done)
         ev += out.text(content)
-        for head, args in zip(calls[::2], calls[1::2]):  # each call: its name, then its arguments
-            ev += out.call({"id": head["id"], "function": {"name": head["function"]["name"],
-                                                           "arguments": args["function"]["arguments"]}})
+        for d in calls:  # each call: its id and name, then its arguments as they come
+            ev += out.call(d)
         return ev + (out.finish() if done else [])
 
     def keep(final) -> dict:

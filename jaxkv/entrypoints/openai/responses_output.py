@@ -31,6 +31,10 @@ class Output:
         i = self.open.pop(key)
         item = self.items[i]
         item["status"] = "completed"
+        if key == "call":
+            return [self.event("response.function_call_arguments.done", item_id=item["id"],
+                               output_index=i, arguments=item["arguments"], name=item["name"]),
+                    self.event("response.output_item.done", output_index=i, item=item)]
         part = item["content"][0]
         kind = "output_text" if key == "message" else "reasoning_text"
         return [self.event(f"response.{kind}.done", item_id=item["id"], output_index=i,
@@ -42,7 +46,7 @@ class Output:
     def text(self, delta: str, key: str = "message") -> list[dict]:
         if not delta:
             return []
-        ev = self._close("message") if key == "reasoning" else self._close("reasoning")
+        ev = self._close("call") + self._close("message" if key == "reasoning" else "reasoning")
         if key not in self.open:
             self.open[key] = len(self.items)
             item = ({"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
@@ -64,21 +68,20 @@ class Output:
         return ev + [self.event(f"response.{kind}.delta", item_id=self.items[i]["id"], output_index=i,
                                 content_index=0, delta=delta, **extra)]
 
-    def call(self, call: dict) -> list[dict]:
-        ev = self._close("reasoning") + self._close("message")
-        i = len(self.items)
-        item = {"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
-        self.items.append(item)
-        args = call["function"]["arguments"]
-        ev.append(self.event("response.output_item.added", output_index=i, item=dict(item)))
-        ev.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                             output_index=i, delta=args))
-        item.update(arguments=args, status="completed")
-        ev.append(self.event("response.function_call_arguments.done", item_id=item["id"],
-                             output_index=i, arguments=args, name=item["name"]))
-        ev.append(self.event("response.output_item.done", output_index=i, item=item))
-        return ev
+    def call(self, delta: dict) -> list[dict]:
+        """One of `tool_stream`'s tool-call deltas: a call's id and name open
+        its function_call item, its arguments grow it as they come."""
+        if "id" in delta:
+            ev = self._close("reasoning") + self._close("message") + self._close("call")
+            self.open["call"] = i = len(self.items)
+            item = {"type": "function_call", "id": new_id("fc"), "call_id": delta["id"],
+                    "name": delta["function"]["name"], "arguments": "", "status": "in_progress"}
+            self.items.append(item)
+            return ev + [self.event("response.output_item.added", output_index=i, item=dict(item))]
+        i, args = self.open["call"], delta["function"]["arguments"]
+        self.items[i]["arguments"] += args
+        return [self.event("response.function_call_arguments.delta", item_id=self.items[i]["id"],
+                           output_index=i, delta=args)]
 
     def finish(self) -> list[dict]:
-        return self._close("reasoning") + self._close("message")
+        return self._close("reasoning") + self._close("message") + self._close("call")

@@ -1,8 +1,8 @@
 """Tool calling on /v1/chat/completions: the request's `tools`,
 `tool_choice` and `parallel_tool_calls` checked field by field, the
 conversation's tool calls and results made ready for the chat template, the
-grammar that forces a call, and the parsers that read calls out of the
-model's text.
+grammar that forces a call, and the parser that reads calls out of a
+finished answer (`tool_stream` reads them out of a streamed one).
 
 Formats (`--tool-call-parser`, else by the model's family):
 
@@ -192,7 +192,7 @@ def hermes_block(name: str, arguments) -> str:
 
 def new_call(name: str, arguments) -> dict:
     """An OpenAI tool call; `arguments` as JSON text."""
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": name, "arguments": text}}
 
@@ -253,68 +253,3 @@ def _call(text, names: set, key: str) -> dict | None:
     if not isinstance(args, dict):
         return None
     return new_call(obj["name"], args)
-
-
-class StreamParser:
-    """A streamed answer's content deltas and tool calls: text that may start
-    a call is held back until it is one (then the call goes out, id and name
-    first, arguments after) or cannot be (then it is content)."""
-
-    def __init__(self, tools: Tools):
-        self.tools, self.text, self.calls = tools, "", 0  # text: everything so far
-        self.sent = 0  # characters of text decided (sent as content or parsed into calls)
-
-    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
-        """(content to send, tool-call deltas to send) after `delta`."""
-        self.text += delta
-        if self.tools.parser != "hermes":  # Llama 3's: all calls (read at the end) or all content
-            head = self.text.lstrip()
-            if head and not (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
-                content, self.sent = self.text[self.sent:], len(self.text)
-                return content, []
-            if not final:
-                return "", []
-            content, calls = parse(self.text[self.sent:], self.tools)
-            self.sent = len(self.text)
-            return content or "", self._deltas(calls)
-        content, calls = "", []
-        while True:
-            pending = self.text[self.sent:]
-            start = pending.find("<tool_call>")
-            if start < 0:  # hold back a tail that may begin "<tool_call>"
-                keep = 0 if final else _partial_tail(pending, "<tool_call>")
-                content += pending[:len(pending) - keep]
-                self.sent += len(pending) - keep
-                break
-            end = pending.find("</tool_call>", start)
-            if end < 0 and not final:
-                content += pending[:start]
-                self.sent += start
-                break
-            stop = len(pending) if end < 0 else end + len("</tool_call>")
-            c, found = parse(pending[start:stop], self.tools) if end >= 0 else (None, [])
-            if found and (self.tools.parallel or self.calls + len(calls) == 0):
-                content += pending[:start]
-                calls += found
-            else:
-                content += pending[:stop]
-            self.sent += stop
-        return content, self._deltas(calls)
-
-    def _deltas(self, calls: list[dict]) -> list[dict]:
-        out = []
-        for c in calls:
-            i = self.calls
-            self.calls += 1
-            out.append({"index": i, "id": c["id"], "type": "function",
-                        "function": {"name": c["function"]["name"], "arguments": ""}})
-            out.append({"index": i, "function": {"arguments": c["function"]["arguments"]}})
-        return out
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
