@@ -82,12 +82,13 @@ from bench_report import evaluate_goals, format_report  # noqa: F401 (re-exporte
 def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
                    sizes: Sizes = FULL, runs: int = 3, cold_compile: bool = False,
                    quantize: str | None = None, also_quantize: tuple[str, ...] = (),
-                   log=print) -> dict[str, Any]:
+                   engine_options: dict | None = None, log=print) -> dict[str, Any]:
     """Run every phase; returns the results dict (see the module docstring).
     `cold_compile` turns JAX's persistent compilation cache off, so every
     program compiles from scratch as on a machine that never ran jaxkv.
     `also_quantize`: weight formats whose engines also run the decode
-    batches HF runs, side by side."""
+    batches HF runs, side by side. `engine_options`: more EngineConfig
+    fields for the engines (a test's smaller max_num_seqs: fewer programs)."""
     import jax
 
     if runs < 1:
@@ -110,11 +111,12 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
     with meter.active():
         log(f"bench: loading {model} ...")
         src = jaxkv_model_source(model)
-        jx = JaxkvBench(src, sizes, meter, quantize)
+        jx = JaxkvBench(src, sizes, meter, quantize, engine_options=engine_options)
         # Lone prompts in one step: an engine whose budget holds the longest.
         jl = JaxkvBench(src, sizes, meter, share=jx,
                         max_num_batched_tokens=max(sizes.prefill_lens, default=16))
-        variants = {q: JaxkvBench(src, sizes, meter, q) for q in also_quantize}
+        variants = {q: JaxkvBench(src, sizes, meter, q, engine_options=engine_options)
+                    for q in also_quantize}
         benches = dict(engine=jx, prefill_engine=jl, **{f"engine_{q}": v
                                                         for q, v in variants.items()})
         hf = HFBench(model, _num_cores()) if peer == "hf" else None

@@ -28,8 +28,10 @@ TINY = bench.Sizes(decode_batches=(1, 4), hf_decode_batches=(1, 4), decode_promp
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     _, path = make_hf_model("llama", tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
-    return bench.run_benchmarks(str(path), peer="hf", sizes=TINY, runs=2,
-                                also_quantize=("w8a8",), log=lambda m: None)
+    # 8 sequences and 256-token steps at most: fewer programs to compile
+    return bench.run_benchmarks(str(path), peer="hf", sizes=TINY, runs=2, also_quantize=("w8a8",),
+                                engine_options=dict(max_num_seqs=8, max_num_batched_tokens=256),
+                                log=lambda m: None)
 
 
 def _check_entry(s, runs=2):
@@ -66,9 +68,9 @@ def test_figures_come_from_the_measured_runs(results):
     assert p["jaxkv"]["runs_tokens"] == [40, 40]
     assert p["steps"] == 1 and p["token_budget"] >= 40
     assert p["ratio"] == pytest.approx(p["jaxkv"]["tok_per_s"] / p["hf"]["tok_per_s"])
-    c = results["prefill"]["tokens600_chunked"]  # the default engine: 512-token chunks
+    c = results["prefill"]["tokens600_chunked"]  # 256-token chunks (engine_options)
     _check_entry(c["jaxkv"])
-    assert c["jaxkv"]["runs_tokens"] == [600, 600] and (c["steps"], c["token_budget"]) == (2, 512)
+    assert c["jaxkv"]["runs_tokens"] == [600, 600] and (c["steps"], c["token_budget"]) == (3, 256)
     assert c["ratio"] == pytest.approx(c["jaxkv"]["tok_per_s"] / c["hf"]["tok_per_s"])
     t = results["ttft"]["prompt40"]
     assert t["ratio"] == pytest.approx(t["hf"]["ms"] / t["jaxkv"]["ms"])
@@ -100,7 +102,7 @@ def test_warm_up_compiles_everything_the_timed_runs_need(results):
 def test_report_and_json(results, tmp_path):
     text = bench.format_report(results)
     assert "| jaxkv      | decode" in text and "| hf         | decode" in text
-    assert "| jaxkv w8a8 | decode" in text and "prefill 600 in 2 chunks of 512" in text
+    assert "| jaxkv w8a8 | decode" in text and "prefill 600 in 3 chunks of 256" in text
     assert "e2e batched" in text and "WARNING" not in text
     out = tmp_path / "r.json"
     out.write_text(json.dumps(results, default=float))
@@ -116,7 +118,7 @@ def test_plot_draws_every_figure(results, tmp_path):
     figs = bench_plot.figures(results)
     labels = [label for label, _ in figs]
     assert labels == ["decode\nbatch 1", "decode\nbatch 4", "prefill 40",
-                      "prefill 600\n2 x 512", "e2e 5\nrequests"]
+                      "prefill 600\n3 x 256", "e2e 5\nrequests"]
     assert figs[0][1] == {"jaxkv": results["decode"]["batch1"]["jaxkv"]["tok_per_s"],
                           "jaxkv w8a8": results["decode"]["batch1"]["variants"]["w8a8"]["tok_per_s"],
                           "hf": results["decode"]["batch1"]["hf"]["tok_per_s"]}
@@ -136,7 +138,8 @@ def test_goals_follow_the_numbers(results):
     res["prefill"] = dict(tokens256=dict(res["prefill"]["tokens40"], prompt_tokens=256,
                                          ratio=1.3),
                           tokens4096_chunked=dict(res["prefill"]["tokens600_chunked"],
-                                                  prompt_tokens=4096, steps=8, ratio=0.9))
+                                                  prompt_tokens=4096, steps=8, token_budget=512,
+                                                  ratio=0.9))
     res["prefill"]["tokens256"]["jaxkv"] = dict(res["prefill"]["tokens256"]["jaxkv"],
                                                 tok_per_s=330.0)
     got = {g["name"]: (g["met"], round(g["value"], 6)) for g in bench.evaluate_goals(res)}
