@@ -92,8 +92,10 @@ def test_tensor_parallel_pallas_interpret_matches_one_device():
                     "--prompts", "8", "--num-pages", "12", "--layers", "1"], devices=4)
     try:  # the oracle runs while the worker compiles
         oracle = run(load(None, layers=1), 1, "reference", 4, 8, num_pages=12)
-    finally:
-        runs = _result(proc, timeout=1500)
+    except BaseException:
+        proc.kill()
+        raise
+    runs = _result(proc, timeout=1500)
     _check_run(runs["4"], oracle, 4)
 
 

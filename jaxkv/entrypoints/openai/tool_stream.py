@@ -25,14 +25,18 @@ class StreamParser:
     def __init__(self, tools: Tools):
         self.tools, self.text, self.calls = tools, "", 0  # text: everything so far
         self.sent = 0  # characters of text decided (sent as content or parsed into calls)
-        self.open: list | None = None  # a forced call streaming: [index, arguments start, sent]
+        self.open: _Arguments | None = None  # a forced call whose arguments are streaming
+        self.content_only = False  # Llama 3: the answer cannot begin a call
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         """(content to send, tool-call deltas to send) after `delta`."""
         self.text += delta
         if self.tools.parser != "hermes":
-            head = self.text.lstrip()
-            if head and not (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
+            if not self.content_only:
+                head = self.text.lstrip()
+                self.content_only = bool(head) and not (head.startswith(("{", PYTHON_TAG))
+                                                        or PYTHON_TAG.startswith(head))
+            if self.content_only:
                 content, self.sent = self.text[self.sent:], len(self.text)
                 return content, []
             if not final:
@@ -83,16 +87,15 @@ class StreamParser:
             m = HEAD.match(self.text, at)
             if m is None or m.group(1) not in self.tools.names():
                 return []
-            self.open = [self.calls, m.end(), 0]
+            self.open = _Arguments(self.calls, m.end())
             self.calls += 1
-            out.append({"index": self.open[0], "id": new_call(m.group(1), "")["id"],
+            out.append({"index": self.open.index, "id": new_call(m.group(1), "")["id"],
                         "type": "function", "function": {"name": m.group(1), "arguments": ""}})
-        index, begin, sent = self.open
-        args = self.text[begin:]
-        args = args[:_json_end(args) or len(args)]
-        if len(args) > sent:
-            out.append({"index": index, "function": {"arguments": args[sent:]}})
-            self.open[2] = len(args)
+        a = self.open
+        stop = a.read(self.text)
+        if stop > a.sent:
+            out.append({"index": a.index, "function": {"arguments": self.text[a.sent:stop]}})
+            a.sent = stop
         return out
 
     def _deltas(self, calls: list[dict]) -> list[dict]:
@@ -106,27 +109,35 @@ class StreamParser:
         return out
 
 
-def _json_end(text: str) -> int | None:
-    """Where the JSON object or array at the start of `text` closes (None:
-    not yet)."""
-    depth, string, escape = 0, False, False
-    for i, ch in enumerate(text):
-        if string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
+class _Arguments:
+    """A streaming call's arguments: the JSON object from `begin` in the
+    answer, each character read once, up to where it closes."""
+
+    def __init__(self, index: int, begin: int):
+        self.index, self.sent, self.pos = index, begin, begin  # sent: end of what went out
+        self.depth, self.string, self.escape, self.end = 0, False, False, None
+
+    def read(self, text: str) -> int:
+        """How far the arguments reach in `text` (their close, once read)."""
+        while self.end is None and self.pos < len(text):
+            ch = text[self.pos]
+            self.pos += 1
+            if self.string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.string = False
             elif ch == '"':
-                string = False
-        elif ch == '"':
-            string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.pos
+        return self.pos
 
 
 def _partial_tail(text: str, tag: str) -> int:
