@@ -111,6 +111,11 @@ class EngineConfig:
                                         "requests (default: $JAXKV_PROCESS_ID)")
     coordinator_address: str | None = _opt(
         None, "host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS)")
+    enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) over the base model, "
+                                    "mixed in one batch")
+    max_loras: int = _opt(1, "LoRA adapters held on the device at once (distinct adapters in "
+                             "one step)")
+    max_lora_rank: int = _opt(16, "the highest LoRA rank an adapter may have")
     speculative_config: dict | None = _opt(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
               '4} (prompt lookup; "prompt_lookup_max" / "prompt_lookup_min" the n-gram '
@@ -132,7 +137,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_decode_steps",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")

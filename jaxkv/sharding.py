@@ -37,6 +37,9 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
     router_bias              [X]               replicated       every device routes
     shared_w_gate_up, _down  as w_gate_up, w_down                a dense MLP's split
     lm_head w, w8, scales    [E, V], [V]       V on "model"     (4)
+    lora a_q/k/v/gate/up     [L, E, M R]       replicated       (7)
+    lora b_q/k/v/gate/up     [L, M R, N]       N on "model"     as their base's columns
+    lora a_o, a_down; b_     [L, N, M R]; [L, M R, E]  N on "model"; replicated
     cache k, v (per layer)   [KVH', P, ps, D]  ("model",)       (5)
     cache int8 scales        [KVH', P, ps]     ("model",)       (5)
 
@@ -59,6 +62,9 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
     every expert's Fm/t slice) and one all-reduce of [T, E]. X % t (expert
     parallel) or Fm % t (tensor parallel) is refused by name. A tensor-
     parallel down bias is whole everywhere and added by device 0 alone.
+(7) LoRA slots (`jaxkv.model.lora`) split as their base weights: a
+    column-parallel projection's b by its output columns (b_k, b_v with
+    the KV heads' replicas), a row-parallel one's a by its input rows.
 
 Fused layout: wqkv and w_gate_up are each one matmul; with t shards their
 columns are ordered shard by shard ([q_s, k_s, v_s] for s = 0..t-1, and
@@ -84,6 +90,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import ModelConfig
+from jaxkv.shard_columns import gate_up_columns, kv_columns, qkv_columns, take_columns
 
 AXES = ("data", "model")
 
@@ -209,42 +216,14 @@ class ShardingPlan:
                 return P("model")
             return {"experts_gate_up": P(None, None, "model"), "experts_down": P(None, "model"),
                     "experts_gate_up_bias": P(None, "model")}.get(leaf, P())
+        if owner == "lora":  # (7)
+            return (P(None, "model", None) if leaf in ("a_o", "a_down") else P()
+                    if leaf[0] == "a" or leaf in ("b_o", "b_down") else P(None, None, "model"))
         if leaf == "shared_w_gate_up":
             return P(None, "model")
         if leaf == "shared_w_down":
             return P("model")
         return P()  # norms, rotary frequencies, biases after an all-reduce, replicated heads
-
-
-def _qkv_columns(cfg: ModelConfig, plan: ShardingPlan) -> np.ndarray:
-    """Column order of the sharded wqkv in terms of the unsharded one
-    ([q (H D) | k (KVH D) | v (KVH D)]): shard by shard, each shard's query
-    heads, then its KV heads (a replicated head's columns repeat)."""
-    H, K, D, t = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, plan.tp
-    kv_of = np.arange(plan.kv_heads) // plan.kv_replicas  # stored KV head -> model's
-    Hl, Kl = H // t, plan.kv_heads // t
-    heads = lambda first, ids: (first + ids[:, None] * D + np.arange(D)).reshape(-1)
-    cols = []
-    for s in range(t):
-        cols.append(heads(0, np.arange(s * Hl, (s + 1) * Hl)))
-        kv = kv_of[s * Kl:(s + 1) * Kl]
-        cols.append(heads(H * D, kv))
-        cols.append(heads((H + K) * D, kv))
-    return np.concatenate(cols)
-
-
-def _gate_up_columns(F: int, tp: int) -> np.ndarray:
-    """Column order of a sharded gate | up weight ([gate F | up F] unsharded)."""
-    Fl = F // tp
-    return np.concatenate([np.r_[s * Fl:(s + 1) * Fl, F + s * Fl:F + (s + 1) * Fl]
-                           for s in range(tp)])
-
-
-def _take_columns(x, cols: np.ndarray):
-    """x [..., N] -> x[..., cols]; shapes only for a jax.ShapeDtypeStruct."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape[:-1] + (len(cols),), x.dtype)
-    return np.asarray(x)[..., cols]
 
 
 def shard_model(model, plan: ShardingPlan):
@@ -257,12 +236,13 @@ def shard_model(model, plan: ShardingPlan):
     if getattr(model, "num_shards", 1) != 1:
         raise ValueError("shard_model: the model is already sharded")
     cfg = model.config
-    columns = {"wqkv": _qkv_columns(cfg, plan), "w_gate_up": _gate_up_columns(cfg.intermediate_size, plan.tp)}
+    columns = {"wqkv": qkv_columns(cfg, plan), "w_gate_up": gate_up_columns(cfg.intermediate_size, plan.tp)}
     if cfg.num_experts and not plan.expert_parallel:
-        columns["experts_gate_up"] = _gate_up_columns(cfg.moe_intermediate_size, plan.tp)
+        columns["experts_gate_up"] = gate_up_columns(cfg.moe_intermediate_size, plan.tp)
         columns["experts_gate_up_bias"] = columns["experts_gate_up"]
+    columns["b_k"] = columns["b_v"] = kv_columns(cfg, plan)  # LoRA slots (7)
     if cfg.shared_expert_intermediate_size:
-        columns["shared_w_gate_up"] = _gate_up_columns(cfg.shared_expert_intermediate_size, plan.tp)
+        columns["shared_w_gate_up"] = gate_up_columns(cfg.shared_expert_intermediate_size, plan.tp)
 
     def place(path, x):
         names = [p for p in path if isinstance(p, str)]
@@ -270,7 +250,7 @@ def shard_model(model, plan: ShardingPlan):
         cols = columns.get("wqkv" if names[-1] == "bqkv" else names[-1] if names[-1] in columns
                            else owner)
         if cols is not None:
-            x = _take_columns(x, cols)
+            x = take_columns(x, cols)
         sharding = plan.named(*plan.param_spec(path))
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -279,7 +259,7 @@ def shard_model(model, plan: ShardingPlan):
         return jax.device_put(np.asarray(x), sharding)
 
     graphdef, state = nnx.split(model)
-    state = jax.tree_util.tree_map_with_path(lambda path, x: place(_names(path), x), state)
+    state = jax.tree_util.tree_map_with_path(lambda path, x: place(leaf_names(path), x), state)
     model = nnx.merge(graphdef, state)  # new modules: the input model is unchanged
     model.config = plan.model_config(cfg)
     model.num_shards = plan.tp
@@ -287,7 +267,7 @@ def shard_model(model, plan: ShardingPlan):
     return model
 
 
-def _names(path) -> tuple:
+def leaf_names(path) -> tuple:
     """A state leaf's key path as names ("layers", 0, "attn", "wqkv", "w"),
     without the Variable's own "value" attribute."""
     out = []

@@ -37,6 +37,7 @@ from jaxkv.config import CacheConfig, EngineConfig, ModelConfig
 from jaxkv.core.block_manager import BlockManager
 from jaxkv.core.executor import Executor
 from jaxkv.core.intake import RequestIntake
+from jaxkv.core.lora import LoRAAdapters, attach_lora
 from jaxkv.core.output_processor import OutputProcessor
 from jaxkv.core.outputs import RequestOutput
 from jaxkv.core.overlap import Overlap, overlap_default
@@ -69,6 +70,7 @@ class LLMEngine:
                  draft_model=None):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
+        base = attach_lora(model, config)  # LoRA slots (zeros) before the model is placed
         model, self.sharding, channel = scale_out(model, config)
         self.model_config: ModelConfig = model.config  # KV heads as stored (replicated)
         kv_dtype = config.kv_dtype or config.dtype
@@ -99,6 +101,9 @@ class LLMEngine:
                              max_decode_steps=config.num_decode_steps,
                              num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed,
                              plan=self.sharding, leader=leader, store=store)
+        self.loras = (LoRAAdapters(base, config.max_loras, config.max_lora_rank,
+                                   self.runner.set_lora, self.sharding)
+                      if config.enable_lora else None)
         # A draft model keeps its own cache in step, so it sees every step.
         proposer, self.draft = make_proposer(config, self, buckets, draft_model, store)
         spec = config.speculative
@@ -111,7 +116,8 @@ class LLMEngine:
                                    spec=self.spec, window=self.attention.sliding_window,
                                    num_sink_tokens=self.attention.num_sink_tokens,
                                    seats=Seats(config.max_num_seqs, ring, config.page_size,
-                                               max(w or 0 for w in self.model_config.windows)))
+                                               max(w or 0 for w in self.model_config.windows)),
+                                   loras=self.loras)
         self.executor = Executor(self.runner, self.model_config.vocab_size, self.draft)
         # decode_steps: model calls; partial_prefills: chunks short of the prompt's end;
         # overlapped_steps: steps dispatched while the one before was in flight.
@@ -120,7 +126,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.scheduler, self.stats)
         self.grammars = Grammars(tokenizer, model.config.vocab_size, model.config.eos_token_ids)
         self.intake = RequestIntake(config, self.model_config, self.max_model_len, tokenizer,
-                                    self.grammars, self.scheduler, self.outputs)
+                                    self.grammars, self.scheduler, self.outputs, self.loras)
         self.overlap = Overlap(self.executor, self.scheduler,
                                enabled=overlap_default(config) and proposer is None)
         log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
@@ -155,14 +161,17 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, *, cache_salt: str | None = None,
+                    lora_request=None) -> str:
         """Queue a request: a string, a list of token ids, or
         {"prompt": str} / {"prompt_token_ids": [...]}. Returns its id. A bad
         request is not raised: it finishes at once with finish_reason
         "error" and a message naming the field, reported by the next step().
         `cache_salt`: requests share prefix-cache pages only with requests
-        of the same salt (one per tenant)."""
-        return self.intake.add(prompt, params, request_id, cache_salt=cache_salt)
+        of the same salt (one per tenant). `lora_request`: a
+        `jaxkv.core.lora.LoRARequest` (or a known adapter's name) to run with."""
+        return self.intake.add(prompt, params, request_id, cache_salt=cache_salt,
+                               lora_request=lora_request)
 
     def check_request(self, prompt, params: SamplingParams,
                       cache_salt: str | None = None) -> tuple[str | None, list[int]]:

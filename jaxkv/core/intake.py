@@ -25,7 +25,7 @@ from jaxkv.worker.stop import StopRule
 
 class RequestIntake:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 tokenizer, grammars, scheduler, outputs):
+                 tokenizer, grammars, scheduler, outputs, loras=None):
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -33,13 +33,15 @@ class RequestIntake:
         self.grammars = grammars
         self.scheduler = scheduler
         self.outputs = outputs
+        self.loras = loras  # jaxkv.core.lora.LoRAAdapters (None: LoRA off)
         self.seqs: dict[str, Sequence] = {}  # requests not yet reported finished
         self.reports: list[Sequence] = []  # refused or aborted: reported by the next step
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
 
     def add(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-            request_id: str | None = None, *, cache_salt: str | None = None) -> str:
+            request_id: str | None = None, *, cache_salt: str | None = None,
+            lora_request=None) -> str:
         """See `LLMEngine.add_request`."""
         if request_id is None:
             rid = str(next(self._ids))
@@ -50,9 +52,10 @@ class RequestIntake:
         if rid in self.seqs:
             raise ValueError(f"request_id: {rid!r} is already in use")
         params = params if params is not None else SamplingParams()
-        text, ids, err = None, [], None
+        text, ids, err, adapter = None, [], None, None
         try:
             text, ids = self.check(prompt, params, cache_salt)
+            adapter = self.adapter(lora_request)
         except (ValueError, TypeError) as e:
             # A TypeError is a check that named no field: still the request's error.
             err = str(e) if isinstance(e, ValueError) else f"request: {e}"
@@ -61,6 +64,7 @@ class RequestIntake:
             cache_salt = None
         seed = params.seed if isinstance(params.seed, int) else int(self._seed_rng.integers(2**31))
         seq = Sequence(rid, text, ids, params, seed, cache_salt=cache_salt)
+        seq.lora = adapter
         self.seqs[rid] = seq
         if err is not None:
             seq.finish("error", error=err)
@@ -117,6 +121,16 @@ class RequestIntake:
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words: this model has no tokenizer")
         return text, ids
+
+    def adapter(self, lora_request):
+        """The `jaxkv.core.lora.Adapter` a request names (None: the base
+        model); ValueError naming what is wrong with it."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError("lora_request: this engine runs without LoRA (start it with "
+                             "enable_lora=True)")
+        return self.loras.resolve(lora_request)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its next output has finish_reason "abort"."""

@@ -38,15 +38,22 @@ def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def salted_root(cache_salt: str | None) -> bytes:
+def salted_root(cache_salt: str | None, adapter: bytes | None = None) -> bytes:
     """The parent hash of a sequence's first page. A request's `cache_salt`
     (a tenant's secret) changes it, so the whole hash chain differs: pages
     are shared only between requests with the same salt, and a tenant cannot
-    learn from timings whether another tenant's prompt is cached."""
-    if cache_salt is None:
+    learn from timings whether another tenant's prompt is cached. A LoRA
+    adapter's identity (`jaxkv.core.lora.Adapter.key`) changes it too: its
+    K/V differ from the base model's."""
+    if cache_salt is None and adapter is None:
         return ROOT_HASH
-    return hashlib.blake2b(b"jaxkv-cache-salt:" + cache_salt.encode("utf-8"),
-                           digest_size=16).digest()
+    h = hashlib.blake2b(b"jaxkv-cache-salt:", digest_size=16)
+    if cache_salt is not None:  # length-prefixed: no salt can pose as salt + adapter
+        salt = cache_salt.encode("utf-8")
+        h.update(len(salt).to_bytes(8, "little") + salt)
+    if adapter is not None:
+        h.update(b"lora:" + adapter)
+    return h.digest()
 
 
 class PagePool:

@@ -24,7 +24,7 @@ plans again with preemption.
 When the page pool runs dry, the most recently admitted running sequence is preempted by
 recompute: its pages are freed and it goes back to the front of the queue (its prompt and tokens
 so far prefilled again, mostly from the prefix cache). A request with n > 1 holds n seats from
-its admission on.
+its admission on; one with a LoRA adapter waits for a device slot (`jaxkv.core.lora`).
 
 Each running sequence's `jaxkv.core.progress.Progress` is this scheduler's record: it reserves
 and trims slots through the block manager as it plans (`schedule`), counts what a dispatched
@@ -44,22 +44,20 @@ from jaxkv.core.spec_decode import SpecControl, can_speculate, step_kind
 
 
 class Scheduler:
-    """`spec`: speculation's control (`SpecControl`, None: off).
-    `window` / `num_sink_tokens`: the attention window; pages wholly behind it (past the
-    sinks) are released as a sequence advances. `seats`: a hybrid pool's (None: none)."""
+    """`spec`: speculation's control (`SpecControl`, None: off). `window` / `num_sink_tokens`:
+    the attention window; pages wholly behind it (past the sinks) are released as a sequence
+    advances. `seats`: a hybrid pool's (None: none). `loras`: the LoRA slots (None: off)."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                  max_num_steps: int = 1, spec: SpecControl | None = None,
-                 window: int | None = None, num_sink_tokens: int = 0, seats: Seats | None = None):
-        self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunked = enable_chunked_prefill
-        self.max_num_steps = max_num_steps
+                 window: int | None = None, num_sink_tokens: int = 0, seats: Seats | None = None,
+                 loras=None):
+        self.bm, self.loras = block_manager, loras
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.chunked, self.max_num_steps = enable_chunked_prefill, max_num_steps
         self.spec = spec
-        self.window = window
-        self.num_sink_tokens = num_sink_tokens
+        self.window, self.num_sink_tokens = window, num_sink_tokens
         self._gate_passed = False
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
@@ -289,12 +287,13 @@ class Scheduler:
             if seq.fork_pending and seats + seq.params.n > self.max_num_seqs:
                 break  # its n sequences run together once it forks
             target = seq.prefill_target
-            if not self.chunked and target > budget:
-                break
-            tokens = seq.all_token_ids[:target]
+            if not self.chunked and target > budget or (
+                    self.loras is not None and not self.loras.admit(seq, self.running)):
+                break  # (or every LoRA slot is read by running sequences)
+            tokens, adapter = seq.all_token_ids[:target], seq.lora and seq.lora.key
             try:  # a forking prompt's hits stop short of its target, so n >= 1
                 cached = self.bm.allocate(seq.request_id, tokens, num_reserved=0,
-                                          root=salted_root(seq.cache_salt),
+                                          root=salted_root(seq.cache_salt, adapter),
                                           cache_hits=seq.params.prompt_logprobs is None,
                                           hit_cap=self.seats.hit_cap if self.seats.ring_pages else None)
             except OutOfPages:

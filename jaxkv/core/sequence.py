@@ -46,6 +46,8 @@ class Sequence:
         self.stop = stop  # jaxkv.worker.stop.StopRule (None for a refused request)
         self.cache_salt = cache_salt  # prefix-cache tenant (page_pool.salted_root)
         self.rules = None  # jaxkv.core.structured.TokenRules when the request has token rules
+        self.lora = None  # jaxkv.core.lora.Adapter of a request for one
+        self.lora_slot = 0  # its device slot + 1 while it runs (0: the base model)
         # Parallel sampling (n > 1): the request's sequences, this one (index
         # 0, the parent) first. With fork_pending the parent prefills all
         # but the last prompt token, then the others fork its pages.
@@ -85,6 +87,7 @@ class Sequence:
         c = Sequence((self.request_id, index), self.prompt, self.prompt_token_ids, self.params,
                      seed, stop=self.stop, cache_salt=self.cache_salt)
         c.index, c.parent, c.rules = index, self, rules
+        c.lora, c.lora_slot = self.lora, self.lora_slot
         c.prompt_logprobs = None  # the parent's serve the request
         self.children.append(c)
         return c

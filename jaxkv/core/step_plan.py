@@ -84,7 +84,8 @@ def build_plan(scheduled: Seq, num_steps: int, *, pages_per_seq: int, vocab_size
                     prev_index=prev, block_tables=block_tables, num_output=num_output,
                     sampling=sampling, stops=stops, num_steps=num_steps,
                     penalties=_penalties(scheduled, history_width), rules=rules,
-                    ring_base=np.fromiter([sc.seq.ring_base for sc in scheduled], np.int32, S))
+                    ring_base=np.fromiter([sc.seq.ring_base for sc in scheduled], np.int32, S),
+                    lora_slots=np.fromiter([sc.seq.lora_slot for sc in scheduled], np.int32, S))
     return plan, stuck
 
 

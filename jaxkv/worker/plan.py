@@ -58,6 +58,7 @@ class StepPlan:
     penalties: PenaltyBatch | None = None
     rules: RulesBatch | None = None
     ring_base: np.ndarray | None = None  # [S] first page of each sequence's ring (hybrid pool)
+    lora_slots: np.ndarray | None = None  # [S] each sequence's LoRA slot + 1 (0: none)
 
     @property
     def num_seqs(self) -> int:

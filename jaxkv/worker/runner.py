@@ -38,7 +38,7 @@ from flax import nnx
 
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache
-from jaxkv.sharding import to_host
+from jaxkv.sharding import leaf_names, to_host
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.plan import ScoreResult, StepPlan, StepResult
 from jaxkv.worker.programs import COPY_WIDTH, Programs
@@ -254,6 +254,20 @@ class Runner:
             rb = self._empty_rules[num_seqs] = jax.device_put(
                 empty_rules(num_seqs, self.vocab_size), self._rep)
         return rb
+
+    def set_lora(self, arrays: dict) -> None:
+        """Replace LoRA slot arrays (`jaxkv.model.lora.LoRAStack` leaves by
+        name, whole, as stored): each placed like the array it replaces, so
+        no program compiles; steps in flight keep the old ones."""
+        self._mirror("set_lora", arrays)
+
+        def put(path, x):
+            names = leaf_names(path)
+            if len(names) > 1 and names[-2] == "lora" and names[-1] in arrays:
+                return jax.device_put(np.asarray(arrays[names[-1]], x.dtype), x.sharding)
+            return x
+
+        self.state = jax.tree_util.tree_map_with_path(put, self.state)
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]], local: bool = False) -> None:
         """Device-side copy-on-write: copy page src -> dst for each pair (in a

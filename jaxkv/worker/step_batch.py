@@ -23,6 +23,8 @@ compiles once per program key (`ProgramKey`: kind, T, S) and never again:
     ring_base[S]        hybrid KV pool: the first page of s's ring of
                         sliding-layer pages (0 without one; see
                         `jaxkv.model.attention.local_view`)
+    lora_slot[T]        the LoRA slot each row's projections add (0: none,
+                        m + 1: slot m; `jaxkv.model.lora`)
     num_steps[]         decode steps to run (decode programs; 1 otherwise)
     prev_index[T]       -1, or for a row whose input token is not on the host
                         yet (overlapped scheduling): the index of its
@@ -117,6 +119,7 @@ class StepBatch:
     sampling: SamplingBatch
     stops: StopBatch
     ring_base: Any = None
+    lora_slot: Any = None
 
 
 def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
@@ -139,7 +142,7 @@ def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
                      logits_indices=i32(S * (num_spec + 1) if key.kind == "verify" else S),
                      num_output=i32(S), num_steps=np.asarray(1, np.int32),
                      prev_index=np.full(T, -1, np.int32), sampling=sampling, stops=stops,
-                     ring_base=i32(S))
+                     ring_base=i32(S), lora_slot=i32(T))
 
 
 def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
@@ -199,6 +202,8 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
     b.num_output[:S] = plan.num_output
     if plan.ring_base is not None:
         b.ring_base[:S] = plan.ring_base
+    if plan.lora_slots is not None:
+        b.lora_slot[:T] = plan.lora_slots[seq_of_row]
     for name in SAMPLING_FIELDS:
         getattr(b.sampling, name)[:S] = getattr(plan.sampling, name)
     for name in ("stop_ids", "min_tokens", "max_tokens"):

@@ -1,0 +1,198 @@
+"""LoRA adapters in the step: PEFT folders read into per-layer low-rank
+factors, and the fixed-shape stack of `max_loras` device slots every step
+reads.
+
+A PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`) holds,
+for each targeted projection of each layer, lora_A [r, N_in] and lora_B
+[N_out, r]; the projection's output gains (x A^T) B^T * scale, scale =
+lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). jaxkv reads the seven
+projections every family of its decoder has: q, k, v, o and gate, up, down
+(the MLP ones on dense layers only; a mixture of experts' layers take
+attention adapters).
+
+`LoRAStack` holds, per target t, a_t [L, N_in, M R] and b_t [L, M R,
+N_out] (M slots of rank R = max_lora_rank; slot m's factors in columns /
+rows m R : (m + 1) R, an adapter of lower rank zero-padded, its scale
+folded into b). Each row of a step carries its slot (`StepBatch.lora_slot`,
+0: the base model, m + 1: slot m); the update is two dense matmuls over all
+slots with the other slots' columns masked out:
+
+    delta = ((x @ a_t[l]) * mask[T, M R]) @ b_t[l]
+
+so every step has one shape whatever mix of adapters it holds, and loading
+an adapter only replaces the stack's arrays (no program compiles). Its cost
+is M R (N_in + N_out) per row and projection, paid whether or not a row
+uses an adapter; a segmented (grouped) matmul would pay per row's own slot.
+Under tensor parallelism a and b split like their base weight
+(`jaxkv.sharding.ShardingPlan.param_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.config import ModelConfig
+
+# PEFT module names -> jaxkv's targets, and which are the MLP's.
+HF_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+              "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+MLP_TARGETS = ("gate", "up", "down")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N_in, N_out) of each projection a LoRA may target in `config`'s
+    decoder (the MLP's only when every layer is dense)."""
+    E, H, K, D, F = (config.hidden_size, config.num_heads, config.num_kv_heads,
+                     config.head_dim, config.intermediate_size)
+    shapes = {"q": (E, H * D), "k": (E, K * D), "v": (E, K * D), "o": (H * D, E)}
+    if not any(config.layer_sparse(i) for i in range(config.num_layers)):
+        shapes.update(gate=(E, F), up=(E, F), down=(F, E))
+    return shapes
+
+
+@dataclasses.dataclass
+class LoRAWeights:
+    """One adapter read for `config`: per target, a [L, N_in, r] and b
+    [L, r, N_out] float32 (scale folded into b; zeros for layers it does not
+    touch), r its rank."""
+
+    path: str
+    rank: int
+    a: dict
+    b: dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self.a.values(), *self.b.values()))
+
+
+def read_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAWeights:
+    """The PEFT adapter in folder `path` for a base model of `config`.
+    ValueError naming the problem: a missing file, a rank above `max_rank`,
+    a target jaxkv does not apply (embeddings, lm_head, experts, modules_to_
+    save, DoRA, biases), or a factor whose shape does not fit the base."""
+    from safetensors.numpy import load_file
+
+    cfg_path = os.path.join(str(path), "adapter_config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"lora: {cfg_path} not found (a PEFT adapter folder holds "
+                         "adapter_config.json and adapter_model.safetensors)")
+    with open(cfg_path) as f:
+        ac = json.load(f)
+    if ac.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora: {path}: peft_type {ac.get('peft_type')!r}, only LORA is served")
+    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
+        if ac.get(key) is bad:
+            raise ValueError(f"lora: {path}: {key} is not supported")
+    if ac.get("modules_to_save"):
+        raise ValueError(f"lora: {path}: modules_to_save {ac['modules_to_save']} (whole "
+                         "trained modules) are not supported, only low-rank targets")
+    if ac.get("bias", "none") != "none":
+        raise ValueError(f"lora: {path}: bias {ac['bias']!r} is not supported (only 'none')")
+    targets = ac.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [] if targets == "all-linear" else [targets]
+    unknown = sorted({str(t).split(".")[-1] for t in targets} - set(HF_TARGETS))
+    if unknown:
+        raise ValueError(f"lora: {path}: unknown target modules {unknown} (jaxkv applies "
+                         f"LoRA to {sorted(HF_TARGETS)})")
+    st = os.path.join(str(path), "adapter_model.safetensors")
+    if not os.path.isfile(st):
+        raise ValueError(f"lora: {st} not found")
+    tensors = load_file(st)
+    shapes = target_shapes(config)
+    L = config.num_layers
+    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name, w in tensors.items():
+        m = _KEY.search(name)
+        if m is None or m.group(2) not in HF_TARGETS:
+            raise ValueError(f"lora: {path}: tensor {name!r} targets a module jaxkv does not "
+                             f"apply LoRA to (only {sorted(HF_TARGETS)} of the decoder layers)")
+        layer, t = int(m.group(1)), HF_TARGETS[m.group(2)]
+        if layer >= L:
+            raise ValueError(f"lora: {path}: {name!r} is for layer {layer}, the model has {L}")
+        if t not in shapes:
+            raise ValueError(f"lora: {path}: {name!r}: layer {layer}'s MLP is a mixture of "
+                             "experts; jaxkv applies LoRA to its attention only")
+        found.setdefault((layer, t), {})[m.group(3)] = np.asarray(w, np.float32)
+    if not found:
+        raise ValueError(f"lora: {path}: no LoRA factors in {st}")
+    rank = 0
+    a = {t: None for t in shapes}
+    b = dict(a)
+    for (layer, t), ab in sorted(found.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"lora: {path}: layer {layer} {t}: lora_A and lora_B must both be "
+                             "present")
+        A, B = ab["A"], ab["B"]
+        n_in, n_out = shapes[t]
+        r = A.shape[0]
+        if A.ndim != 2 or B.ndim != 2 or A.shape[1] != n_in or B.shape != (n_out, r):
+            raise ValueError(f"lora: {path}: layer {layer} {t}: lora_A {list(A.shape)} and "
+                             f"lora_B {list(B.shape)} do not fit the base projection "
+                             f"[{n_in} in, {n_out} out] (expected [r, {n_in}] and [{n_out}, r])")
+        if r > max_rank:
+            raise ValueError(f"lora: {path}: rank {r} exceeds max_lora_rank {max_rank}")
+        rank = max(rank, r)
+        alpha = _pattern(ac.get("alpha_pattern"), layer, t, ac.get("lora_alpha", r))
+        scale = alpha / (math.sqrt(r) if ac.get("use_rslora") else r)
+        if a[t] is None:
+            a[t] = np.zeros((L, n_in, max_rank), np.float32)
+            b[t] = np.zeros((L, max_rank, n_out), np.float32)
+        a[t][layer, :, :r] = A.T
+        b[t][layer, :r] = B.T * scale
+    a = {t: x[:, :, :rank] for t, x in a.items() if x is not None}
+    b = {t: x[:, :rank] for t, x in b.items() if x is not None}
+    return LoRAWeights(str(path), rank, a, b)
+
+
+def _pattern(patterns, layer: int, t: str, default):
+    """A PEFT alpha pattern's value for target t of `layer` (its keys name
+    modules in full, by a dotted suffix, or by a regex), else `default`."""
+    module = next(k for k, v in HF_TARGETS.items() if v == t)
+    full = f"model.layers.{layer}.{'mlp' if t in MLP_TARGETS else 'self_attn'}.{module}"
+    for key, v in (patterns or {}).items():
+        if full == key or full.endswith("." + key) or re.fullmatch(key, full):
+            return v
+    return default
+
+
+class LoRAStack(nnx.Module):
+    """The device slots: a_t [L, N_in, M R] and b_t [L, M R, N_out] per
+    target t (zeros until an adapter is written; see the module's text)."""
+
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32):
+        self.num_slots, self.rank = max_loras, max_rank
+        self.targets = tuple(target_shapes(config))
+        L, MR = config.num_layers, max_loras * max_rank
+        for t, (n_in, n_out) in target_shapes(config).items():
+            setattr(self, f"a_{t}", nnx.Param(jnp.zeros((L, n_in, MR), dtype)))
+            setattr(self, f"b_{t}", nnx.Param(jnp.zeros((L, MR, n_out), dtype)))
+
+    def mask(self, lora_slot, dtype):
+        """[T, M R]: 1 where column c belongs to row r's slot (lora_slot [T],
+        0 for none)."""
+        owner = jnp.arange(self.num_slots * self.rank) // self.rank + 1
+        return (owner[None, :] == lora_slot[:, None]).astype(dtype)
+
+    def delta(self, t: str, i: int, x, mask):
+        """Layer i's update of target t for rows x [T, N_in] -> [T, N_out]."""
+        a, b = getattr(self, f"a_{t}")[...][i], getattr(self, f"b_{t}")[...][i]
+        return ((x @ a) * mask) @ b
+
+    def fused(self, targets: tuple[str, ...], i: int, x, mask, groups: int):
+        """The updates of a fused projection's parts (q, k, v; gate, up) in
+        its column layout: G groups (one per tensor-parallel shard), each
+        the parts' shard slices side by side. Parts it does not hold add 0."""
+        T = x.shape[0]
+        parts = [self.delta(t, i, x, mask).reshape(T, groups, -1) for t in targets]
+        return jnp.concatenate(parts, axis=2).reshape(T, -1)
