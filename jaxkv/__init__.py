@@ -2,6 +2,7 @@
 
     from jaxkv import LLM, SamplingParams        # offline generation
     from jaxkv import LLMEngine                  # add_request / step / abort
+    from jaxkv import LoRARequest                # an adapter for a request (enable_lora)
 
 Layout: `jaxkv.core` (the host side: requests, pages, scheduling, the
 engine), `jaxkv.model` (the network and its cache), `jaxkv.worker` (the
@@ -19,6 +20,9 @@ def __getattr__(name):
     if name == "LLM":
         from jaxkv.entrypoints.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from jaxkv.core.lora import LoRARequest
+        return LoRARequest
     if name == "LLMEngine":
         from jaxkv.core.engine import LLMEngine
         return LLMEngine

@@ -47,11 +47,13 @@ class LLM:
         self.engine.shutdown()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:
         """One output per prompt, in order. Prompts: a string, a list of
         strings, or dicts {"prompt": ...} / {"prompt_token_ids": [...]} (a list
         of ints alone is read as one tokenized prompt). A bad prompt gets an
-        output with finish_reason "error"; the rest are generated."""
+        output with finish_reason "error"; the rest are generated.
+        `lora_request`: a `LoRARequest` (engine option enable_lora) for every
+        prompt, or a list of them (None: the base model) one per prompt."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -63,10 +65,14 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else (
+            [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         with self._lock:
-            return self._generate(prompts, params, use_tqdm)
+            return self._generate(prompts, params, use_tqdm, loras)
 
-    def _generate(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+    def _generate(self, prompts, params, use_tqdm, loras) -> list[RequestOutput]:
         ids: list[str] = []
         bar = None
         if use_tqdm or (use_tqdm is None and len(prompts) >= 16):
@@ -83,8 +89,8 @@ class LLM:
                 bar.refresh()
 
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, lr in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(p, sp, lora_request=lr))
             final = self.engine.run_to_completion(ids, progress)
         finally:
             if bar is not None:
@@ -99,7 +105,7 @@ class LLM:
         return [final[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of
         {"role", "content"} dicts) or a list of them, then generate. A
         malformed conversation raises ValueError before anything runs."""
@@ -119,4 +125,5 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.encode(
             self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
             add_special_tokens=False)} for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
