@@ -70,7 +70,7 @@ class LLMEngine:
                  draft_model=None):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
-        base = attach_lora(model, config)  # LoRA slots (zeros) before the model is placed
+        model, base = attach_lora(model, config)  # LoRA slots (zeros) before it is placed
         model, self.sharding, channel = scale_out(model, config)
         self.model_config: ModelConfig = model.config  # KV heads as stored (replicated)
         kv_dtype = config.kv_dtype or config.dtype

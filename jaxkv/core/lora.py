@@ -23,19 +23,23 @@ import dataclasses
 import hashlib
 
 import numpy as np
+from flax import nnx
 
 from jaxkv.model.lora import LoRAStack, LoRAWeights, read_adapter, target_shapes
 from jaxkv.shard_columns import kv_columns
 
 
 def attach_lora(model, config):
-    """With `config.enable_lora` (an `EngineConfig`), give `model` (a
-    `jaxkv.model.llama.Llama`, not placed yet) its empty LoRA slots.
-    Returns the model's config as loaded, which adapters are read for."""
-    if config.enable_lora:
-        model.lora = LoRAStack(model.config, config.max_loras, config.max_lora_rank,
-                               model.final_norm[...].dtype)
-    return model.config
+    """(the model to run, the config adapters are read for: the model's as
+    loaded). With `config.enable_lora` (an `EngineConfig`), a copy of
+    `model` (a `jaxkv.model.llama.Llama`, not placed yet; its arrays
+    shared, the caller's module unchanged) with empty LoRA slots."""
+    if not config.enable_lora:
+        return model, model.config
+    model = nnx.merge(*nnx.split(model))
+    model.lora = LoRAStack(model.config, config.max_loras, config.max_lora_rank,
+                           model.final_norm[...].dtype)
+    return model, model.config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Each input line is {"prompt": "..."} or {"messages": [...]} (chat template
 applied) plus optional sampling fields (max_tokens, temperature, top_p, ...,
-any SamplingParams field) and an optional "id". Each output line has the
+any SamplingParams field), an optional "id" and an optional "model": the
+name of a LoRA adapter known to the engine (`--lora-modules`) runs the line
+with it, the base model's name (or none) without. Each output line has the
 input's index and id, text, token ids, finish reason, token counts and
 timing (with n > 1, also "outputs": every answer by index); a line that cannot be run (bad JSON, unknown field, bad value) gets
 an error record and the rest are still generated. Re-running with the same
@@ -85,7 +87,7 @@ def _parse_line(rec: Any, defaults: dict[str, Any], tokenizer) -> tuple[Any, Sam
     names the field."""
     if not isinstance(rec, dict):
         raise ValueError("line must be a JSON object")
-    extra = set(rec) - _FIELDS - {"prompt", "messages", "prompt_token_ids", "id"}
+    extra = set(rec) - _FIELDS - {"prompt", "messages", "prompt_token_ids", "id", "model"}
     if extra:
         raise ValueError(f"unknown field(s): {sorted(extra)}")
     kinds = [k for k in ("prompt", "messages", "prompt_token_ids") if k in rec]
@@ -113,9 +115,22 @@ def _parse_line(rec: Any, defaults: dict[str, Any], tokenizer) -> tuple[Any, Sam
     return prompt, params
 
 
+def _adapter(rec: dict, engine, model_names) -> str | None:
+    """The LoRA adapter a line's "model" names (None: the base model)."""
+    model = rec.get("model")
+    if model is None or model in model_names:
+        return None
+    known = engine.loras.names() if engine.loras is not None else []
+    if model not in known:
+        raise ValueError(f"model: {model!r} is neither the base model ({', '.join(model_names)}) "
+                         f"nor a LoRA adapter (adapters: {', '.join(known) or 'none'})")
+    return model
+
+
 def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = None,
-              progress: bool = True) -> dict[str, int]:
-    """Generate for every line of `in_path` into `out_path`; returns counts."""
+              progress: bool = True, model_names=()) -> dict[str, int]:
+    """Generate for every line of `in_path` into `out_path`; returns counts.
+    `model_names`: what a line's "model" may say for the base model."""
     in_path, out_path = Path(in_path), Path(out_path)
     lines = read_lines(in_path)
     done = _done_count(out_path)
@@ -133,7 +148,8 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
             if isinstance(raw, dict) and "id" in raw:
                 rec["id"] = _checked_id(raw["id"])
             prompt, params = _parse_line(raw, defaults, engine.tokenizer)
-            rid = engine.add_request(prompt, params, request_id=f"batch-{i}")
+            rid = engine.add_request(prompt, params, request_id=f"batch-{i}",
+                                     lora_request=_adapter(raw, engine, model_names))
             rid_of[rid] = i
         except UnicodeDecodeError as e:
             rec.update(error=f"line is not valid UTF-8 (byte {e.start})", finish_reason="error")

@@ -4,6 +4,7 @@
     jaxkv chat [--model M]
     jaxkv batch IN.jsonl OUT.jsonl [--model M]
     jaxkv serve [--model M] [--host 127.0.0.1] [--port 8000]
+                [--enable-lora --lora-modules NAME=PATH ...]   (also batch)
     jaxkv convert SRC DST [--dtype bfloat16]
     jaxkv estimate [--model M] [--context N] [--memory 24GB]
 
@@ -21,7 +22,8 @@ import logging
 import sys
 
 from checkpoints.known_models import DEFAULT_MODEL
-from jaxkv.entrypoints.cli_options import add_options, parse_size, values
+from jaxkv.entrypoints.cli_options import (add_lora_modules, add_options, lora_requests,
+                                           parse_size, values)
 from jaxkv.entrypoints.estimate import add_estimate_command
 
 
@@ -63,9 +65,17 @@ def _make_engine(a):
             raise ValueError("--draft-model: give it or --speculative-config, not both")
         kw["speculative_config"] = {"method": "draft_model", "model": a.draft_model,
                                     "num_speculative_tokens": 4}
+    loras = lora_requests(getattr(a, "lora_modules", None))
+    if loras and not kw.get("enable_lora"):
+        raise ValueError("--lora-modules: LoRA is off; add --enable-lora")
     engine = LLMEngine.from_pretrained(a.model, **kw)
     if engine.follow():  # process 1..n-1 of a multi-process job: it ran process 0's steps
         raise SystemExit(0)
+    for r in loras:  # read and checked now: a bad one stops the start, named
+        try:
+            engine.loras.resolve(r)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {r.lora_name}={r.lora_path}: {e}") from None
     return engine
 
 
@@ -162,7 +172,8 @@ def cmd_batch(a) -> int:
     engine = _make_engine(a)
     defaults = {k: v for k, v in values(a, SamplingParams, prefix=SAMPLING).items()
                 if v is not None}
-    counts = run_batch(engine, a.input, a.output, defaults=defaults, progress=not a.quiet)
+    counts = run_batch(engine, a.input, a.output, defaults=defaults, progress=not a.quiet,
+                       model_names=[a.model])
     print(f"wrote {counts['written']} records ({counts['errors']} errors), "
           f"skipped {counts['skipped']} already done", file=sys.stderr)
     return 0
@@ -208,18 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("batch", help="generate for a JSONL file, resumable",
                        description="Each input line: {\"prompt\": ...} or {\"messages\": [...]} plus "
-                                   "optional SamplingParams fields. Output: one JSON record per "
+                                   "optional SamplingParams fields and \"model\" (a LoRA "
+                                   "adapter of --lora-modules). Output: one JSON record per "
                                    "input line, in order; re-running resumes.")
     b.add_argument("input", help="input JSONL")
     b.add_argument("output", help="output JSONL (appended to when resuming)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _engine_args(b)
+    add_lora_modules(b)
     _sampling_args(b, "sampling, for lines that do not set it")
     b.set_defaults(func=cmd_batch)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        description="POST /v1/completions, /v1/chat/completions (stream: SSE), "
-                                   "/tokenize, /detokenize; GET /v1/models, /health, /metrics.")
+                                   "/v1/responses, /tokenize, /detokenize, with --enable-lora "
+                                   "/v1/load_lora_adapter, /v1/unload_lora_adapter; GET "
+                                   "/v1/models, /health, /metrics.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                                                        "%(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -246,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the live KV page map (GET / and /v1/kv_map): it shows every "
                         "running request's length and timing to whoever may read it")
     _engine_args(s)
+    add_lora_modules(s)
     s.set_defaults(func=cmd_serve)
 
     v = sub.add_parser("convert", help="convert a checkpoint to jaxkv's format",

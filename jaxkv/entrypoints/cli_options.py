@@ -75,3 +75,42 @@ def values(ns: argparse.Namespace, cls, *, prefix: str) -> dict[str, Any]:
         if hasattr(ns, prefix + f.name):
             out[f.name] = getattr(ns, prefix + f.name)
     return out
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules item: NAME=PATH, or vLLM's JSON form {"name": ...,
+    "path": ...} (its "base_model_name" is accepted and not read) -> (name, path)."""
+    t = text.strip()
+    if t.startswith("{"):
+        d = parse_json(t)
+        ok = (isinstance(d, dict) and not set(d) - {"name", "path", "base_model_name"}
+              and all(isinstance(d.get(k), str) and d[k] for k in ("name", "path")))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text!r}: the JSON form is {{\"name\": NAME, "
+                                             "\"path\": PATH}")
+        return d["name"], d["path"]
+    name, sep, path = t.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=PATH (or JSON {{\"name\": NAME, "
+                                         "\"path\": PATH}})")
+    return name, path
+
+
+def add_lora_modules(parser) -> None:
+    """--lora-modules NAME=PATH ...: LoRA adapters loaded at start (vLLM's option)."""
+    parser.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module,
+                        default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) loaded at start, ids 1, 2, ... in "
+                             "order; a request's `model` names one (needs --enable-lora)")
+
+
+def lora_requests(modules) -> list:
+    """--lora-modules' (name, path) pairs as LoRARequests of ids 1, 2, ...;
+    ValueError for a name given twice."""
+    from jaxkv.core.lora import LoRARequest
+
+    names = [n for n, _ in modules or ()]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--lora-modules: {twice} given more than once")
+    return [LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(modules or ())]

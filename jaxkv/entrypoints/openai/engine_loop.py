@@ -80,9 +80,10 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, prompt, params, *, out: asyncio.Queue, index: int = 0,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, lora_request=None) -> RequestStream:
         """Queue a request (checked already by the caller); its outputs go to
-        `out` as (index, RequestOutput). Raises QueueFull or ShuttingDown."""
+        `out` as (index, RequestOutput). `lora_request`: a LoRA adapter's
+        name (or LoRARequest). Raises QueueFull or ShuttingDown."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         with self._lock:
@@ -94,7 +95,7 @@ class EngineLoop:
             self._pending += 1
         stream = RequestStream(f"req-{uuid.uuid4().hex}", index, out, asyncio.get_running_loop(),
                                time.perf_counter())
-        self._cmds.put(("add", stream, prompt, params, cache_salt))
+        self._cmds.put(("add", stream, prompt, params, cache_salt, lora_request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -159,13 +160,13 @@ class EngineLoop:
 
     def _apply(self, cmd) -> None:
         if cmd[0] == "add":
-            _, stream, prompt, params, salt = cmd
+            _, stream, prompt, params, salt, lora = cmd
             with self._lock:
                 self._pending -= 1
             self._streams[stream.request_id] = stream
             try:
                 self.engine.add_request(prompt, params, request_id=stream.request_id,
-                                        cache_salt=salt)
+                                        cache_salt=salt, lora_request=lora)
                 stream.n = params.n
                 self._multi += stream.n > 1
             except Exception as e:  # noqa: BLE001 - the request's error, not the server's

@@ -48,7 +48,8 @@ def submit_items(ctx: Context, items: list[Item], body: dict, q: asyncio.Queue) 
     try:
         for i, it in enumerate(items):
             streams.append(ctx.loop.submit({"prompt_token_ids": it.ids}, it.params, out=q,
-                                           index=i, cache_salt=body.get("cache_salt")))
+                                           index=i, cache_salt=body.get("cache_salt"),
+                                           lora_request=it.lora))
     except (QueueFull, ShuttingDown) as e:
         for s in streams:
             ctx.loop.abort(s.request_id)
@@ -70,7 +71,7 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
     finals = await _collect(ctx, request, q, streams)
     if finals is None:  # the client went away; its requests are aborted
         return Response(status_code=499)
-    fmt, choices, with_ids = ctx.fmt, [], _with_ids(ctx, body)
+    fmt, choices, with_ids = ctx.fmt.named(items[0].lora), [], _with_ids(ctx, body)
     for i, (it, out) in enumerate(zip(items, finals)):
         if any(c.finish_reason == "error" for c in out.outputs):
             raise APIError(out.error or "engine: the request failed", None, 500,
@@ -136,7 +137,7 @@ def _error_event(out) -> dict:
 
 async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams, q, chat: bool,
                   echo: bool):
-    fmt = ctx.fmt
+    fmt = ctx.fmt.named(items[0].lora)
     created = now()
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

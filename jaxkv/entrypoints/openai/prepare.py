@@ -45,6 +45,17 @@ class Context:
         template = getattr(tok, "chat_template", None) or ""
         return "llama3_json" if "<|python_tag|>" in template else "hermes"
 
+    def models(self) -> list[str]:
+        """The names a request's `model` may say: the served names, then the
+        LoRA adapters known now (`lora_routes`)."""
+        loras = self.engine.loras
+        return self.served + ([n for n in loras.names() if n not in self.served] if loras else [])
+
+    def adapter(self, body) -> str | None:
+        """The LoRA adapter a checked body's `model` names (None: the base)."""
+        model = body.get("model")
+        return None if model is None or model in self.served else model
+
 
 @dataclasses.dataclass
 class Item:
@@ -54,6 +65,7 @@ class Item:
     ids: list[int]
     params: SamplingParams
     tools: tools_mod.Tools | None = None  # a chat request's tools
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -135,19 +147,22 @@ def render_chat(ctx: Context, messages: list[dict], body: dict, tools=None) -> s
 
 def completion_items(ctx: Context, body) -> tuple[list[Item], bool]:
     """(the engine requests of a /v1/completions body, echo)."""
-    check_common(body, chat=False, served=ctx.served)
+    check_common(body, chat=False, served=ctx.models())
     prompts = completion_prompts(body)
     params = sampling_params(body, chat=False, default_max_tokens=COMPLETIONS_MAX_TOKENS)
     echo = bool(body.get("echo"))
     if echo and params.logprobs is not None:
         raise APIError("echo: echo with logprobs needs prompt logprobs, not supported yet", "echo")
-    return [_prepare(ctx, p, params, body.get("cache_salt"), {"prompt_token_ids": "prompt"}, echo)
-            for p in prompts], echo
+    items = [_prepare(ctx, p, params, body.get("cache_salt"), {"prompt_token_ids": "prompt"},
+                      echo) for p in prompts]
+    for it in items:
+        it.lora = ctx.adapter(body)
+    return items, echo
 
 
 def chat_items(ctx: Context, body) -> list[Item]:
     """The engine request of a /v1/chat/completions body."""
-    check_common(body, chat=True, served=ctx.served)
+    check_common(body, chat=True, served=ctx.models())
     tools = tools_mod.check_tools(body, ctx.parser())
     text = render_chat(ctx, chat_messages(body), body, tools)
     params = sampling_params(body, chat=True, default_max_tokens=None)
@@ -162,8 +177,7 @@ def chat_items(ctx: Context, body) -> list[Item]:
     ids = encode(ctx.engine.tokenizer, text, add_special_tokens=False)
     item = _prepare(ctx, {"prompt_token_ids": ids}, params, body.get("cache_salt"), rename,
                     echo=False)
-    item.text = text
-    item.tools = tools
+    item.text, item.tools, item.lora = text, tools, ctx.adapter(body)
     return [item]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -21,6 +22,15 @@ class Formatter:
     def __init__(self, tokenizer, model_name: str):
         self.tokenizer = tokenizer
         self.model_name = model_name
+
+    def named(self, model_name: str | None) -> "Formatter":
+        """This formatter answering as `model_name` (a LoRA adapter's; None:
+        the served model's)."""
+        if model_name is None or model_name == self.model_name:
+            return self
+        other = copy.copy(self)
+        other.model_name = model_name
+        return other
 
     def token_str(self, token_id: int) -> str:
         if self.tokenizer is None:

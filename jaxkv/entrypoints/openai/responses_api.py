@@ -165,11 +165,11 @@ def _tools(tools) -> list:
     return out
 
 
-def _skeleton(ctx, rid: str, body: dict) -> dict:
+def _skeleton(ctx, rid: str, body: dict, model: str | None) -> dict:
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     return {"id": rid, "object": "response", "created_at": now(), "status": "in_progress",
             "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"), "model": ctx.fmt.model_name,
+            "max_output_tokens": body.get("max_output_tokens"), "model": model or ctx.fmt.model_name,
             "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
@@ -211,7 +211,7 @@ async def create(ctx, store: Store, request, body):
     q: asyncio.Queue = asyncio.Queue()
     stream = generate.submit_items(ctx, [item], chat, q)[0]
     rid = _new_id("resp")
-    resp = _skeleton(ctx, rid, body)
+    resp = _skeleton(ctx, rid, body, item.lora)
     out = Output(resp)
     thinker = Reasoning(ctx.reasoning_parser, item.text or "") if ctx.reasoning_parser else None
     parser = tool_stream.StreamParser(item.tools) if item.tools is not None else None

@@ -5,6 +5,8 @@
     GET  / (the KV cache, live: a chat box and the page pool), /v1/kv_map,
          only with `enable_kv_map`
     POST /tokenize, /detokenize
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter (`lora_routes`; a
+         request's `model` may name a LoRA adapter)
 
 One engine thread owns the LLMEngine (`engine_loop.EngineLoop`); handlers
 read the body (at most `max_request_bytes`, else 413), make it into engine
@@ -30,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from jaxkv.entrypoints.openai import generate, kv_map, prepare, responses_api
+from jaxkv.entrypoints.openai import generate, kv_map, lora_routes, prepare, responses_api
 from jaxkv.entrypoints.openai.protocol import APIError
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
 from jaxkv.entrypoints.openai.guard import (DEFAULT_MAX_REQUEST_BYTES, Guard,
@@ -55,6 +57,10 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     every running request's length and progress to whoever may read it."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes: must be at least 1, got {max_request_bytes}")
+    clash = sorted(set(served_model_names) & set(engine.loras.names() if engine.loras else ()))
+    if clash:
+        raise ValueError(f"lora_modules: {clash} are served model names too; name the adapters "
+                         "apart")
     metrics = ServerMetrics(served_model_names[0])
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -114,8 +120,10 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": ctx.created, "owned_by": "jaxkv",
-             "root": name, "max_model_len": engine.max_model_len}
-            for name in served_model_names]}
+             "root": name, "parent": None, "max_model_len": engine.max_model_len}
+            for name in served_model_names] + lora_routes.model_cards(ctx)}
+
+    lora_routes.install(app, ctx, body)
 
     if enable_kv_map:
         @app.get("/", response_class=HTMLResponse)
