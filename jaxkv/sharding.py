@@ -37,9 +37,9 @@ The table (t = tensor_parallel_size; shapes in the model's fused layout;
     router_bias              [X]               replicated       every device routes
     shared_w_gate_up, _down  as w_gate_up, w_down                a dense MLP's split
     lm_head w, w8, scales    [E, V], [V]       V on "model"     (4)
-    lora a_q/k/v/gate/up     [L, E, M R]       replicated       (7)
-    lora b_q/k/v/gate/up     [L, M R, N]       N on "model"     as their base's columns
-    lora a_o, a_down; b_     [L, N, M R]; [L, M R, E]  N on "model"; replicated
+    lora a_qkv, a_gate_up    [M, E, parts R]   replicated       (7), per layer
+    lora b_q/k/v/gate/up     [M, R, N]         N on "model"     as their base's columns
+    lora a_o, a_down; b_     [M, N, R]; [M, R, E]  N on "model"; replicated
     cache k, v (per layer)   [KVH', P, ps, D]  ("model",)       (5)
     cache int8 scales        [KVH', P, ps]     ("model",)       (5)
 
@@ -216,7 +216,7 @@ class ShardingPlan:
                 return P("model")
             return {"experts_gate_up": P(None, None, "model"), "experts_down": P(None, "model"),
                     "experts_gate_up_bias": P(None, "model")}.get(leaf, P())
-        if owner == "lora":  # (7)
+        if "lora" in names:  # (7)
             return (P(None, "model", None) if leaf in ("a_o", "a_down") else P()
                     if leaf[0] == "a" or leaf in ("b_o", "b_down") else P(None, None, "model"))
         if leaf == "shared_w_gate_up":

@@ -259,3 +259,39 @@ def test_tensor_parallel_2_with_replicated_kv_heads_equals_peft(tmp_path):
     want = [hf_greedy(hf if j < 0 else adapters[j][0], p) for p in PROMPTS[:2]
             for j in range(-1, 2)]
     assert got == want
+
+
+@pytest.mark.parametrize("path", ["grouped_native", "ragged_dot", "masked"])
+def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
+    import jax.numpy as jnp
+
+    from jaxkv.config import ModelConfig
+    from jaxkv.model.lora import LoRAStack, Rows
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64, eos_token_ids=())
+    M, R, T = 3, 4, 11
+    stack = LoRAStack(cfg, M, R)
+    rng = np.random.default_rng(0)
+    layer = stack.layers[0]
+    for name in ("a_qkv", "b_q", "b_k", "b_v", "a_down", "b_down"):
+        var = getattr(layer, name)
+        var[...] = jnp.asarray(rng.standard_normal(var[...].shape), jnp.float32)
+    slots = np.array([0, 2, 1, 3, 0, 2, 2, 1, 0, 3, 1], np.int32)
+    x = rng.standard_normal((T, 32)).astype(np.float32)
+    rows = stack.rows(jnp.asarray(slots), jnp.float32, None if path != "masked" else "mesh", "cpu")
+    if path == "ragged_dot":
+        rows = Rows(rows.order, rows.back, rows.sizes, rows.mask, grouped=True, native=False)
+    assert rows.grouped == (path != "masked")
+    assert path == "masked" or rows.native == (path == "grouped_native")
+    got = np.asarray(stack("qkv", 0, jnp.asarray(x), rows))
+    a = np.asarray(layer.a_qkv[...], np.float64)
+    want = np.zeros((T, 64))
+    for t, s in enumerate(slots):
+        if s:
+            h = x[t].astype(np.float64) @ a[s - 1]
+            b = [np.asarray(getattr(layer, f"b_{n}")[...][s - 1], np.float64) for n in "qkv"]
+            want[t] = np.concatenate([h[p * R:(p + 1) * R] @ b[p] for p in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(want).max() > 1 and not want[slots == 0].any()

@@ -25,7 +25,8 @@ import hashlib
 import numpy as np
 from flax import nnx
 
-from jaxkv.model.lora import LoRAStack, LoRAWeights, read_adapter, target_shapes
+from jaxkv.model.lora import (GROUPS, LoRAStack, LoRAWeights, a_columns, read_adapter,
+                              stack_shapes, target_shapes)
 from jaxkv.shard_columns import kv_columns
 
 
@@ -84,13 +85,9 @@ class LoRAAdapters:
         # K / V columns of the stored (replicated) KV heads under tensor parallelism
         self._kv = (kv_columns(config, plan) if plan is not None and plan.kv_replicas > 1
                     else None)
-        L, MR = config.num_layers, max_loras * max_rank
-        self.host: dict[str, np.ndarray] = {}  # the stack as stored, whole
-        for t, (n_in, n_out) in target_shapes(config).items():
-            if self._kv is not None and t in ("k", "v"):
-                n_out = len(self._kv)
-            self.host[f"a_{t}"] = np.zeros((L, n_in, MR), np.float32)
-            self.host[f"b_{t}"] = np.zeros((L, MR, n_out), np.float32)
+        self.host = {name: np.zeros(shape[:3] + (len(self._kv),) if self._kv is not None and
+                                     name in ("b_k", "b_v") else shape, np.float32)
+                     for name, shape in stack_shapes(config, max_loras, max_rank).items()}
         self.stats = dict(slot_loads=0, adapters_read=0)
 
     def resolve(self, request) -> Adapter:
@@ -153,16 +150,17 @@ class LoRAAdapters:
         return True
 
     def _load(self, i: int, ad: Adapter) -> None:
-        R, w = self.rank, ad.weights
-        cols = slice(i * R, (i + 1) * R)
+        w = ad.weights
         for t in target_shapes(self.config):
-            a, b = self.host[f"a_{t}"], self.host[f"b_{t}"]
-            a[:, :, cols] = 0
-            b[:, cols] = 0
+            g = next(g for g, parts in GROUPS.items() if t in parts)
+            a, b = self.host[f"a_{g}"][:, i], self.host[f"b_{t}"][:, i]  # views of slot i
+            cols = a_columns(t, self.rank)
+            a[..., cols] = 0
+            b[...] = 0
             if t in w.a:
-                a[:, :, i * R:i * R + w.rank] = w.a[t]
-                bt = w.b[t] if self._kv is None or t not in ("k", "v") else w.b[t][..., self._kv]
-                b[:, i * R:i * R + w.rank] = bt
+                a[..., cols.start:cols.start + w.rank] = w.a[t]
+                b[:, :w.rank] = w.b[t] if self._kv is None or t not in ("k", "v") else \
+                    w.b[t][..., self._kv]
         self.slots[i] = ad
         self.stats["slot_loads"] += 1
         self.write(self.host)

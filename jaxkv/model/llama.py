@@ -163,14 +163,14 @@ class Llama(nnx.Module):
         local = local_view(batch, attention.ring_pages, cache.page_size) if attention.ring_pages else None
         routed = None
         lora = getattr(self, "lora", None)  # adapters in slots (jaxkv.model.lora)
-        mask = None if lora is None else lora.mask(batch.lora_slot, x.dtype)
+        rows = None if lora is None else lora.rows(batch.lora_slot, x.dtype, mesh, attention.platform)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm[...], eps, off)
             a = layer.attn
             inv_freq = (self.inv_freq_local if cfg.local_rope(i) else self.inv_freq)[...]
             qkv = a.wqkv(h, native)  # [T, G (Hl + 2 Kl) D]
-            if mask is not None:
-                qkv = qkv + lora.fused(("q", "k", "v"), i, h, mask, G)
+            if rows is not None:
+                qkv = qkv + lora("qkv", i, h, rows, G)
             if a.bias:
                 qkv = qkv + a.bqkv[...]
             qkv = qkv.reshape(T, G, (Hl + 2 * Kl) * D)
@@ -194,7 +194,7 @@ class Llama(nnx.Module):
                 o = rotate_blocks(o, rot)
             o = o.astype(x.dtype)
             o = o.reshape(-1, H * D)
-            o = a.wo(o, native) + (0 if mask is None else lora.delta("o", i, o, mask))  # [T, E]
+            o = a.wo(o, native) + (0 if rows is None else lora("o", i, o, rows))  # [T, E]
             if a.out_bias:
                 o = o + a.bo[...]
             if cfg.post_norms:
@@ -207,12 +207,12 @@ class Llama(nnx.Module):
                 routed = n if routed is None else routed + n
             else:
                 gu = layer.w_gate_up(h, native)
-                if mask is not None:
-                    gu = gu + lora.fused(("gate", "up"), i, h, mask, G)
+                if rows is not None:
+                    gu = gu + lora("gate_up", i, h, rows, G)
                 gu = gu.reshape(T, G, 2, F // G)  # [T, G [gate, up] F/G]
                 g, u = gu[:, :, 0].reshape(T, F), gu[:, :, 1].reshape(T, F)
                 m = act(g) * u
-                m = layer.w_down(m, native) + (0 if mask is None else lora.delta("down", i, m, mask))
+                m = layer.w_down(m, native) + (0 if rows is None else lora("down", i, m, rows))
             if cfg.post_norms:
                 m = rms_norm(m, layer.post_mlp_norm[...], eps, off)
             x = x + m

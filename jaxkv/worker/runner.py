@@ -256,15 +256,17 @@ class Runner:
         return rb
 
     def set_lora(self, arrays: dict) -> None:
-        """Replace LoRA slot arrays (`jaxkv.model.lora.LoRAStack` leaves by
-        name, whole, as stored): each placed like the array it replaces, so
-        no program compiles; steps in flight keep the old ones."""
+        """Replace the LoRA slots' arrays (`jaxkv.model.lora.LoRAStack`:
+        name -> [L, ...] as stored, layer l's the array of `layers[l]`):
+        each placed like the array it replaces, so no program compiles;
+        steps in flight keep the old ones."""
         self._mirror("set_lora", arrays)
 
         def put(path, x):
             names = leaf_names(path)
-            if len(names) > 1 and names[-2] == "lora" and names[-1] in arrays:
-                return jax.device_put(np.asarray(arrays[names[-1]], x.dtype), x.sharding)
+            if "lora" in names and names[-1] in arrays:
+                layer = next(n for n in names if isinstance(n, int))
+                return jax.device_put(np.asarray(arrays[names[-1]][layer], x.dtype), x.sharding)
             return x
 
         self.state = jax.tree_util.tree_map_with_path(put, self.state)
