@@ -295,3 +295,21 @@ def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
             want[t] = np.concatenate([h[p * R:(p + 1) * R] @ b[p] for p in range(3)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(want).max() > 1 and not want[slots == 0].any()
+
+
+def test_a_request_waiting_for_a_slot_lets_those_after_it_start(llama):
+    from jaxkv.core.sampling_params import SamplingParams
+    from jaxkv.core.sequence import Status
+
+    path, folders, want, _ = llama
+    eng = engine(path, max_loras=1)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    jobs = [(0, 0), (1, 1), (2, -1), (3, 0)]  # adapter 1 waits for adapter 0's slot
+    ids = [eng.add_request({"prompt_token_ids": PROMPTS[k]}, sp, lora_request=req(folders, j))
+           for k, j in jobs]
+    eng.step()
+    status = [eng.get_request(i).status for i in ids]
+    assert status == [Status.RUNNING, Status.WAITING, Status.RUNNING, Status.RUNNING]
+    assert list(eng.scheduler.waiting) == [eng.get_request(ids[1])]
+    fin = eng.run_to_completion()
+    assert [list(fin[i].outputs[0].token_ids) for i in ids] == [want[kj] for kj in jobs]

@@ -24,7 +24,8 @@ plans again with preemption.
 When the page pool runs dry, the most recently admitted running sequence is preempted by
 recompute: its pages are freed and it goes back to the front of the queue (its prompt and tokens
 so far prefilled again, mostly from the prefix cache). A request with n > 1 holds n seats from
-its admission on; one with a LoRA adapter waits for a device slot (`jaxkv.core.lora`).
+its admission on; one with a LoRA adapter waits for a device slot (`jaxkv.core.lora`) while
+those after it may start.
 
 Each running sequence's `jaxkv.core.progress.Progress` is this scheduler's record: it reserves
 and trims slots through the block manager as it plans (`schedule`), counts what a dispatched
@@ -61,8 +62,7 @@ class Scheduler:
         self._gate_passed = False
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
-        self.num_preemptions = 0
-        self._lookahead = False
+        self.num_preemptions, self._lookahead = 0, False
         self.seats = seats or Seats(max_num_seqs, 0)
 
     def add(self, seq: Sequence) -> None:
@@ -265,8 +265,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted making room for another
                 continue
-            p = seq.progress
-            start = p.num_scheduled
+            p, start = seq.progress, seq.progress.num_scheduled
             decodes_one = seq.planned_tokens - start == 1
             k = self._proposals(seq, budget) if decodes_one else 0
             if k and not self.bm.can_append_slots(
@@ -280,16 +279,18 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledSeq(seq, start, n, num_spec=k))
             budget -= n
-        seats = self._seats()
+        seats, skipped = self._seats(), []  # skipped: waiting for a LoRA slot
         while self.waiting and budget > 0 and seats < self.max_num_seqs \
                 and not out.preempted and not out.needs_preemption:
             seq = self.waiting[0]
             if seq.fork_pending and seats + seq.params.n > self.max_num_seqs:
                 break  # its n sequences run together once it forks
             target = seq.prefill_target
-            if not self.chunked and target > budget or (
-                    self.loras is not None and not self.loras.admit(seq, self.running)):
-                break  # (or every LoRA slot is read by running sequences)
+            if not self.chunked and target > budget:
+                break
+            if self.loras is not None and not self.loras.admit(seq, self.running):
+                skipped.append(self.waiting.popleft())  # every slot is read: the next may run
+                continue
             tokens, adapter = seq.all_token_ids[:target], seq.lora and seq.lora.key
             try:  # a forking prompt's hits stop short of its target, so n >= 1
                 cached = self.bm.allocate(seq.request_id, tokens, num_reserved=0,
@@ -307,8 +308,7 @@ class Scheduler:
                 self.bm.free(seq.request_id)
                 break
             self.waiting.popleft()
-            seq.progress = p
-            seq.status = Status.RUNNING
+            seq.progress, seq.status = p, Status.RUNNING
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
             self.seats.take(seq, p.hashes)  # the hit's pages, for the sliding layers' window
@@ -316,4 +316,5 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, cached, n))
             budget -= n
             seats += seq.params.n if seq.fork_pending else 1
+        self.waiting.extendleft(reversed(skipped))  # their places in the queue kept
         return out
