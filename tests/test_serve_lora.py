@@ -160,6 +160,10 @@ def test_load_serve_refuse_and_unload_at_run_time(server, client, tiny, oracle):
     code, err = post(port, "/v1/unload_lora_adapter", {"lora_name": "a2"})
     assert code == 404 and "a2" in openai_error(err, 404)["message"]
     assert _served(client, "tiny") == oracle["tiny"]
+    code, metrics = get(port, "/metrics")
+    gauges = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("jaxkv:lora")}
+    assert gauges["jaxkv:lora_adapters"] == 1 and gauges["jaxkv:lora_slot_loads_total"] >= 2
 
 
 def test_lora_modules_option_forms_and_refusals(tiny, capsys):

@@ -61,6 +61,11 @@ class ServerMetrics:
                                          "Speculative tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens",
                                      "Speculative tokens the target accepted.")
+        self.lora_adapters = gauge("lora_adapters", "LoRA adapters the server knows (loaded, "
+                                                    "in host memory).")
+        self.lora_slots = gauge("lora_slots_in_use", "LoRA device slots read by running requests.")
+        self.lora_loads = counter("lora_slot_loads", "Adapters written into a device slot (a "
+                                                     "slot's previous adapter evicted).")
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.",
                          _LATENCY)
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens (a "
@@ -76,7 +81,8 @@ class ServerMetrics:
                                "layer; every row the model ran, rejected speculative rows "
                                "included); a skewed router shows as a few large experts.",
                                m + ["expert"], registry=r)
-        self._seen = dict(queries=0, hits=0, preemptions=0, drafts=0, proposed=0, accepted=0)
+        self._seen = dict(queries=0, hits=0, preemptions=0, drafts=0, proposed=0, accepted=0,
+                          lora_loads=0)
         self._routed_seen = None
 
     def error(self, reason: str) -> None:
@@ -94,7 +100,13 @@ class ServerMetrics:
         self.waiting.set(counts[1])
         self.kv_usage.set(bm.num_used_pages / (bm.num_pages - 1))
         spec = engine.spec.stats if engine.spec is not None else SpecStats()
-        for key, now, metric in (("queries", bm.prefix_query_tokens, self.prefix_queries),
+        loras = getattr(engine, "loras", None)
+        if loras is not None:
+            self.lora_adapters.set(len(loras.known))
+            self.lora_slots.set(len({s.lora_slot for s in sched.running} - {0}))
+        for key, now, metric in (("lora_loads", loras.stats["slot_loads"] if loras else 0,
+                                  self.lora_loads),
+                                 ("queries", bm.prefix_query_tokens, self.prefix_queries),
                                  ("hits", bm.prefix_hit_tokens, self.prefix_hits),
                                  ("preemptions", sched.num_preemptions, self.preemptions),
                                  ("drafts", spec.drafts, self.spec_drafts),
