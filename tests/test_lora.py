@@ -282,7 +282,8 @@ def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
     x = rng.standard_normal((T, 32)).astype(np.float32)
     rows = stack.rows(jnp.asarray(slots), jnp.float32, None if path != "masked" else "mesh", "cpu")
     if path == "ragged_dot":
-        rows = Rows(rows.order, rows.back, rows.sizes, rows.mask, grouped=True, native=False)
+        rows = Rows(rows.order, rows.back, rows.sizes, rows.used, rows.mask, grouped=True,
+                    native=False)
     assert rows.grouped == (path != "masked")
     assert path == "masked" or rows.native == (path == "grouped_native")
     got = np.asarray(stack("qkv", 0, jnp.asarray(x), rows))
@@ -295,6 +296,8 @@ def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
             want[t] = np.concatenate([h[p * R:(p + 1) * R] @ b[p] for p in range(3)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(want).max() > 1 and not want[slots == 0].any()
+    none = stack.rows(jnp.zeros(T, jnp.int32), jnp.float32, None if rows.grouped else "mesh", "cpu")
+    assert not np.asarray(stack("qkv", 0, jnp.asarray(x), none)).any()  # skipped: zeros
 
 
 def test_a_request_waiting_for_a_slot_lets_those_after_it_start(llama):

@@ -199,12 +199,13 @@ def a_columns(t: str, rank: int) -> slice:
 class Rows:
     """A step's rows by slot, found once per step: `order` [T] sorts them
     by slot (the base model's rows last), `back` [T] undoes it, `sizes` [M]
-    counts each slot's,
+    counts each slot's, `used` [] whether any row has a slot,
     `mask` [T, M] (the masked form: under a mesh) one-hot of each row's."""
 
     order: Any
     back: Any
     sizes: Any
+    used: Any
     mask: Any
     grouped: bool = dataclasses.field(metadata=dict(static=True))
     native: bool = dataclasses.field(metadata=dict(static=True))
@@ -240,7 +241,8 @@ class LoRAStack(nnx.Module):
         order = jnp.argsort(key, stable=True)
         mask = (key[:, None] == jnp.arange(M)[None, :]).astype(dtype)
         native = cpu_gemm.use_native_grouped(platform) and dtype == jnp.float32
-        return Rows(order, jnp.argsort(order), sizes, mask, grouped=mesh is None, native=native)
+        return Rows(order, jnp.argsort(order), sizes, jnp.any(lora_slot > 0), mask,
+                    grouped=mesh is None, native=native)
 
     def __call__(self, g: str, i: int, x, rows: Rows, groups: int = 1):
         """Layer i's update of target group g (`GROUPS`) for rows x [T, N_in]:
@@ -253,16 +255,24 @@ class LoRAStack(nnx.Module):
         layer = self.layers[i]
         a = getattr(layer, f"a_{g}")[...]  # [M, N_in, parts R]
         bs = [getattr(layer, f"b_{t}")[...] for t in parts]  # [M, R, N_out]
-        if rows.grouped:
-            dot = _grouped if rows.native and x.dtype == a.dtype == jnp.float32 else jax.lax.ragged_dot
-            s = dot(x[rows.order], a, rows.sizes)  # rows sorted by slot; the base's give 0
-            ys = [dot(s[:, p * R:(p + 1) * R], b, rows.sizes) for p, b in enumerate(bs)]
-        else:
-            s = jnp.einsum("TI,MIC->TMC", x, a) * rows.mask[:, :, None]
-            ys = [jnp.einsum("TMR,MRO->TO", s[:, :, p * R:(p + 1) * R], b)
-                  for p, b in enumerate(bs)]
-        y = jnp.concatenate([y.reshape(T, groups, -1) for y in ys], axis=2).reshape(T, -1)
-        return y[rows.back] if rows.grouped else y  # row order again (a gather, not a slow scatter)
+
+        def update(x):
+            if rows.grouped:
+                dot = (_grouped if rows.native and x.dtype == a.dtype == jnp.float32
+                       else jax.lax.ragged_dot)
+                s = dot(x[rows.order], a, rows.sizes)  # rows sorted by slot; the base's give 0
+                ys = [dot(s[:, p * R:(p + 1) * R], b, rows.sizes) for p, b in enumerate(bs)]
+            else:
+                s = jnp.einsum("TI,MIC->TMC", x, a) * rows.mask[:, :, None]
+                ys = [jnp.einsum("TMR,MRO->TO", s[:, :, p * R:(p + 1) * R], b)
+                      for p, b in enumerate(bs)]
+            y = jnp.concatenate([y.reshape(T, groups, -1) for y in ys], axis=2).reshape(T, -1)
+            y = y[rows.back] if rows.grouped else y  # row order again (a gather: no slow scatter)
+            return y.astype(x.dtype)
+
+        # A step where no row names an adapter skips the update (no gathers, no matmuls).
+        width = sum(b.shape[-1] for b in bs)
+        return jax.lax.cond(rows.used, update, lambda x: jnp.zeros((T, width), x.dtype), x)
 
 
 def _grouped(x, w, sizes):
