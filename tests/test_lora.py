@@ -282,8 +282,8 @@ def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
     x = rng.standard_normal((T, 32)).astype(np.float32)
     rows = stack.rows(jnp.asarray(slots), jnp.float32, None if path != "masked" else "mesh", "cpu")
     if path == "ragged_dot":
-        rows = Rows(rows.order, rows.back, rows.sizes, rows.used, rows.mask, grouped=True,
-                    native=False)
+        rows = Rows(rows.order, rows.back, rows.sizes, rows.used, rows.in_order, rows.mask,
+                    grouped=True, native=False)
     assert rows.grouped == (path != "masked")
     assert path == "masked" or rows.native == (path == "grouped_native")
     got = np.asarray(stack("qkv", 0, jnp.asarray(x), rows))
