@@ -77,11 +77,11 @@ def test_a_generate_call_that_fails_leaves_nothing_queued(tiny, monkeypatch):
     real = llm.engine.add_request
     calls = []
 
-    def flaky(prompt, params=None, request_id=None):
+    def flaky(prompt, params=None, request_id=None, **options):
         calls.append(prompt)
         if len(calls) == 3:
             raise KeyboardInterrupt  # e.g. Ctrl-C while the list is being queued
-        return real(prompt, params, request_id)
+        return real(prompt, params, request_id, **options)
 
     monkeypatch.setattr(llm.engine, "add_request", flaky)
     with pytest.raises(KeyboardInterrupt):

@@ -129,7 +129,7 @@ def read_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAWeights:
         if layer >= L:
             raise ValueError(f"lora: {path}: {name!r} is for layer {layer}, the model has {L}")
         if t not in shapes:
-            raise ValueError(f"lora: {path}: {name!r}: layer {layer}'s MLP is a mixture of "
+            raise ValueError(f"lora: {path}: {name!r}: this model's MLPs include mixtures of "
                              "experts; jaxkv applies LoRA to its attention only")
         found.setdefault((layer, t), {})[m.group(3)] = np.asarray(w, np.float32)
     if not found:
@@ -169,7 +169,11 @@ def _pattern(patterns, layer: int, t: str, default):
     module = next(k for k, v in HF_TARGETS.items() if v == t)
     full = f"model.layers.{layer}.{'mlp' if t in MLP_TARGETS else 'self_attn'}.{module}"
     for key, v in (patterns or {}).items():
-        if full == key or full.endswith("." + key) or re.fullmatch(key, full):
+        try:
+            hit = full == key or full.endswith("." + key) or re.fullmatch(key, full)
+        except re.error:  # not a regex: a name only
+            hit = False
+        if hit:
             return v
     return default
 
