@@ -38,16 +38,18 @@ def _done_count(out_path: Path) -> int:
 
 def read_lines(path: Path) -> list[str | bytes]:
     """The input's non-blank lines, split on "\\n" only (a JSON string may
-    hold U+2028 and other line separators). A line that is not UTF-8 stays
-    bytes, so it gets its own error record and the others still run."""
+    hold U+2028 and other line separators). Blank is JSON's whitespace only
+    (space, tab, CR): a line of other control characters is a line, and
+    gets its error record. A line that is not UTF-8 stays bytes, so it gets
+    its own error record and the others still run."""
     out: list[str | bytes] = []
     for raw in path.read_bytes().split(b"\n"):
+        if not raw.strip(b" \t\r"):
+            continue
         try:
-            line: str | bytes = raw.decode("utf-8")
+            out.append(raw.decode("utf-8"))
         except UnicodeDecodeError:
-            line = raw
-        if line.strip():
-            out.append(line)
+            out.append(raw)
     return out
 
 
