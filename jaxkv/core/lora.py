@@ -88,7 +88,7 @@ class LoRAAdapters:
         self.host = {name: np.zeros(shape[:3] + (len(self._kv),) if self._kv is not None and
                                      name in ("b_k", "b_v") else shape, np.float32)
                      for name, shape in stack_shapes(config, max_loras, max_rank).items()}
-        self.stats = dict(slot_loads=0, adapters_read=0)
+        self.stats = dict(slot_loads=0)
 
     def resolve(self, request) -> Adapter:
         """The adapter of a request's `lora_request` (a LoRARequest, or the
@@ -122,7 +122,6 @@ class LoRAAdapters:
         for t in sorted(w.a):
             h.update(t.encode() + w.a[t].tobytes() + w.b[t].tobytes())
         ad = self.known[name] = Adapter(request, w, h.digest())
-        self.stats["adapters_read"] += 1
         return ad
 
     def remove(self, name: str) -> bool:

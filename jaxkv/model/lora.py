@@ -78,10 +78,6 @@ class LoRAWeights:
     a: dict
     b: dict
 
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in (*self.a.values(), *self.b.values()))
-
 
 def read_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAWeights:
     """The PEFT adapter in folder `path` for a base model of `config`.
