@@ -16,10 +16,15 @@ from jaxkv.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling  
 from jaxkv.units import parse_size
 from pallas_kernels.ragged_paged_attention import BACKENDS as ATTENTION_BACKENDS
 
+# KV cache formats (`pallas_kernels.ragged_paged_attention.kv_formats`); "fp8"
+# is "fp8_e4m3".
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry: `num_pages` pages (page 0 is the trash page) of
-    `page_size` tokens each; `kv_dtype` is "float32", "bfloat16" or "int8".
+    `page_size` tokens each; `kv_dtype` is one of `KV_DTYPES`.
     `local_pages` (a hybrid pool; 0: none): the sliding layers' own pages,
     rings that hold each running sequence's window."""
 
@@ -33,8 +38,8 @@ class CacheConfig:
             raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {self.num_pages}")
         if self.page_size <= 0:
             raise ValueError(f"page_size: must be positive, got {self.page_size}")
-        if self.kv_dtype not in ("float32", "bfloat16", "float16", "int8"):
-            raise ValueError(f"kv_dtype: unsupported {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: unsupported {self.kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
 
 
 def _opt(default, help: str, **meta):
@@ -71,8 +76,10 @@ class EngineConfig:
         choices=ATTENTION_BACKENDS)
     dtype: str = _opt("float32", "weight and activation dtype",
                       choices=("float32", "bfloat16"))
-    kv_dtype: str | None = _opt(None, "KV cache dtype (default: same as --dtype)",
-                                choices=("float32", "bfloat16", "int8"))
+    kv_dtype: str | None = _opt(None, "KV cache dtype (default: same as --dtype). int8 / int4: "
+                                      "a scale per token and KV head; fp8 (= fp8_e4m3), fp8_e5m2: "
+                                      "a scale per KV head, calibrated on the first prefill",
+                                choices=KV_DTYPES)
     quantize: str | None = _opt(
         None, "int8: weight-only int8 matmul weights with per-channel scales (a quarter of "
               "the fp32 bytes; for accelerators). w8a8: int8 x int8 dots for steps of 16+ "

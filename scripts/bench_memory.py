@@ -18,7 +18,10 @@ Reported per allocator: the fraction of allocated KV slots that hold live
 tokens (mean over steps), mean and peak concurrent sequences, completed
 requests per step, preemptions. A second workload where every prompt starts
 with the same long system prompt reports prefix-cache hit rate and pages
-saved by sharing, with caching on and off.
+saved by sharing, with caching on and off. A third (C) replays workload A
+through the paged allocator with the pages each KV format fits in one byte
+budget (the bfloat16 pool of --num-pages pages, for --geometry's layers, KV
+heads and head_dim, scales included): the concurrency each format buys.
 
     python scripts/bench_memory.py [--requests 3000] [--seed 0] [--json out.json]
 """
@@ -171,6 +174,28 @@ def table(title: str, columns: dict[str, dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+def formats_at_one_budget(args, reqs) -> dict:
+    """Workload C: one byte budget, the pages each KV format fits, workload A."""
+    from jaxkv.model import memory
+
+    geom = tuple(int(x) for x in args.geometry.split(","))
+    budget = memory.kv_cache_bytes(*geom, args.page_size, args.num_pages, "bfloat16")
+    out = {}
+    for f in args.formats.split(","):
+        pages = memory.pages_for_budget(budget, *geom, args.page_size, f)
+        r = simulate(reqs, BlockManager(pages, args.page_size), args.max_num_seqs)
+        out[f] = {"pages": pages, "token_slots": (pages - 1) * args.page_size,
+                  "bytes_per_token": memory.bytes_per_token(geom, f), **r}
+    print()
+    print(table(f"C: KV formats in one {budget / 2**20:.0f} MiB budget (geometry {args.geometry})",
+                out, ["bytes_per_token", "pages", "token_slots", "mean_running", "peak_running",
+                      "completed_per_step", "preemptions"]))
+    if "int8" in out and "int4" in out:
+        print(f"\nint4 holds {out['int4']['token_slots'] / out['int8']['token_slots']:.2f}x "
+              "int8's tokens (goal >= 1.9x)")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=3000)
@@ -189,6 +214,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-requests", type=int, default=1000)
     p.add_argument("--system-prompt", type=int, default=512, help="shared prefix tokens")
     p.add_argument("--user-median", type=float, default=64, help="user-prompt median (prefix workload)")
+    p.add_argument("--formats", default="bfloat16,int8,fp8,int4",
+                   help="KV formats for workload C (default: %(default)s)")
+    p.add_argument("--geometry", default="30,3,64",
+                   help="layers,KV heads,head_dim for workload C's bytes (default: SmolLM2's)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -248,12 +277,13 @@ def main(argv=None) -> int:
           f"{on['mean_pages_saved']:.0f} pages saved per step on average, prefill work "
           f"{on['prefill_tokens'] / off['prefill_tokens']:.1%} of uncached, "
           f"{on['mean_running'] / off['mean_running']:.2f}x concurrency")
+    c = formats_at_one_budget(args, reqs)
     elapsed = time.perf_counter() - t0
     print(f"\n({elapsed:.1f} s)")
     if args.json:
         args.json.write_text(json.dumps(dict(
             args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            workload_a=a, workload_b=b, concurrency_ratio=ratio,
+            workload_a=a, workload_b=b, workload_c=c, concurrency_ratio=ratio,
             goals=dict(live_slot_fraction=ok_live, concurrency=ok_conc), seconds=elapsed,
         ), indent=2))
     return 0

@@ -5,6 +5,9 @@ next token is the same given the baseline's prefix), and the mean
 log-likelihood of a fixed text.
 
     python scripts/quality.py [--model M] [--prompts 16] [--tokens 64]
+                              [--what kv] [--kv float32,bfloat16,int8,int4,fp8]
+
+KV formats are compared with the bfloat16 cache (and int8 with float32).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ def main(argv=None):
     ap.add_argument("--what", choices=["kv", "weights"], default="kv",
                     help="kv: float32 / bfloat16 / int8 KV caches; weights: float32 / int8 / "
                          "w8a8 weights (default: %(default)s)")
+    ap.add_argument("--kv", default="float32,bfloat16,int8,int4,fp8,fp8_e5m2",
+                    help="KV dtypes for --what kv, comma-separated (default: %(default)s)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     from checkpoints import load_checkpoint
@@ -36,10 +41,13 @@ def main(argv=None):
     t0 = time.perf_counter()
     if a.what == "kv":
         model = Llama.from_params(config, params)
-        runs = {kv: greedy_outputs(model, tok, a.prompts, a.tokens, kv_dtype=kv)
-                for kv in ("float32", "bfloat16", "int8")}
+        kvs = a.kv.split(",")
+        runs = {kv: greedy_outputs(model, tok, a.prompts, a.tokens, kv_dtype=kv) for kv in kvs}
         ll = {kv: mean_loglik(model, tok, kv) for kv in runs}
-        pairs = (("bfloat16", "float32"), ("int8", "bfloat16"), ("int8", "float32"))
+        base = "bfloat16" if "bfloat16" in kvs else kvs[0]
+        pairs = [(kv, base) for kv in kvs if kv != base]
+        if "int8" in kvs and "float32" in kvs and base != "float32":
+            pairs.append(("int8", "float32"))
 
         def forced(x, y):
             return teacher_forced_agreement(model, tok, runs[y], kv_dtype=x)
@@ -54,8 +62,10 @@ def main(argv=None):
 
         def forced(x, y):
             return teacher_forced_agreement(models[x], tok, runs[y])
-    res = {"what": a.what, "prompts": a.prompts, "tokens": a.tokens, "mean_loglik": ll,
-           "agreement": {}}
+    from bench_common import _cpu_name
+
+    res = {"what": a.what, "model": a.model, "prompts": a.prompts, "tokens": a.tokens,
+           "cpu": _cpu_name(), "mean_loglik": ll, "agreement": {}}
     print(f"| {'KV cache' if a.what == 'kv' else 'weights'} | vs | identical outputs | "
           "mean agreeing prefix | same next token, same prefix | mean log-lik | delta |")
     print("|---|---|---|---|---|---|---|")

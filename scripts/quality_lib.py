@@ -27,8 +27,13 @@ TEXT = ("The key-value cache stores the keys and values of every token a model h
 
 
 def chat_ids(tok, question):
-    text = tok.apply_chat_template([{"role": "user", "content": question}],
-                                   add_generation_prompt=True)
+    """The question in the model's chat template, or as plain text with a
+    "Question: ... Answer:" frame for a base model that has none."""
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": question}],
+                                       add_generation_prompt=True)
+    except ValueError:
+        return tok.encode(f"Question: {question}\nAnswer:")
     return tok.encode(text, add_special_tokens=False)
 
 

@@ -65,7 +65,8 @@ def run(model, tp: int, backend: str, max_tokens: int, n_prompts: int = 16,
     ps = prompts(model.config.vocab_size, n_prompts)
     ids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0)) for p in ps]
     final = eng.run_to_completion(ids)
-    planned = memory.per_device_bytes(model.config, tp, "float32", num_pages=eng.cache_config.num_pages,
+    planned = memory.per_device_bytes(model.config, tp, "float32", engine.get("kv_dtype"),
+                                      num_pages=eng.cache_config.num_pages,
                                       page_size=eng.cache_config.page_size)
     eng.shutdown()
     return dict(tokens=[final[i].outputs[0].token_ids for i in ids],
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--kv-dtype", default=None)
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--coordinator", default=None)
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
                                                        kv_cache_memory=a.kv_cache_memory)
     if a.num_pages is not None:
         engine["num_pages"] = a.num_pages
+    if a.kv_dtype is not None:
+        engine["kv_dtype"] = a.kv_dtype
     if a.async_scheduling:
         engine["async_scheduling"] = True
     if a.expert_parallel:

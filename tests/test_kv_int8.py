@@ -31,7 +31,7 @@ def test_int8_rotation_is_orthonormal_and_spreads_outlier_channels():
 
     import jax.numpy as jnp
 
-    from jaxkv.model.kv_cache import quantize_vectors as quantize_int8
+    from pallas_kernels.ragged_paged_attention.kv_formats import quantize_vectors
     from jaxkv.model.quant import hadamard, rotate_blocks
 
     from scipy.linalg import hadamard as sylvester
@@ -52,11 +52,11 @@ def test_int8_rotation_is_orthonormal_and_spreads_outlier_channels():
     r = hadamard(64)
 
     def err(y):
-        q, s = quantize_int8(y)
+        q, s = quantize_vectors(y, "int8")
         return float(np.abs(np.asarray(q, np.float32) * np.asarray(s)[:, None] - y).mean())
 
     plain = err(x)
-    q, s = quantize_int8(x @ r)
+    q, s = quantize_vectors(x @ r, "int8")
     back = (np.asarray(q, np.float32) * np.asarray(s)[:, None]) @ r.T
     rotated = float(np.abs(back - x).mean())
     assert rotated < plain / 3, (plain, rotated)

@@ -54,6 +54,7 @@ from jaxkv.model.kv_cache import create_cache
 from jaxkv.model.pool_plan import hybrid_plan, max_model_len, plan_num_pages
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
+from jaxkv.worker.calibrate import calibrate_kv_scales
 from jaxkv.worker.distributed import Follower, Leader, init_distributed, scale_out
 from jaxkv.worker.plan import StepResult
 from jaxkv.worker.program_store import ProgramStore
@@ -74,8 +75,7 @@ class LLMEngine:
         model, self.sharding, channel = scale_out(model, config)
         self.model_config: ModelConfig = model.config  # KV heads as stored (replicated)
         kv_dtype = config.kv_dtype or config.dtype
-        num_pages = plan_num_pages(config, self.model_config, kv_dtype,
-                                   config.tensor_parallel_size)
+        num_pages = plan_num_pages(config, self.model_config, kv_dtype, config.tensor_parallel_size)
         # A hybrid pool: the sliding layers' rings per seat (jaxkv.core.seats).
         local, ring, local_pages = hybrid_plan(config, self.model_config)
         self.cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size,
@@ -101,6 +101,8 @@ class LLMEngine:
                              max_decode_steps=config.num_decode_steps,
                              num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed,
                              plan=self.sharding, leader=leader, store=store)
+        if self.follower is None:  # fp8 scales set on a fixed text (mirrored to followers)
+            calibrate_kv_scales(self.runner, tokenizer, self.model_config.vocab_size, config, ring)
         self.loras = (LoRAAdapters(base, config.max_loras, config.max_lora_rank,
                                    self.runner.set_lora, self.sharding)
                       if config.enable_lora else None)
@@ -137,7 +139,7 @@ class LLMEngine:
         if ring:
             log.info("jaxkv: hybrid KV pool: %d sliding layers keep a ring of %d pages per seat "
                      "(%d local pages)", len(local), ring, local_pages)
-        self.warmup_report = None
+        self.warmup_report = None  # set by warm-up, when on
         if config.warmup:
             if self.draft is not None:
                 self.draft.warm_up()

@@ -6,6 +6,7 @@ weights apart from the rest and the parameters one token runs through."""
 from __future__ import annotations
 
 from jaxkv.entrypoints.cli_options import parse_size
+from jaxkv.config import KV_DTYPES
 
 
 def _per_device_report(cfg, a) -> int:
@@ -126,7 +127,7 @@ def cmd_estimate(a) -> int:
 def add_estimate_command(subparsers) -> None:
     e = subparsers.add_parser("estimate", help="KV cache size, term by term, and what fits a budget",
                        description="KV bytes = 2 x layers x KV heads x head_dim x tokens x batch x "
-                                   "bytes per element (+ scales when int8). Give a model (name or "
+                                   "bytes per element (+ scales: per token for int8 / int4, per KV head for fp8). Give a model (name or "
                                    "path) or explicit --layers/--kv-heads/--head-dim.")
     e.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     e.add_argument("--layers", type=int, default=None, help="explicit number of layers")
@@ -135,7 +136,7 @@ def add_estimate_command(subparsers) -> None:
     e.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
     e.add_argument("--batch", type=int, default=1, help="sequences (default: %(default)s)")
     e.add_argument("--kv-dtype", default="bfloat16",
-                   choices=["float32", "bfloat16", "float16", "int8"],
+                   choices=list(KV_DTYPES),
                    help="KV element type (default: %(default)s)")
     e.add_argument("--memory", type=parse_size, default=None,
                    help="device memory budget (e.g. 24GB, 80GiB): report the largest batch and "

@@ -142,7 +142,14 @@ def _write_and_attend(q, k, v, arrays, meta, sinks, *, spec, all_decode, soft_ca
     slots, kv_lens, block_tables, cu_q_lens, num_seqs = meta
     kp, vp, ks, vs = write_pages(*arrays, k, v, slots)
     kw = {"num_sink_tokens": num_sink_tokens} if num_sink_tokens else {}
-    if ks is not None:
+    head_scale = None
+    if ks is not None and ks.ndim == 1:  # fp8: per-KV-head scales, folded into q and out
+        import jax.numpy as jnp
+
+        G = q.shape[1] // ks.shape[0]
+        q = (q.astype(jnp.float32) * jnp.repeat(ks, G)[None, :, None]).astype(q.dtype)
+        head_scale = jnp.repeat(vs, G)[None, :, None]
+    elif ks is not None:
         kw.update(k_scale=ks, v_scale=vs)
     if sinks is not None:
         kw.update(sinks=sinks)
@@ -150,4 +157,6 @@ def _write_and_attend(q, k, v, arrays, meta, sinks, *, spec, all_decode, soft_ca
         q, kp, vp, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, backend=spec.backend,
         all_decode=all_decode, platform=spec.platform, **kw)
+    if head_scale is not None:
+        o = (o.astype(head_scale.dtype) * head_scale).astype(o.dtype)
     return o, (kp, vp, ks, vs)

@@ -1,8 +1,18 @@
 """The paged KV cache: a functional, fixed-shape pytree.
 
 Layout (one, for every backend): per layer l,
-    k[l], v[l]: [KVH, P, page_size, D]      (kv_dtype: float32 / bfloat16 / int8)
-    k_scale[l], v_scale[l]: [KVH, P, page_size] float32, only for int8
+    k[l], v[l]: [KVH, P, page_size, D]      (kv_dtype: float32 / bfloat16 / int8 / fp8)
+                [KVH, P, page_size, D // 2] uint8 for int4 (two values a byte)
+    k_scale[l], v_scale[l]: [KVH, P, page_size] float32 for int8, bfloat16 for int4
+                            [KVH] float32 for fp8 (one per KV head and layer)
+The formats themselves (packing, scales, how kernels read them) are
+`pallas_kernels.ragged_paged_attention.kv_formats`.
+
+fp8 scales are calibrated in the jitted step: they start at 0 (not yet
+set), and the first step that writes a live token into a layer sets each
+KV head's scale from that step's largest |value| (with `FP8_HEADROOM` to
+spare: later tokens may be larger); from then on they are fixed, so pages
+written early stay valid (the prefix cache keeps them).
 A slot is `page * page_size + offset`. Page 0 is the trash page: padded
 tokens write there and no sequence ever owns it.
 
@@ -27,16 +37,21 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import CacheConfig, ModelConfig
+from pallas_kernels.ragged_paged_attention.kv_formats import FP8_DTYPES, quantize_vectors
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-           "int8": jnp.int8}
+           "int8": jnp.int8, "int4": jnp.uint8, **FP8_DTYPES}
+# An fp8 scale maps the calibrating step's largest |value| to 1/FP8_HEADROOM
+# of the format's largest finite value.
+FP8_HEADROOM = 4.0
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v: L x [KVH, P, page_size, D]; k_scale, v_scale: L x [KVH, P, page_size]
-    float32 when the cache is int8, else None. routed: [X] int32 for a
+    """k, v: L x [KVH, P, page_size, D] (D // 2 bytes for int4); k_scale,
+    v_scale: L x [KVH, P, page_size] float32 for int8 / int4, L x [KVH] for
+    fp8, else None. routed: [X] int32 for a
     mixture of experts (else None), the choices each expert has received,
     summed over layers, counted by every step and wrapping at 2**32 (the
     host reads differences: `jaxkv.worker.runner`); it rides in the cache
@@ -63,6 +78,7 @@ class KVCache:
 
     @property
     def quantized(self) -> bool:
+        """int8, int4 or fp8 (the model rotates q, k and v for all three)."""
         return self.k_scale is not None
 
     def nbytes(self) -> int:
@@ -80,10 +96,15 @@ def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
     """The cache as jax.ShapeDtypeStructs (for sizing and ahead-of-time compiles)."""
     dtype = _DTYPES[cache.kv_dtype]
     K, ps, D = model.num_kv_heads, cache.page_size, model.head_dim
+    if cache.kv_dtype == "int4" and D % 2:
+        raise ValueError(f"kv_dtype int4 packs two channels a byte: head_dim {D} is odd")
+    fp8 = cache.kv_dtype in FP8_DTYPES
     pages = layer_pages(model, cache)
-    layers = tuple(jax.ShapeDtypeStruct((K, P, ps, D), dtype) for P in pages)
-    scales = tuple(jax.ShapeDtypeStruct((K, P, ps), jnp.float32) for P in pages)
-    q = cache.kv_dtype == "int8"
+    Dp = D // 2 if cache.kv_dtype == "int4" else D
+    layers = tuple(jax.ShapeDtypeStruct((K, P, ps, Dp), dtype) for P in pages)
+    sdt = jnp.bfloat16 if cache.kv_dtype == "int4" else jnp.float32
+    scales = tuple(jax.ShapeDtypeStruct((K,) if fp8 else (K, P, ps), sdt) for P in pages)
+    q = cache.kv_dtype in ("int8", "int4") or fp8
     X = getattr(model, "num_experts", 0)
     return KVCache(k=layers, v=layers, k_scale=scales if q else None, v_scale=scales if q else None,
                    routed=jax.ShapeDtypeStruct((X,), jnp.int32) if X else None)
@@ -113,28 +134,24 @@ def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCac
     return jax.jit(zeros, out_shardings=cache_shardings(shapes, sharding))()
 
 
-def quantize_vectors(x):
-    """x [..., D] -> (int8 [..., D], scale [...] float32): one symmetric absmax
-    scale per vector (per token and KV head for the cache)."""
-    x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
-    scale = jnp.where(scale == 0, 1.0, scale)
-    q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
-    return q, scale
-
-
 def write_pages(k, v, k_scale, v_scale, new_k, new_v, slot_mapping):
     """One layer's scatter: this step's keys/values new_k, new_v [T, KVH, D]
-    into k, v [KVH, P, page_size, D] (and the int8 scales [KVH, P,
-    page_size], None unless quantized) at slot_mapping [T] (padding rows
-    point into the trash page). Returns the four updated arrays."""
+    into k, v [KVH, P, page_size, D] (and the scales: int8 / int4 [KVH, P,
+    page_size], fp8 [KVH], None unless quantized) at slot_mapping [T]
+    (padding rows point into the trash page). Returns the four updated
+    arrays (fp8: the scales calibrated here if they were not yet)."""
     ps = k.shape[2]
     page, off = slot_mapping // ps, slot_mapping % ps
     nk = jnp.swapaxes(new_k, 0, 1)  # [KVH, T, D]
     nv = jnp.swapaxes(new_v, 0, 1)
-    if k_scale is not None:
-        nk, sk = quantize_vectors(nk)
-        nv, sv = quantize_vectors(nv)
+    if k_scale is not None and k_scale.ndim == 1:  # fp8, one scale per KV head
+        live = slot_mapping >= ps  # not the trash page
+        (nk, k_scale), (nv, v_scale) = (_fp8(x, s, live, k.dtype) for x, s in
+                                        ((nk, k_scale), (nv, v_scale)))
+    elif k_scale is not None:
+        fmt = "int4" if k.dtype == jnp.uint8 else "int8"
+        nk, sk = quantize_vectors(nk, fmt)
+        nv, sv = quantize_vectors(nv, fmt)
         k_scale = k_scale.at[:, page, off].set(sk)
         v_scale = v_scale.at[:, page, off].set(sv)
     k = k.at[:, page, off].set(nk.astype(k.dtype))
@@ -142,8 +159,19 @@ def write_pages(k, v, k_scale, v_scale, new_k, new_v, slot_mapping):
     return k, v, k_scale, v_scale
 
 
+def _fp8(x, scale, live, dtype):
+    """x [KVH, T, D] -> (x in fp8 `dtype`, scale [KVH]): scales still 0 are
+    set from this step's live rows (`live` [T]) and then kept."""
+    top = float(jnp.finfo(dtype).max)
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.where(live[None, :, None], jnp.abs(x), 0.0), axis=(1, 2))
+    scale = jnp.where(scale > 0, scale, amax * FP8_HEADROOM / top)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return jnp.clip(x / safe[:, None, None], -top, top).astype(dtype), scale
+
+
 def layer_arrays(cache: KVCache, layer: int) -> tuple:
-    """(k, v, k_scale, v_scale) of one layer; the scales None unless int8."""
+    """(k, v, k_scale, v_scale) of one layer; the scales None unless quantized."""
     q = cache.quantized
     return (cache.k[layer], cache.v[layer], cache.k_scale[layer] if q else None,
             cache.v_scale[layer] if q else None)
@@ -160,12 +188,13 @@ def replace_layer(cache: KVCache, layer: int, k, v, k_scale=None, v_scale=None) 
 
 def copy_pages(cache: KVCache, src, dst, layers: tuple[int, ...] | None = None) -> KVCache:
     """Copy whole pages src[N] -> dst[N] in every layer, or in `layers` only
-    (a hybrid pool's page ids belong to one group of layers)."""
+    (a hybrid pool's page ids belong to one group of layers). fp8's per-head
+    scales are not per page and stay."""
     def cp(t):
         if t is None:
             return None
-        return tuple(x.at[:, dst].set(x[:, src]) if layers is None or i in layers else x
-                     for i, x in enumerate(t))
+        return tuple(x.at[:, dst].set(x[:, src]) if (layers is None or i in layers) and x.ndim > 1
+                     else x for i, x in enumerate(t))
 
     return dataclasses.replace(cache, k=cp(cache.k), v=cp(cache.v), k_scale=cp(cache.k_scale),
                                v_scale=cp(cache.v_scale))

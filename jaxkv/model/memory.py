@@ -6,8 +6,13 @@ per token, so for L layers, KVH KV heads, a context of `tokens` and `batch`
 sequences:
 
     bytes = 2 x L x KVH x D x tokens x batch x bytes_per_element
-            (+ 2 x L x KVH x tokens x batch x 4   for int8: one float32
-               scale per token and KV head, for K and for V)
+            (+ 2 x L x KVH x tokens x batch x s   for int8 and int4: one
+               scale per token and KV head, for K and for V; s = 4
+               (float32) for int8, 2 (bfloat16) for int4)
+
+int4 holds half a byte per element (two values a byte); fp8 one byte, and
+its scales are one float32 per KV head and layer, 2 x L x KVH x 4 bytes for
+the whole pool (the `fixed_bytes` term), not per token.
 
 e.g. 48 layers, 64 KV heads, D 128, 4096 tokens, batch 1, float16:
 2 x 48 x 64 x 128 x 4096 x 2 = 6,442,450,944 bytes (6 GiB). Grouped-query
@@ -24,23 +29,36 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-# Element sizes of the KV dtypes `CacheConfig.kv_dtype` accepts.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
-# float32 scale per (token, KV head), for K and for V, when the cache is int8.
+# Element sizes (bits) of the KV dtypes `CacheConfig.kv_dtype` accepts.
+DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4,
+              "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8}
+DTYPE_BYTES = {k: v // 8 for k, v in DTYPE_BITS.items() if v >= 8}  # weights' dtypes too
+# The scale per (token, KV head), for K and for V: float32 for int8,
+# bfloat16 for int4 (34 bytes a token and head at D 64, half of int8's 68).
 INT8_SCALE_BYTES = 4
+INT4_SCALE_BYTES = 2
+FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def dtype_bits(dtype: str) -> int:
+    """Bits per KV element of `dtype` (a `CacheConfig.kv_dtype` name)."""
+    try:
+        return DTYPE_BITS[dtype]
+    except KeyError:
+        raise ValueError(f"dtype: unsupported KV dtype {dtype!r}; supported: {sorted(DTYPE_BITS)}") from None
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes per KV element of `dtype` (a `CacheConfig.kv_dtype` name)."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype: unsupported KV dtype {dtype!r}; supported: {sorted(DTYPE_BYTES)}") from None
+    """Bytes per element of `dtype` (whole bytes: not int4)."""
+    if dtype not in DTYPE_BYTES:
+        dtype_bits(dtype)
+        raise ValueError(f"dtype: {dtype!r} is not a whole number of bytes per element")
+    return DTYPE_BYTES[dtype]
 
 
 def _default_scale_bytes(dtype: str, scale_bytes_per_token_head: int | None) -> int:
     return scale_bytes_per_token_head if scale_bytes_per_token_head is not None else (
-        INT8_SCALE_BYTES if dtype == "int8" else 0)
+        INT8_SCALE_BYTES if dtype == "int8" else INT4_SCALE_BYTES if dtype == "int4" else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +71,12 @@ class KVBreakdown:
     tokens: int  # context per sequence
     batch: int  # B
     dtype: str
-    bytes_per_element: int
-    scale_bytes_per_token_head: int  # per K or V, 0 unless quantized
+    bits_per_element: int
+    scale_bytes_per_token_head: int  # per K or V, 0 unless int8 / int4
+
+    @property
+    def bytes_per_element(self) -> float:
+        return self.bits_per_element / 8
 
     @property
     def elements(self) -> int:
@@ -63,23 +85,28 @@ class KVBreakdown:
 
     @property
     def data_bytes(self) -> int:
-        return self.elements * self.bytes_per_element
+        return self.elements * self.bits_per_element // 8
 
     @property
     def scale_bytes(self) -> int:
-        """2 x L x KVH x tokens x B x scale bytes (int8 only)."""
+        """2 x L x KVH x tokens x B x scale bytes (int8 and int4)."""
         return (2 * self.num_layers * self.num_kv_heads * self.tokens * self.batch
                 * self.scale_bytes_per_token_head)
 
     @property
+    def fixed_bytes(self) -> int:
+        """fp8: one float32 scale per KV head and layer, for K and for V."""
+        return 2 * self.num_layers * self.num_kv_heads * 4 if self.dtype in FP8_DTYPES else 0
+
+    @property
     def total_bytes(self) -> int:
-        return self.data_bytes + self.scale_bytes
+        return self.data_bytes + self.scale_bytes + self.fixed_bytes
 
     @property
     def bytes_per_token(self) -> int:
         """Cost of one more token of one sequence."""
         return (2 * self.num_layers * self.num_kv_heads
-                * (self.head_dim * self.bytes_per_element + self.scale_bytes_per_token_head))
+                * (self.head_dim * self.bits_per_element // 8 + self.scale_bytes_per_token_head))
 
     def table(self) -> str:
         """The terms as a markdown table."""
@@ -89,10 +116,11 @@ class KVBreakdown:
             ("head dim (D)", f"{self.head_dim}"),
             ("tokens", f"{self.tokens:,}"),
             ("batch (B)", f"{self.batch}"),
-            ("dtype", f"{self.dtype} ({self.bytes_per_element} B/element)"),
+            ("dtype", f"{self.dtype} ({self.bytes_per_element:g} B/element)"),
             ("K+V elements 2·L·KVH·D·tokens·B", f"{self.elements:,}"),
             ("data bytes", f"{self.data_bytes:,}"),
             ("scale bytes 2·L·KVH·tokens·B·s", f"{self.scale_bytes:,}"),
+            ("fixed scale bytes 2·L·KVH·4 (fp8)", f"{self.fixed_bytes:,}"),
             ("bytes per token", f"{self.bytes_per_token:,}"),
             ("total bytes", f"{self.total_bytes:,} ({self.total_bytes / 2**30:.3f} GiB)"),
         ]
@@ -103,21 +131,21 @@ def kv_cache_breakdown(num_layers: int, num_kv_heads: int, head_dim: int, tokens
                        batch: int = 1, dtype: str = "float16",
                        scale_bytes_per_token_head: int | None = None) -> KVBreakdown:
     """The KV size formula's terms. `scale_bytes_per_token_head` defaults to
-    4 (a float32 scale) for int8 and 0 otherwise."""
+    4 (a float32 scale) for int8, 2 (bfloat16) for int4 and 0 otherwise."""
     for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim)):
         if v <= 0:
             raise ValueError(f"{name}: must be positive, got {v}")
     if tokens < 0 or batch < 0:
         raise ValueError(f"tokens and batch must be non-negative, got {tokens}, {batch}")
-    return KVBreakdown(num_layers, num_kv_heads, head_dim, tokens, batch, dtype, dtype_bytes(dtype),
+    return KVBreakdown(num_layers, num_kv_heads, head_dim, tokens, batch, dtype, dtype_bits(dtype),
                        _default_scale_bytes(dtype, scale_bytes_per_token_head))
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
                    batch: int = 1, dtype: str = "float16",
                    scale_bytes_per_token_head: int | None = None) -> int:
-    """Bytes of K and V (and int8 scales) for `batch` sequences of `tokens`:
+    """Bytes of K and V (and their scales) for `batch` sequences of `tokens`:
     2 x L x KVH x D x tokens x batch x bytes_per_element (+ scales)."""
     return kv_cache_breakdown(num_layers, num_kv_heads, head_dim, tokens, batch, dtype,
                               scale_bytes_per_token_head).total_bytes

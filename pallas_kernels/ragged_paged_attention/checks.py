@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.kv_formats import check_pages
+
 
 def check_sinks(sinks, num_heads):
     """Learned attention sinks (`sinks.py`) are None or a floating array
@@ -33,27 +35,16 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
                          f"{k_pages.shape} and {v_pages.shape}")
-    KVH, P, page_size, Dk = k_pages.shape
-    if Dk != D:
-        raise ValueError(f"head dim mismatch: q has D={D}, pages have {Dk}")
+    KVH, P, page_size, _ = k_pages.shape
+    fmt = check_pages(k_pages, v_pages, k_scale, v_scale, D)
     if H % KVH:
         raise ValueError(f"num query heads {H} is not a multiple of num kv heads {KVH}")
     if q.dtype not in q_dtypes:
         names = ", ".join(jnp.dtype(d).name for d in q_dtypes)
         raise ValueError(f"{kernel} kernel: q must be one of {names}, got {q.dtype}")
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype}, {v_pages.dtype}")
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("k_scale and v_scale must be given together")
-    if k_scale is not None:
-        if k_pages.dtype != jnp.int8:
-            raise ValueError(f"k_scale/v_scale need int8 pages, got {k_pages.dtype}")
-        if k_scale.shape != (KVH, P, page_size) or v_scale.shape != (KVH, P, page_size):
-            raise ValueError(f"k_scale/v_scale must be [KVH, P, page_size] = "
-                             f"{(KVH, P, page_size)}, got {k_scale.shape}, {v_scale.shape}")
-    elif k_pages.dtype != q.dtype:
+    if fmt == "float" and k_pages.dtype != q.dtype:
         raise ValueError(f"pages dtype {k_pages.dtype} must match q dtype {q.dtype} "
-                         f"(or be int8 with scales)")
+                         f"(or be int8 / int4 with scales, or fp8)")
     S = kv_lens.shape[0]
     if kv_lens.shape != (S,) or block_tables.ndim != 2 or block_tables.shape[0] != S \
             or cu_q_lens.shape != (S + 1,):

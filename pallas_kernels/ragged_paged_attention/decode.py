@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.kv_formats import dequantize, head_dim
 from pallas_kernels.ragged_paged_attention.masks import visible
 from pallas_kernels.ragged_paged_attention.sinks import head_sinks, softmax_start
 
@@ -21,13 +22,11 @@ KEY_CHUNK = 128  # keys per online-softmax step of the decode and blocked paths
 
 def gather_pages(k_pages, v_pages, k_scale, v_scale, pages):
     """K and V of `pages` [N, n] as float32 [KVH, N, n * page_size, D],
-    dequantized when the cache is int8."""
-    KVH, _, page_size, D = k_pages.shape
-    kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, N, n, page_size, D]
-    vb = v_pages[:, pages].astype(jnp.float32)
-    if k_scale is not None:
-        kb = kb * k_scale[:, pages][..., None]
-        vb = vb * v_scale[:, pages][..., None]
+    dequantized (`kv_formats`)."""
+    KVH, _, page_size, _ = k_pages.shape
+    D = head_dim(k_pages)
+    kb = dequantize(k_pages[:, pages], None if k_scale is None else k_scale[:, pages])
+    vb = dequantize(v_pages[:, pages], None if v_scale is None else v_scale[:, pages])
     shape = (KVH, pages.shape[0], pages.shape[1] * page_size, D)
     return kb.reshape(shape), vb.reshape(shape)
 

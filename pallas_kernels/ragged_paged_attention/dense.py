@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.kv_formats import dequantize, head_dim
 from pallas_kernels.ragged_paged_attention.masks import in_window, visible
 from pallas_kernels.ragged_paged_attention.sinks import head_sinks, softmax_start
 
@@ -62,14 +63,12 @@ def served_rows(cu_q_lens, num_seqs, num_tokens):
 
 def _chunk(k_pages, v_pages, k_scale, v_scale, table, j, chunk_pages):
     """K and V [KVH, C, D] float32 of key chunk j of one sequence's block
-    table [W'] (padded to whole chunks), dequantized when int8."""
-    KVH, _, page_size, D = k_pages.shape
+    table [W'] (padded to whole chunks), dequantized (`kv_formats`)."""
+    KVH, _, page_size, _ = k_pages.shape
+    D = head_dim(k_pages)
     pages = jax.lax.dynamic_slice_in_dim(table, j * chunk_pages, chunk_pages)
-    kb = k_pages[:, pages].astype(jnp.float32)  # [KVH, cp, page_size, D]
-    vb = v_pages[:, pages].astype(jnp.float32)
-    if k_scale is not None:
-        kb = kb * k_scale[:, pages][..., None]
-        vb = vb * v_scale[:, pages][..., None]
+    kb = dequantize(k_pages[:, pages], None if k_scale is None else k_scale[:, pages])
+    vb = dequantize(v_pages[:, pages], None if v_scale is None else v_scale[:, pages])
     shape = (KVH, chunk_pages * page_size, D)
     return kb.reshape(shape), vb.reshape(shape)
 

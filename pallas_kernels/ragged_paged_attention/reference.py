@@ -15,8 +15,10 @@ already holds this step's new keys and values. Query i of sequence s sits at
 position kv_lens[s] - q_len + i and attends causally to positions <= its own
 (and > position - sliding_window when a window is set). Query head h reads KV
 head h // (H // KVH): GQA without repeating K/V. Rows outside every sequence
-(padding) come back as zeros. k_scale / v_scale [KVH, P, page_size] float32
-dequantize int8 pages (value = int8 * scale). sinks [H] (learned attention
+(padding) come back as zeros. Pages come in the formats of `kv_formats.py`:
+float, int8 and int4 (k_scale / v_scale [KVH, P, page_size] float32: value =
+int * scale; int4 pages are [KVH, P, page_size, D // 2] uint8), fp8 (read
+as their values). sinks [H] (learned attention
 sinks, gpt-oss; `sinks.py`): one logit per query head that joins each of its
 rows' softmax denominator with no value, neither scaled nor soft-capped.
 
@@ -51,6 +53,7 @@ from pallas_kernels.ragged_paged_attention.cpu import takes as native_takes
 from pallas_kernels.ragged_paged_attention.decode import (MASK_VALUE, decode_attention,
                                                           fetch_chunk, key_chunks)
 from pallas_kernels.ragged_paged_attention.dense import dense_block, dense_prefill, use_dense
+from pallas_kernels.ragged_paged_attention.kv_formats import check_pages
 from pallas_kernels.ragged_paged_attention.masks import in_window, visible
 from pallas_kernels.ragged_paged_attention.sinks import head_sinks, softmax_start
 
@@ -185,8 +188,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
                          f"{k_pages.shape} and {v_pages.shape}")
     KVH = k_pages.shape[0]
-    if k_pages.shape[3] != D:
-        raise ValueError(f"head dim mismatch: q has D={D}, pages have {k_pages.shape[3]}")
+    check_pages(k_pages, v_pages, k_scale, v_scale, D)
     if H % KVH:
         raise ValueError(f"num query heads {H} is not a multiple of num kv heads {KVH}")
     S = kv_lens.shape[0]
@@ -195,8 +197,6 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
                          f"block_tables {block_tables.shape}, cu_q_lens {cu_q_lens.shape}")
     if num_sink_tokens and sliding_window is None:
         raise ValueError("num_sink_tokens needs a sliding_window")
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("k_scale and v_scale must be given together")
     check_sinks(sinks, H)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     if native_cpu and native_takes(q, k_pages, k_scale, num_sink_tokens):

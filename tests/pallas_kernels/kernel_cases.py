@@ -48,23 +48,52 @@ def batch(seed, *, page_size, kind, num_heads, num_kv_heads, head_dim, dtype=np.
                      dtype=dtype)
 
 
-def quantize(case, seed):
-    """Replaces the pages by int8 values with per-token float32 scales; the
-    scales of unwritten slots are NaN (int8 has none), so a stray read shows."""
+KV_FORMATS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
+
+
+def quantize(case, seed, fmt="int8"):
+    """Replaces the pages by `fmt` pages (`kv_formats`): int8 / int4 random
+    integers with per-token float32 scales, whose unwritten slots are NaN
+    (the integers have none), so a stray read shows; fp8 the float pages
+    rounded to it (unwritten slots stay NaN)."""
     rng = np.random.default_rng(seed)
     unused = np.isnan(np.asarray(case["k_pages"], np.float32)[..., 0])  # [KVH, P, page_size]
     out = dict(case)
     for name in ("k", "v"):
-        pages = case[f"{name}_pages"]
-        out[f"{name}_pages"] = rng.integers(-127, 128, pages.shape).astype(np.int8)
-        scale = rng.uniform(0.005, 0.02, unused.shape).astype(np.float32)
+        pages = np.asarray(case[f"{name}_pages"], np.float32)
+        if fmt.startswith("fp8"):
+            dt = jnp.float8_e4m3fn if fmt == "fp8_e4m3" else jnp.float8_e5m2
+            out[f"{name}_pages"] = (pages * 4.0).astype(dt)  # unit-scale values, well inside fp8
+            continue
+        if fmt == "int8":
+            out[f"{name}_pages"] = rng.integers(-127, 128, pages.shape).astype(np.int8)
+            lo, hi = 0.005, 0.02
+        else:
+            half = pages.shape[-1] // 2
+            nib = rng.integers(0, 16, pages.shape[:-1] + (2, half)).astype(np.uint8)
+            out[f"{name}_pages"] = nib[..., 0, :] | (nib[..., 1, :] << 4)
+            lo, hi = 0.08, 0.3
+        scale = rng.uniform(lo, hi, unused.shape).astype(np.float32)
         scale[unused] = np.nan
-        out[f"{name}_scale"] = scale
+        out[f"{name}_scale"] = scale if fmt == "int8" else scale.astype(jnp.bfloat16)
     return out
+
+
+def page_values(pages, scale=None):
+    """The values pages hold, float64, decoded in numpy from the format's
+    definition (`kv_formats`), independent of the kernels' code."""
+    a = np.asarray(pages)
+    if a.dtype == np.uint8:  # int4: low nibble channel j, high nibble channel j + D / 2
+        a = np.concatenate([(a & 15).astype(np.float64), (a >> 4).astype(np.float64)], -1) - 7.5
+    a = np.asarray(a, np.float64)
+    return a if scale is None else a * np.asarray(scale, np.float64)[..., None]
 
 
 def oracle(case, **kw):
     """naive_attention in float64 on exactly the values the kernel sees."""
+    case = dict(case)
+    for name in ("k", "v"):
+        case[f"{name}_pages"] = page_values(case[f"{name}_pages"], case.pop(f"{name}_scale", None))
     return naive_attention(**case, **kw)
 
 
@@ -86,6 +115,12 @@ class Config(NamedTuple):
     sliding_window: int | None = None
     soft_cap: float | None = None
     int8: bool = False
+    kv: str | None = None  # "int4", "fp8_e4m3", "fp8_e5m2" (int8: the flag above)
+
+    @property
+    def fmt(self) -> str:
+        """The pages' format: "float" or one of `KV_FORMATS`."""
+        return "int8" if self.int8 else (self.kv or "float")
 
     @property
     def id(self):
@@ -95,8 +130,8 @@ class Config(NamedTuple):
             parts.append(f"win{self.sliding_window}")
         if self.soft_cap:
             parts.append(f"cap{self.soft_cap:g}")
-        if self.int8:
-            parts.append("int8")
+        if self.fmt != "float":
+            parts.append(self.fmt)
         return "-".join(parts)
 
 
@@ -111,6 +146,14 @@ DEFAULT_CONFIGS = [
     Config("float32", 128, 32, 2, 2, sliding_window=40, soft_cap=5.0),
     Config("bfloat16", 128, 16, 6, 2, int8=True),
     Config("float32", 64, 8, 8, 1, sliding_window=24, int8=True),
+]
+
+# The other page formats (`kv_formats`): each in one config of its own.
+FORMAT_CONFIGS = [
+    Config("float32", 64, 8, 8, 1, sliding_window=24, kv="int4"),
+    Config("bfloat16", 128, 16, 6, 2, kv="int4"),
+    Config("bfloat16", 128, 16, 6, 2, kv="fp8_e4m3"),
+    Config("float32", 64, 8, 2, 2, soft_cap=2.0, kv="fp8_e5m2"),
 ]
 
 
@@ -132,8 +175,8 @@ def config_batches(cfg: Config, seed=0):
     for i, kind in enumerate(("mixed", "decode")):
         case = batch(seed + i, page_size=cfg.page_size, kind=kind, num_heads=cfg.num_heads,
                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
-        if cfg.int8:
-            case = quantize(case, seed + 10 + i)
+        if cfg.fmt != "float":
+            case = quantize(case, seed + 10 + i, cfg.fmt)
         yield kind, case, kw
 
 

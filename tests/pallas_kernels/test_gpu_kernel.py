@@ -53,7 +53,7 @@ def test_gpu_kernel_no_sequences_gives_zeros():
     (dict(page_size=12), "page_size a power of two"),
     (dict(head_dim=96), "power of two >= 16"),
     (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
-    (dict(scales=True), "need int8 pages"),
+    (dict(scales=True), "need int8 or int4 pages"),
     (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
     (dict(pages_per_block=1, page_size=8), "power of two >= 16"),
     (dict(soft_cap=-1.0), "soft_cap must be positive"),

@@ -116,7 +116,7 @@ def test_mosaic_gpu_kernel_no_sequences_gives_zeros():
     (dict(block_kv=32), "block_kv in"),
     (dict(num_heads=128, num_kv_heads=1), "at most 64 query heads"),
     (dict(pages_dtype=jnp.float16), "must match q dtype"),
-    (dict(scales=True), "need int8 pages"),
+    (dict(scales=True), "need int8 or int4 pages"),
     (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
     (dict(soft_cap=-1.0), "soft_cap must be positive"),
     (dict(interpret="yes"), "interpret must be"),

@@ -70,7 +70,7 @@ def test_tpu_kernel_no_sequences_gives_zeros():
     (dict(page_size=12), "page_size a multiple of 8"),
     (dict(head_dim=48), "head dim a multiple of 64"),
     (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
-    (dict(scales=True), "need int8 pages"),
+    (dict(scales=True), "need int8 or int4 pages"),
     (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
     (dict(block_q=2), "multiple of 16"),
     (dict(sliding_window=0), "sliding_window must be positive"),
