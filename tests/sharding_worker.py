@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--kv-dtype", default=None)
+    p.add_argument("--kv-dtype", default=None, help="or several, comma-separated: keys kv:tp")
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--coordinator", default=None)
@@ -124,8 +124,6 @@ def main(argv=None) -> int:
                                                        kv_cache_memory=a.kv_cache_memory)
     if a.num_pages is not None:
         engine["num_pages"] = a.num_pages
-    if a.kv_dtype is not None:
-        engine["kv_dtype"] = a.kv_dtype
     if a.async_scheduling:
         engine["async_scheduling"] = True
     if a.expert_parallel:
@@ -151,9 +149,12 @@ def main(argv=None) -> int:
         out["processes"] = jax.process_count()
     else:
         model = load(a.gguf, a.layers, a.family, a.moe)
-        out = {tp: run(model, int(tp.removeprefix("ep")), a.backend, a.max_tokens, a.prompts,
-                       **engine, **({"enable_expert_parallel": True} if tp.startswith("ep") else {}))
-               for tp in a.tp.split(",")}
+        kvs = [None] if a.kv_dtype is None else a.kv_dtype.split(",")
+        out = {(tp if kv is None else f"{kv}:{tp}"): run(
+            model, int(tp.removeprefix("ep")), a.backend, a.max_tokens, a.prompts, **engine,
+            **({"enable_expert_parallel": True} if tp.startswith("ep") else {}),
+            **({} if kv is None else {"kv_dtype": kv}))
+            for kv in kvs for tp in a.tp.split(",")}
     print(json.dumps(out), flush=True)
     return 0
 

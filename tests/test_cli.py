@@ -50,7 +50,7 @@ def test_options_reach_the_configs():
 
 def test_bad_choice_and_size_are_refused(capsys):
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["generate", "hi", "--kv-dtype", "int4"])
+        cli.build_parser().parse_args(["generate", "hi", "--kv-dtype", "int3"])
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "hi", "--kv-cache-memory", "lots"])
     assert "not a size in bytes" in capsys.readouterr().err
