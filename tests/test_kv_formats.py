@@ -137,3 +137,20 @@ def test_real_model_log_likelihood_close_to_bfloat16(smollm2, kv_dtype, bound):
     # Measured (Intel VM): int4 -0.0126, fp8 +0.0175 nats/token (fp8_e5m2 -0.0285).
     assert abs(got - base) < bound, (got, base)
     assert got != base
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "fp8"])
+def test_a_kernel_that_cannot_read_the_format_is_refused_at_start(kv_dtype):
+    from pallas_kernels.ragged_paged_attention import check_format, ragged_paged_attention
+
+    model = Llama.random_init(dataclasses.replace(TINY, num_layers=1), seed=1)
+    with pytest.raises(ValueError, match=f"Pallas TPU attention kernel does not read "
+                                         f"{kv_dtype[:3]}.* KV pages"):
+        LLMEngine(model, None, EngineConfig(**ENGINE, kv_dtype=kv_dtype, attention_backend="pallas"))
+    check_format("reference", "int4")
+    pages = jnp.zeros((1, 2, 8, 32), jnp.uint8 if kv_dtype == "int4" else jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="Triton GPU attention kernel does not read"):
+        ragged_paged_attention(jnp.zeros((1, 1, 64 if kv_dtype == "int4" else 32)), pages, pages,
+                               jnp.zeros(1, jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                               jnp.zeros(2, jnp.int32), jnp.int32(0), sm_scale=1.0,
+                               backend="pallas", pallas_target="gpu")

@@ -49,6 +49,7 @@ class AttentionSpec:
         whose layers differ (Gemma's sliding and global layers) frees no page
         behind a window: each layer applies its own (`layer_window`), and the
         engine's hybrid pool, when on, gives the sliding layers rings."""
+        _check_kv_format(engine, mesh)
         if engine.kv_eviction == "streaming":
             return cls(engine.attention_backend, engine.streaming_window, engine.num_sink_tokens,
                        mesh)
@@ -60,6 +61,18 @@ class AttentionSpec:
         if own is not None and (self.sliding_window is None or own < self.sliding_window):
             return own, 0
         return self.sliding_window, self.num_sink_tokens
+
+
+def _check_kv_format(engine: EngineConfig, mesh) -> None:
+    """At engine start: the attention kernel this engine runs reads its KV
+    format (else a ValueError naming both)."""
+    from pallas_kernels.ragged_paged_attention import check_format, resolve
+
+    kv = engine.kv_dtype or engine.dtype
+    fmt = ("int4" if kv == "int4" else "int8" if kv == "int8" else
+           "fp8" if kv.startswith("fp8") else "float")
+    platform = None if mesh is None else mesh.devices.flat[0].platform
+    check_format(resolve(engine.attention_backend, platform=platform)[0], fmt)
 
 
 class LocalBatch(NamedTuple):

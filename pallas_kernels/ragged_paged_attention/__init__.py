@@ -57,6 +57,11 @@ import importlib
 import jax
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_mosaic_gpu")
+# The page formats (`kv_formats.page_format`) each implementation reads.
+# int4 and fp8 pages are the reference's (and the native CPU kernel's
+# beneath it, where it takes them); the Pallas kernels refuse them by name.
+KERNEL_FORMATS = {"reference": ("float", "int8", "int4", "fp8"), "tpu": ("float", "int8"),
+                  "gpu": ("float", "int8"), "mosaic_gpu": ("float",)}
 PALLAS_TARGETS = ("tpu", "gpu", "mosaic_gpu")
 _TARGET_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "mosaic_gpu": "gpu"}
 
@@ -95,6 +100,17 @@ def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
     return target, interpret
 
 
+def check_format(impl: str, fmt: str) -> None:
+    """ValueError unless implementation `impl` ("reference", "tpu", "gpu",
+    "mosaic_gpu") reads pages of format `fmt` (`kv_formats.page_format`)."""
+    if fmt not in KERNEL_FORMATS[impl]:
+        name = {"tpu": "Pallas TPU", "gpu": "Pallas Triton GPU", "mosaic_gpu": "Mosaic GPU",
+                "reference": "reference"}[impl]
+        raise ValueError(f"the {name} attention kernel does not read {fmt} KV pages (it reads "
+                         f"{', '.join(KERNEL_FORMATS[impl])}); use backend='reference' or "
+                         "another kv_dtype")
+
+
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
                            k_scale=None, v_scale=None, num_sink_tokens=0, all_decode=None,
@@ -105,6 +121,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs []; sinks
     [H] or None -> [T, H, D]."""
     impl, interpret = resolve(backend, pallas_target, interpret, platform)
+    from pallas_kernels.ragged_paged_attention.kv_formats import page_format
+
+    check_format(impl, page_format(k_pages))
     if num_sink_tokens and impl != "reference":
         raise ValueError("num_sink_tokens (sink tokens for streaming eviction) is supported by "
                          "the reference backend only (learned `sinks` logits: every backend)")
@@ -128,4 +147,5 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
                                          **(kernel_options or {}))
 
 
-__all__ = ["ragged_paged_attention", "resolve", "BACKENDS", "PALLAS_TARGETS"]
+__all__ = ["ragged_paged_attention", "resolve", "check_format", "BACKENDS", "PALLAS_TARGETS",
+           "KERNEL_FORMATS"]
