@@ -110,7 +110,7 @@ def test_unchunked_prompt_longer_than_a_step_is_refused_and_starves_nobody(model
 
 @pytest.mark.parametrize("kw,field", [
     (dict(max_model_len=-5), "max_model_len"), (dict(num_pages=1), "num_pages"),
-    (dict(kv_cache_memory=0), "kv_cache_memory"), (dict(kv_dtype="int4"), "kv_dtype"),
+    (dict(kv_cache_memory=0), "kv_cache_memory"), (dict(kv_dtype="int3"), "kv_dtype"),
 ])
 def test_bad_engine_options_are_refused_at_start(kw, field):
     with pytest.raises(ValueError, match=f"^{field}"):
