@@ -28,6 +28,7 @@ read both as float32.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
@@ -71,6 +72,26 @@ def unpack_int4(packed, dtype=jnp.float32):
     lo = (packed & 15).astype(jnp.float32)
     hi = (packed >> 4).astype(jnp.float32)
     return (jnp.concatenate([lo, hi], axis=-1) - INT4_OFFSET).astype(dtype)
+
+
+def fp8_from_bits(bits, fmt: str):
+    """The float32 values of fp8 codes given as integers (any integer dtype,
+    e.g. a `lax.bitcast_convert_type` of fp8 pages to uint8), by integer
+    ops only: for kernels whose compiler has no fp8 conversion. `fmt`:
+    "fp8_e4m3" (float8_e4m3fn: 4 exponent bits, bias 7, 3 mantissa bits) or
+    "fp8_e5m2" (5, bias 15, 2). Normal codes become a float32 bit pattern
+    (exponent rebiased to 127), subnormal ones m * 2^(1 - bias - mantissa
+    bits). Finite codes only: e4m3fn's NaN (0x7f) and e5m2's inf / NaN read
+    as large finite numbers (the cache write saturates; none is stored)."""
+    e_bits, m_bits, bias = {"fp8_e4m3": (4, 3, 7), "fp8_e5m2": (5, 2, 15)}[fmt]
+    x = bits.astype(jnp.int32) & 0xFF
+    e = (x >> m_bits) & ((1 << e_bits) - 1)
+    m = x & ((1 << m_bits) - 1)
+    normal = jax.lax.bitcast_convert_type(((e + 127 - bias) << 23) | (m << (23 - m_bits)),
+                                          jnp.float32)
+    sub = m.astype(jnp.float32) * (2.0 ** (1 - bias - m_bits))
+    mag = jnp.where(e == 0, sub, normal)
+    return jnp.where((x >> 7) == 1, -mag, mag)
 
 
 def dequantize(pages, scale=None, dtype=jnp.float32):

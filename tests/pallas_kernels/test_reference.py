@@ -146,3 +146,19 @@ def test_reference_long_context_spans_several_key_chunks(window):
     got = _run(case, **kw)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+def test_fp8_from_bits_decodes_every_finite_code(fmt, dtype):
+    """The integer-only fp8 decode some kernels use, against ml_dtypes' own
+    conversion of all 256 codes (NaN / inf codes excluded: never stored)."""
+    import ml_dtypes
+
+    from pallas_kernels.ragged_paged_attention.kv_formats import fp8_from_bits
+
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(getattr(ml_dtypes, dtype)).astype(np.float64)
+    got = np.asarray(fp8_from_bits(jnp.asarray(codes), fmt), np.float64)
+    finite = np.isfinite(want)
+    assert finite.sum() >= 240
+    np.testing.assert_array_equal(got[finite], want[finite])
