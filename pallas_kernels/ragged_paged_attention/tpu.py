@@ -1,7 +1,9 @@
 """Ragged paged attention as a Pallas Mosaic TPU kernel.
 
 Same contract and numbers as `reference.py` (see its module docstring):
-q [T, H, D], k_pages / v_pages [KVH, P, page_size, D] -> [T, H, D].
+q [T, H, D], k_pages / v_pages [KVH, P, page_size, D] (int4: D // 2 bytes)
+-> [T, H, D]. It reads every page format of `kv_formats`: float, int8, int4
+and fp8 (`tpu_formats.py` turns each into values in VMEM).
 
 Design
 ------
@@ -31,8 +33,9 @@ Memory:
     one DMA per page into
   VMEM: the sink rows [block_q * G, 128] f32 (BlockSpec, fetched again only
     when the KV head changes), k/v buffers [2, pages_per_block, page_size, D]
-    (double buffered: the next KV block, possibly the next sequence's first, is
-    in flight while the current one is computed), scale buffers [2, pages_per_block, page_size] f32,
+    in the pages' dtype (int4: uint8 [.., D // 2]; double buffered: the next
+    KV block, possibly the next sequence's first, is in flight while the
+    current one is computed), scale buffers [2, pages_per_block, page_size] f32,
     m / l [block_q * G, 128] f32 (lane-replicated), acc [block_q * G, D] f32, and
     the q / out tiles managed by the BlockSpec pipeline.
 
@@ -41,18 +44,28 @@ are "parallel" and megacore chips may split them.
 
 Numerics: scores in float32 (matmul accumulates in f32, f32 inputs use
 HIGHEST precision), masked entries contribute exactly zero (never 0 * NaN, so
-unwritten page slots may hold anything). int8 pages are cast to the query
-dtype in VMEM and their per-token scales applied to the score / probability
-columns (s * k_scale, p * v_scale), which equals dequantizing K and V.
+unwritten page slots may hold anything). Pages move HBM -> VMEM at their
+stored size and become values of the query dtype in VMEM, a KV block at a
+time: int8 and fp8 (float8_e4m3fn, float8_e5m2) by conversion, int4 as its
+two nibbles - 7.5, unpacked in int32 and joined into [tokens, D] (exact in
+bfloat16). int8 and int4 per-token scales are applied to the score /
+probability columns (s * k_scale, p * v_scale), which equals dequantizing K
+and V. int4's bfloat16 scales are converted to float32 by the wrapper (one
+XLA convert of the [KVH, P, page_size] arrays per call): Mosaic cannot DMA
+one page's bfloat16 scale row out of their (8, 128)(2, 1) tiling. fp8 pages
+are read as their values; their per-head scale is the caller's (folded into
+q and the output, `kv_formats`).
 
 Constraints (checked with ValueError): page_size % 8 == 0; D % 64 == 0;
 block_q * G % 16 == 0 (default block_q 16 always fits); q float32 or
-bfloat16; pages in q's dtype or int8 with scales. ``block_tables`` is copied
-to SMEM, so S * pages_per_seq int32 must fit there (keep it well under 1 MiB,
-i.e. < ~200K entries with the other tables). VMEM use is about
-4 * pages_per_block * page_size * D * itemsize (K/V double buffers) plus
-(block_q * G) * (D + 512) * 4 bytes (m, l and the sink rows' two buffers);
-the default 256-token KV block stays far below the default scoped-VMEM limit.
+bfloat16; pages in q's dtype, int8 (float32 scales), int4 (uint8
+[.., D // 2], bfloat16 scales) or fp8 (no scales); every format compiles
+deviceless for v5e and v6e. ``block_tables`` is copied to SMEM, so
+S * pages_per_seq int32 must fit there (keep it well under 1 MiB, i.e.
+< ~200K entries with the other tables). VMEM use is about
+4 * pages_per_block * page_size * D * itemsize (K/V double buffers; int4:
+D // 2 bytes) plus (block_q * G) * (D + 512) * 4 bytes (m, l and the sink
+rows' two buffers); the default 256-token KV block stays far below the default scoped-VMEM limit.
 """
 
 from __future__ import annotations
@@ -76,7 +89,7 @@ def _rpa_pallas_call(q_t, sinks_t, k_pages, v_pages, k_scale, v_scale, kv_lens,
     """q_t [KVH, T_pad * G, D], sinks_t [KVH, block_q * G, 128] f32 -> [KVH,
     T_pad * G, D]."""
     kvh, total_rows, head_dim = q_t.shape
-    _, _, page_size, _ = k_pages.shape
+    _, _, page_size, page_dim = k_pages.shape  # page_dim: D, or int4's D // 2 bytes
     rows = block_q * group
     num_q_blocks = total_rows // rows
     quantized = k_scale is not None
@@ -84,7 +97,7 @@ def _rpa_pallas_call(q_t, sinks_t, k_pages, v_pages, k_scale, v_scale, kv_lens,
     q_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
     sink_spec = pl.BlockSpec((None, rows, LANES), lambda h, i, *_: (h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    kv_buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    kv_buf = pltpu.VMEM((2, pages_per_block, page_size, page_dim), k_pages.dtype)
     scale_buf = pltpu.VMEM((2, pages_per_block, page_size), jnp.float32) if quantized else None
     stat = pltpu.VMEM((rows, LANES), jnp.float32)
     kernel = functools.partial(
@@ -135,7 +148,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     """Ragged paged attention on TPU (contract: `reference.py`).
 
     q [T, H, D] float32/bfloat16; k_pages, v_pages [KVH, P, page_size, D] in
-    q's dtype, or int8 with k_scale, v_scale [KVH, P, page_size] float32;
+    q's dtype, int8 with k_scale, v_scale [KVH, P, page_size] float32, int4
+    (uint8 [KVH, P, page_size, D // 2]) with bfloat16 scales, or fp8
+    (float8_e4m3fn / float8_e5m2) without scales (`kv_formats`);
     kv_lens [S], block_tables [S, pages_per_seq], cu_q_lens [S + 1] int32;
     num_seqs [] or [1] int32; sinks [H] float (learned attention sinks) or
     None -> [T, H, D] in q's dtype.
@@ -176,6 +191,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     # Row r of a KV head's tile is query head r % G of that KV head.
     sinks_t = jnp.broadcast_to(sink_rows(sinks, KVH, G, G, block_q)[..., None],
                                (KVH, block_q * G, LANES))
+    # Scales in float32 (int4's are bfloat16, which Mosaic cannot DMA a page row of).
     out = _rpa_pallas_call(
         q_t, sinks_t, k_pages, v_pages,
         None if k_scale is None else k_scale.astype(jnp.float32),

@@ -8,6 +8,8 @@ for each it streams the KV blocks those rows can see through two VMEM slots
 each block into the per-row online-softmax state (`_Cell.attend`), and
 finally writes the normalized output tile once (`_write_back`). Learned
 sinks (`sinks.py`) are the state's start: m = sink, l = exp(sink - m).
+Pages of every format arrive as stored and become values in VMEM
+(`tpu_formats.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.sinks import softmax_start
+from pallas_kernels.ragged_paged_attention.tpu_formats import page_values, scale_row
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
@@ -35,14 +38,14 @@ def rpa_kernel(
     # inputs
     q_ref,  # [R, D] VMEM, R = block_q * G
     sink_ref,  # [R, 128] f32 VMEM: each row's sink logit, lane-replicated (-inf: none)
-    k_hbm,  # [KVH, P, page_size, D] HBM
+    k_hbm,  # [KVH, P, page_size, D] HBM (int4: uint8 [.., D // 2]; `tpu_formats`)
     v_hbm,
-    k_scale_hbm,  # [KVH, P, page_size] HBM, or None
+    k_scale_hbm,  # [KVH, P, page_size] f32 HBM (int8, int4), or None
     v_scale_hbm,
     # output
     o_ref,  # [R, D]
     # scratch
-    k_buf,  # [2, pages_per_block, page_size, D]
+    k_buf,  # [2, pages_per_block, page_size, D] in the pages' dtype (int4: D // 2)
     v_buf,
     ks_buf,  # [2, pages_per_block, page_size] f32, or None
     vs_buf,
@@ -207,8 +210,8 @@ class _Cell:
         if self.sliding_window is not None:
             mask = mask & (key > q_pos - self.sliding_window)
 
-        k = flatten_pages(self.k_buf[slot], compute_dtype)  # [block_kv, D]
-        v = flatten_pages(self.v_buf[slot], compute_dtype)
+        k = page_values(self.k_buf[slot], compute_dtype)  # [block_kv, D]
+        v = page_values(self.v_buf[slot], compute_dtype)
         # Keys past the causal end were never copied (stale VMEM) or are unwritten
         # slots: zero them so 0-probability * garbage stays 0.
         v_live = (kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
@@ -251,30 +254,3 @@ def lane_bcast(x, n):
         return x[:, :n]
     return jnp.tile(x, (1, n // LANES))
 
-
-def flatten_pages(x, dtype):
-    """[pages, page_size, D] -> [pages * page_size, D] in `dtype`. Sub-32-bit
-    dtypes pack rows into sublanes, so a page that is not a whole number of
-    packed tiles is merged in float32 (always tile-aligned for page_size % 8)."""
-    pages, page_size, d = x.shape
-    packing = 4 // x.dtype.itemsize
-    if page_size % (8 * packing):
-        x = x.astype(jnp.float32)
-    return x.reshape(pages * page_size, d).astype(dtype)
-
-
-def scale_row(scales, live):
-    """[pages, page_size] per-token scales -> [1, pages * page_size] lane row,
-    via a one-hot matmul (exact at HIGHEST precision) instead of a lane-merging
-    reshape. Slots where `live` is False become 0 first: one NaN would spread
-    along its page row through the matmul."""
-    pages, page_size = scales.shape
-    scales = jnp.where(live, scales, 0.0)
-    n = pages * page_size
-    col = lax.broadcasted_iota(jnp.int32, (page_size, n), 1)
-    sel = (col % page_size == lax.broadcasted_iota(jnp.int32, (page_size, n), 0))
-    tiled = jnp.dot(scales, sel.astype(jnp.float32), precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32)  # [pages, n]: scales[j, n % ps]
-    own = (lax.broadcasted_iota(jnp.int32, (pages, n), 1) // page_size
-           == lax.broadcasted_iota(jnp.int32, (pages, n), 0))
-    return jnp.sum(jnp.where(own, tiled, 0.0), axis=0, keepdims=True)

@@ -31,8 +31,9 @@ from pallas_kernels.ragged_paged_attention import gpu, tpu
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
 
-# (id, q dtype, pages dtype, head_dim, page_size, H, KVH, attention kwargs);
-# sinks=True passes learned attention sinks, a float32 [H] argument.
+# (id, q dtype, pages format, head_dim, page_size, H, KVH, attention kwargs):
+# the format a float dtype (pages of it), "int8", "int4" or an fp8 dtype
+# (`kv_formats`); sinks=True passes learned attention sinks, float32 [H].
 CONFIGS = [
     ("bf16-d128-p16-h32kv8", "bfloat16", "bfloat16", 128, 16, 32, 8, {}),
     ("bf16-d64-p8-h8kv1", "bfloat16", "bfloat16", 64, 8, 8, 1, {}),
@@ -44,20 +45,32 @@ CONFIGS = [
      dict(sliding_window=128, sinks=True)),
     ("f32-int8-d64-p8-h8kv1-cap-sinks", "float32", "int8", 64, 8, 8, 1,
      dict(soft_cap=30.0, sinks=True)),
+    ("bf16-int4-d128-p16-h32kv8", "bfloat16", "int4", 128, 16, 32, 8, {}),
+    ("f32-int4-d64-p8-h8kv1-win-cap-sinks", "float32", "int4", 64, 8, 8, 1,
+     dict(sliding_window=64, soft_cap=30.0, sinks=True)),
+    ("bf16-fp8e4m3-d128-p16-h16kv2", "bfloat16", "float8_e4m3fn", 128, 16, 16, 2, {}),
+    ("bf16-fp8e5m2-d64-p32-h8kv1-win", "bfloat16", "float8_e5m2", 64, 32, 8, 1,
+     dict(sliding_window=128)),
+    ("f32-fp8e4m3-d128-p8-h4kv4-cap", "float32", "float8_e4m3fn", 128, 8, 4, 4,
+     dict(soft_cap=30.0)),
 ]
+# The formats the Triton GPU kernel reads (the CUDA lowering test's configs).
+GPU_FORMATS = ("bfloat16", "float32", "int8")
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, NUM_PAGES = 64, 8, 32, 300
 
 
 def _specs(q_dtype, kv_dtype, head_dim, page_size, num_heads, num_kv_heads, sharding=None,
            sinks=False):
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-    pages = (num_kv_heads, NUM_PAGES, page_size, head_dim)
-    specs = [sds((NUM_TOKENS, num_heads, head_dim), q_dtype), sds(pages, kv_dtype),
-             sds(pages, kv_dtype), sds((NUM_SEQS,), "int32"),
-             sds((NUM_SEQS, PAGES_PER_SEQ), "int32"), sds((NUM_SEQS + 1,), "int32"),
-             sds((), "int32")]
-    if kv_dtype == "int8":
-        specs += [sds((num_kv_heads, NUM_PAGES, page_size), "float32")] * 2
+    # int4: two channels a byte, uint8 [.., D // 2], with bfloat16 scales.
+    int4 = kv_dtype == "int4"
+    pages = sds((num_kv_heads, NUM_PAGES, page_size, head_dim // 2 if int4 else head_dim),
+                "uint8" if int4 else kv_dtype)
+    specs = [sds((NUM_TOKENS, num_heads, head_dim), q_dtype), pages, pages,
+             sds((NUM_SEQS,), "int32"), sds((NUM_SEQS, PAGES_PER_SEQ), "int32"),
+             sds((NUM_SEQS + 1,), "int32"), sds((), "int32")]
+    if kv_dtype in ("int8", "int4"):
+        specs += [sds((num_kv_heads, NUM_PAGES, page_size), "bfloat16" if int4 else "float32")] * 2
     if sinks:
         specs.append(sds((num_heads,), "float32"))
     return specs
@@ -136,7 +149,8 @@ def test_tpu_kernel_lowers_to_mosaic(config):
     assert "tpu_custom_call" in text
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c[0])
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[2] in GPU_FORMATS],
+                         ids=lambda c: c[0])
 def test_gpu_kernel_lowers_for_cuda(config):
     cid, q_dt, kv_dt, d, ps, h, kvh, kw = config
     # Newer jax reads the target GPU from the ambient mesh's device.

@@ -46,11 +46,18 @@ def test_tpu_kernel_matches_reference_and_oracle(cfg):
     kc.check_against_reference_and_oracle(_runner(**TEST_BLOCKS), cfg)
 
 
+@pytest.mark.parametrize("cfg", kc.FORMAT_CONFIGS, ids=lambda c: c.id)
+def test_tpu_kernel_reads_int4_and_fp8_pages(cfg):
+    kc.check_against_reference_and_oracle(_runner(**TEST_BLOCKS), cfg)
+
+
 @pytest.mark.parametrize("interpret", [EAGER_RACES, ON_WAIT_RACES], ids=["eager", "on_wait"])
 def test_tpu_kernel_has_no_dma_races(interpret):
-    # int8: the scale DMAs ride along; one KV head keeps the detector's cost down.
+    # int4: the scale DMAs ride along, and its packed [.., D // 2] pages move by
+    # the same page DMAs as int8 / fp8 ones; one KV head keeps the detector's
+    # cost down.
     kc.check_against_reference_and_oracle(_runner(interpret, **TEST_BLOCKS),
-                                          kc.Config("bfloat16", 128, 16, 8, 1, int8=True))
+                                          kc.Config("bfloat16", 128, 16, 8, 1, kv="int4"))
 
 
 def test_tpu_kernel_default_blocks():
@@ -71,6 +78,9 @@ def test_tpu_kernel_no_sequences_gives_zeros():
     (dict(head_dim=48), "head dim a multiple of 64"),
     (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
     (dict(scales=True), "need int8 or int4 pages"),
+    (dict(pages_dtype=jnp.float8_e4m3fn, scales=True), "need int8 or int4 pages"),
+    (dict(pages_dtype=jnp.uint8), "head dim mismatch"),  # int4 holds D // 2 bytes a token
+    (dict(pages_dtype=jnp.uint8, page_dim=32), "int4 pages need k_scale"),
     (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
     (dict(block_q=2), "multiple of 16"),
     (dict(sliding_window=0), "sliding_window must be positive"),
@@ -79,7 +89,8 @@ def test_tpu_kernel_rejects_unsupported_inputs(change, match):
     H, KVH = change.get("num_heads", 4), change.get("num_kv_heads", 2)
     D, ps = change.get("head_dim", 64), change.get("page_size", 8)
     q = jnp.zeros((8, H, D), jnp.float32)
-    pages = jnp.zeros((KVH, 5, ps, D), change.get("pages_dtype", jnp.float32))
+    pages = jnp.zeros((KVH, 5, ps, change.get("page_dim", D)),
+                      change.get("pages_dtype", jnp.float32))
     kw = dict(sm_scale=1.0, sliding_window=change.get("sliding_window"),
               block_q=change.get("block_q", 16))
     if change.get("scales"):
