@@ -1,7 +1,8 @@
 """Ragged paged attention as a Pallas GPU (Triton) kernel.
 
 Same contract and numbers as `reference.py` (see its module docstring):
-q [T, H, D], k_pages / v_pages [KVH, P, page_size, D] -> [T, H, D].
+q [T, H, D], k_pages / v_pages [KVH, P, page_size, D] -> [T, H, D], in
+every KV page format of `kv_formats.py` (float, int8, int4, fp8).
 
 Why Triton is the GPU default
 -----------------------------
@@ -11,9 +12,9 @@ Hopper version (TMA, wgmma; bfloat16 / float16 only). But that one has only
 run in jax's Mosaic GPU interpret mode and been lowered for CUDA, never on a
 GPU, so this Triton kernel stays the default: it lowers the same text for
 any CUDA GPU from Ampere on (H100 / H200 included), does page gathers as
-plain masked pointer loads, pipelines them with `num_stages`, takes float32
-and int8 pages, and its Pallas surface (`pl.pallas_call`, `plgpu.load/store`,
-`plgpu.CompilerParams`) is unchanged in jax 0.10.2 and 0.11.2. Decode
+plain masked pointer loads, pipelines them with `num_stages`, takes float32,
+int8, int4 and fp8 pages, and its Pallas surface (`pl.pallas_call`,
+`plgpu.load/store`, `plgpu.CompilerParams`) is unchanged in jax 0.10.2 and 0.11.2. Decode
 attention is memory bound, so Triton's lack of TMA / wgmma costs little
 there; prefill throughput is where the Mosaic GPU kernel should pay.
 
@@ -41,11 +42,20 @@ context splits; a batch with prefill chunks runs block_q = 16 without splits.
 
 Numerics: float32 accumulation; f32 inputs use IEEE (not TF32) dots; masked
 scores contribute exactly zero and unwritten page slots are zeroed before the
-PV product, so NaN in unused slots never leaks. int8 pages are cast to the
-query dtype and their per-token scales applied to score / probability columns.
+PV product, so NaN in unused slots never leaks. Pages are loaded at their
+stored size and turned into values of the query dtype in registers: int8 by
+a cast, fp8 (float8_e4m3fn, float8_e5m2) by Triton's native conversion
+(e4m3fn needs sm_89 or later: Ada, Hopper), int4 bytes by two masks / shifts
+into their low-nibble half (channels [0, D/2)) and high-nibble half ([D/2,
+D)), nibble - 7.5 (exact in bfloat16 / float16). An int4 block is computed
+as two half-width products: scores = q[:, :D/2] K_lo^T + q[:, D/2:] K_hi^T,
+and the output accumulates in the two halves (no lane shuffles). The
+per-token scales of int8 (float32) and int4 (bfloat16, widened in registers)
+multiply score / probability columns, not the pages.
 
-Shape rules (ValueError otherwise): D a power of two >= 16; page_size a
-power of two; pages_per_block * page_size >= 16 and a power of two.
+Shape rules (ValueError otherwise): D a power of two >= 16 (int4: >= 32, a
+half is a dot operand); page_size a power of two; pages_per_block *
+page_size >= 16 and a power of two.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention.checks import check_inputs
 from pallas_kernels.ragged_paged_attention.gpu_kernel import rpa_kernel, work_blocks
+from pallas_kernels.ragged_paged_attention.kv_formats import page_format
 from pallas_kernels.ragged_paged_attention.sinks import NO_SINK, head_sinks, sink_rows
 
 
@@ -69,16 +80,16 @@ def _rpa_pallas_call(q_g, sinks_g, k_pages, v_pages, k_scale, v_scale, kv_lens, 
     """q_g [T + block_q, KVH, G_pad, D], sinks_g [KVH, block_q * G_pad] f32 (each
     row's softmax start) -> (out [splits, T + block_q, KVH, G_pad, D], lse
     [splits, T + block_q, KVH, G_pad] f32 or None when num_splits == 1)."""
-    T_pad, KVH, g_pad, D = q_g.shape
+    T_pad, KVH = q_g.shape[:2]
     T = T_pad - block_q
     S = kv_lens.shape[0]
-    _, P, page_size, _ = k_pages.shape
+    _, P, page_size, width = k_pages.shape  # width: D, or D // 2 bytes for int4
     # Sum over sequences of cdiv(q_len, block_q) is at most this.
     num_blocks = (T + S * (block_q - 1)) // block_q
     blk_seq, blk_row, blk_len = work_blocks(cu_q_lens, num_seqs, block_q=block_q,
                                              num_blocks=num_blocks)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, s: (h, 0, 0, 0))
+    per_head = pl.BlockSpec((None, P, page_size, width), lambda b, h, s: (h, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, P, page_size), lambda b, h, s: (h, 0, 0))
     quantized = k_scale is not None
     with_lse = num_splits > 1
@@ -176,7 +187,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     """Ragged paged attention on GPU via Pallas Triton (contract: `reference.py`).
 
     q [T, H, D] float32/bfloat16/float16; k_pages, v_pages [KVH, P, page_size, D]
-    in q's dtype, or int8 with k_scale, v_scale [KVH, P, page_size] float32;
+    in q's dtype, or float8_e4m3fn / float8_e5m2 (no scales), or int8 with
+    k_scale, v_scale [KVH, P, page_size] float32, or int4: uint8 [KVH, P,
+    page_size, D // 2] with k_scale, v_scale bfloat16 (`kv_formats.py`);
     kv_lens [S], block_tables [S, pages_per_seq], cu_q_lens [S + 1] int32;
     num_seqs [] or [1] int32; sinks [H] float (learned attention sinks) or
     None -> [T, H, D] in q's dtype.
@@ -195,11 +208,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         q_dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), kernel="GPU", sinks=sinks)
     if D < 16 or D & (D - 1):
         raise ValueError(f"GPU kernel needs head dim a power of two >= 16, got {D}")
+    if page_format(k_pages) == "int4" and D < 32:
+        raise ValueError(f"GPU kernel needs head dim >= 32 for int4 pages (each half is a "
+                         f"dot operand of >= 16), got {D}")
     if page_size & (page_size - 1):
         raise ValueError(f"GPU kernel needs page_size a power of two, got {page_size}")
-    if k_scale is not None:
-        k_scale = k_scale.astype(jnp.float32)
-        v_scale = v_scale.astype(jnp.float32)
     if pages_per_block is None:
         pages_per_block = max(1, 64 // page_size)
     block_kv = pages_per_block * page_size

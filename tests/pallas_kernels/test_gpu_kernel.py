@@ -1,8 +1,11 @@
 """The Pallas Triton GPU kernel run on CPU in interpret mode against the
-reference and the naive float64 oracle. Decode batches take the
-flash-decoding path (context splits merged by log-sum-exp), batches with
-prefill chunks the blocked-query path."""
+reference and the naive float64 oracle, in every KV page format. Decode
+batches take the flash-decoding path (context splits merged by
+log-sum-exp), batches with prefill chunks the blocked-query path. The int4
+and fp8 formats also lower for CUDA (the float and int8 ones:
+test_lowering.py)."""
 
+import jax
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -22,6 +25,11 @@ def _runner(**options):
 
 @pytest.mark.parametrize("cfg", kc.DEFAULT_CONFIGS, ids=lambda c: c.id)
 def test_gpu_kernel_matches_reference_and_oracle(cfg):
+    kc.check_against_reference_and_oracle(_runner(**TEST_OPTIONS), cfg)
+
+
+@pytest.mark.parametrize("cfg", kc.FORMAT_CONFIGS, ids=lambda c: c.id)
+def test_gpu_kernel_reads_int4_and_fp8_pages(cfg):
     kc.check_against_reference_and_oracle(_runner(**TEST_OPTIONS), cfg)
 
 
@@ -54,6 +62,7 @@ def test_gpu_kernel_no_sequences_gives_zeros():
     (dict(head_dim=96), "power of two >= 16"),
     (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
     (dict(scales=True), "need int8 or int4 pages"),
+    (dict(int4=True, head_dim=16), "head dim >= 32 for int4"),
     (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
     (dict(pages_per_block=1, page_size=8), "power of two >= 16"),
     (dict(soft_cap=-1.0), "soft_cap must be positive"),
@@ -62,10 +71,13 @@ def test_gpu_kernel_rejects_unsupported_inputs(change, match):
     H, KVH = change.get("num_heads", 4), change.get("num_kv_heads", 2)
     D, ps = change.get("head_dim", 64), change.get("page_size", 16)
     q = jnp.zeros((8, H, D), jnp.float32)
-    pages = jnp.zeros((KVH, 5, ps, D), change.get("pages_dtype", jnp.float32))
+    if change.get("int4"):
+        pages = jnp.zeros((KVH, 5, ps, D // 2), jnp.uint8)
+    else:
+        pages = jnp.zeros((KVH, 5, ps, D), change.get("pages_dtype", jnp.float32))
     kw = dict(sm_scale=1.0, soft_cap=change.get("soft_cap"),
               pages_per_block=change.get("pages_per_block"))
-    if change.get("scales"):
+    if change.get("scales") or change.get("int4"):
         kw.update(k_scale=jnp.ones((KVH, 5, ps)), v_scale=jnp.ones((KVH, 5, ps)))
     with pytest.raises(ValueError, match=match):
         gpu.ragged_paged_attention(q, pages, pages, jnp.ones(2, jnp.int32),
@@ -77,3 +89,49 @@ def test_gpu_kernel_rejects_unsupported_inputs(change, match):
 @pytest.mark.parametrize("cfg", kc.sweep_configs(), ids=lambda c: c.id)
 def test_gpu_kernel_sweep(cfg):
     kc.check_against_reference_and_oracle(_runner(**TEST_OPTIONS), cfg)
+
+
+# (q dtype, pages dtype, head_dim, page_size, H, KVH, attention kwargs); int4
+# pages are uint8 [.., D // 2] with bfloat16 scales; sinks=True passes
+# learned attention sinks, a float32 [H] argument.
+LOWERING_CONFIGS = [
+    ("bfloat16", "int4", 128, 16, 32, 8, {}),
+    ("float32", "int4", 64, 8, 8, 1, dict(soft_cap=30.0, sinks=True)),
+    ("bfloat16", "float8_e4m3fn", 128, 16, 32, 8, dict(sliding_window=128)),
+    ("float32", "float8_e5m2", 64, 32, 6, 2, {}),
+]
+
+
+@pytest.mark.parametrize("config", LOWERING_CONFIGS,
+                         ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-p{c[3]}-h{c[4]}kv{c[5]}")
+def test_gpu_kernel_lowers_for_cuda_int4_and_fp8(config):
+    # Pallas -> Triton IR inside XLA custom calls for an H100 (sm_90): the
+    # fp8 conversions and the int4 halves' dots pass Pallas' Triton lowering.
+    q_dt, kv, d, ps, h, kvh, kw = config
+    kw = dict(kw)
+    with_sinks = kw.pop("sinks", False)
+    T, S, W, P = 64, 8, 32, 300
+    sds = jax.ShapeDtypeStruct
+    pages = (sds((kvh, P, ps, d // 2), jnp.uint8) if kv == "int4"
+             else sds((kvh, P, ps, d), jnp.dtype(kv)))
+    scales = [sds((kvh, P, ps), jnp.bfloat16)] * 2 if kv == "int4" else []
+    specs = [sds((T, h, d), q_dt), pages, pages, sds((S,), jnp.int32), sds((S, W), jnp.int32),
+             sds((S + 1,), jnp.int32), sds((), jnp.int32), *scales] + (
+        [sds((h,), jnp.float32)] if with_sinks else [])
+
+    def f(q, k, v, kv_lens, tables, cu_q_lens, num_seqs, *extra):
+        extra = list(extra)
+        extra_kw = dict(sinks=extra.pop()) if with_sinks else {}
+        if extra:
+            extra_kw.update(k_scale=extra[0], v_scale=extra[1])
+        return gpu.ragged_paged_attention(q, k, v, kv_lens, tables, cu_q_lens, num_seqs,
+                                          sm_scale=d ** -0.5, **kw, **extra_kw)
+
+    # Newer jax reads the target GPU from the ambient mesh's device.
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                         platform="gpu")
+    with jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    # Two Triton kernels: the decode (split context) and the prefill configuration.
+    assert text.count("__gpu$xla.gpu.triton") == 2

@@ -1,8 +1,9 @@
 """The Pallas Mosaic GPU (Hopper) kernel run on CPU in jax's Mosaic GPU
 interpret mode (TMA copies, barriers and wgmma simulated) against the
 reference and the naive float64 oracle, over the kernel test grid in the
-dtypes the kernel takes; the grid's configurations it refuses must raise
-ValueError; and the kernel lowers for CUDA without a GPU."""
+dtypes the kernel takes and in every KV page format; the grid's
+configurations it refuses must raise ValueError; and the kernel lowers for
+CUDA without a GPU, in every format."""
 
 import re
 
@@ -34,24 +35,23 @@ def _runner(**options):
 
 def _refusal(cfg):
     """The ValueError message (a regex) for a config the kernel refuses, or None."""
-    if cfg.dtype == "float32":  # checked first
-        return "bfloat16 or float16"
-    if cfg.int8:
-        return "int8 pages"
-    return None
+    return "bfloat16 or float16" if cfg.dtype == "float32" else None
 
 
-# The default grid as the kernel takes it: its bfloat16 configs, and the
-# bfloat16 twin of each float32 one (so every page size, GQA ratio, head
-# dim, window and cap still appear); int8 configs have no supported twin.
+# The default grid as the kernel takes it: its bfloat16 configs (int8
+# included), and the bfloat16 twin of each float32 one without int8 (so
+# every page size, GQA ratio, head dim, window and cap still appear).
 SUPPORTED = [c for c in kc.DEFAULT_CONFIGS if _refusal(c) is None] + [
     c._replace(dtype="bfloat16") for c in kc.DEFAULT_CONFIGS
     if c.dtype == "float32" and not c.int8]
 REFUSED = [c for c in kc.DEFAULT_CONFIGS if _refusal(c) is not None]
+# The int4 and fp8 configs, float32 ones as their bfloat16 twins.
+FORMATS = [c._replace(dtype="bfloat16") for c in kc.FORMAT_CONFIGS]
 
 
 def test_grid_covers_the_default_grid():
     assert len(SUPPORTED) + sum(c.int8 for c in REFUSED) >= len(kc.DEFAULT_CONFIGS)
+    assert {c.fmt for c in SUPPORTED + FORMATS} == {"float", *kc.KV_FORMATS}
     for attr in ("head_dim", "page_size", "sliding_window", "soft_cap"):
         assert {getattr(c, attr) for c in SUPPORTED} >= {
             getattr(c, attr) for c in kc.DEFAULT_CONFIGS if not c.int8}
@@ -60,6 +60,11 @@ def test_grid_covers_the_default_grid():
 
 @pytest.mark.parametrize("cfg", SUPPORTED, ids=lambda c: c.id)
 def test_mosaic_gpu_kernel_matches_reference_and_oracle(cfg):
+    kc.check_against_reference_and_oracle(_runner(), cfg)
+
+
+@pytest.mark.parametrize("cfg", FORMATS, ids=lambda c: c.id)
+def test_mosaic_gpu_kernel_reads_int4_and_fp8_pages(cfg):
     kc.check_against_reference_and_oracle(_runner(), cfg)
 
 
@@ -141,7 +146,8 @@ def test_mosaic_gpu_kernel_rejects_unsupported_inputs(change, match):
 
 # (q dtype, head_dim, page_size, H, KVH, kwargs): what a Hopper serving
 # config looks like, plus window / cap, 128-key blocks, the decode grid and
-# learned sinks (sinks=True: a float32 [H] argument).
+# learned sinks (sinks=True: a float32 [H] argument), and the KV formats
+# (kv=: fp8 dtypes; int8 and int4 with their scales).
 LOWERING_CONFIGS = [
     ("bfloat16", 128, 16, 32, 8, {}),
     ("bfloat16", 64, 8, 8, 1, {}),
@@ -149,11 +155,16 @@ LOWERING_CONFIGS = [
     ("bfloat16", 128, 64, 4, 4, dict(block_kv=128)),
     ("bfloat16", 64, 16, 4, 4, dict(all_decode=True)),
     ("bfloat16", 64, 16, 16, 2, dict(sinks=True, sliding_window=128)),
+    ("bfloat16", 128, 16, 32, 8, dict(kv="float8_e4m3fn")),
+    ("float16", 64, 8, 8, 1, dict(kv="float8_e5m2", soft_cap=30.0, block_kv=128)),
+    ("bfloat16", 128, 16, 32, 8, dict(kv="int8", sliding_window=128)),
+    ("bfloat16", 128, 16, 32, 8, dict(kv="int4")),
+    ("float16", 64, 8, 8, 1, dict(kv="int4", block_kv=128, sinks=True)),
 ]
 
 
-@pytest.mark.parametrize("config", LOWERING_CONFIGS,
-                         ids=lambda c: f"{c[0]}-d{c[1]}-p{c[2]}-h{c[3]}kv{c[4]}")
+@pytest.mark.parametrize("config", LOWERING_CONFIGS, ids=lambda c: "-".join(
+    [c[0], f"d{c[1]}", f"p{c[2]}", f"h{c[3]}kv{c[4]}"] + [str(v) for v in c[5].values()]))
 def test_mosaic_gpu_kernel_lowers_for_cuda(config):
     # Pallas -> Mosaic GPU -> the kernel module (TMA, mbarriers, wgmma) inside
     # one XLA custom call; the PTX / SASS compile happens only when XLA
@@ -162,14 +173,21 @@ def test_mosaic_gpu_kernel_lowers_for_cuda(config):
     dtype, d, ps, h, kvh, kw = config
     kw = dict(kw)
     with_sinks = kw.pop("sinks", False)
+    kv = kw.pop("kv", dtype)
     T, S, W, P = 64, 8, 32, 300
     sds = jax.ShapeDtypeStruct
-    specs = [sds((T, h, d), dtype), sds((kvh, P, ps, d), dtype), sds((kvh, P, ps, d), dtype),
-             sds((S,), jnp.int32), sds((S, W), jnp.int32), sds((S + 1,), jnp.int32),
-             sds((), jnp.int32)] + ([sds((h,), jnp.float32)] if with_sinks else [])
+    pages = (sds((kvh, P, ps, d // 2), jnp.uint8) if kv == "int4"
+             else sds((kvh, P, ps, d), jnp.dtype(kv)))
+    scale_dtype = {"int8": jnp.float32, "int4": jnp.bfloat16}.get(kv)
+    scales = [sds((kvh, P, ps), scale_dtype)] * 2 if scale_dtype else []
+    specs = [sds((T, h, d), dtype), pages, pages, sds((S,), jnp.int32), sds((S, W), jnp.int32),
+             sds((S + 1,), jnp.int32), sds((), jnp.int32), *scales] + (
+        [sds((h,), jnp.float32)] if with_sinks else [])
 
     def f(*args):
-        extra = dict(sinks=args[7]) if with_sinks else {}
+        extra = dict(sinks=args[-1]) if with_sinks else {}
+        if scales:
+            extra.update(k_scale=args[7], v_scale=args[8])
         return mosaic_gpu.ragged_paged_attention(*args[:7], sm_scale=d ** -0.5, **kw, **extra)
 
     # As for the Triton kernel: newer jax reads the target GPU from the mesh.
