@@ -139,18 +139,21 @@ def test_real_model_log_likelihood_close_to_bfloat16(smollm2, kv_dtype, bound):
     assert got != base
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "fp8"])
-def test_a_kernel_that_cannot_read_the_format_is_refused_at_start(kv_dtype):
-    from pallas_kernels.ragged_paged_attention import check_format, ragged_paged_attention
+def test_every_kernel_reads_every_format_and_old_gpus_refuse_fp8_by_name():
+    """Every attention implementation reads every KV format (each kernel's
+    own tests check the numbers); Triton and Mosaic GPU refuse fp8 on a GPU
+    older than compute capability 8.9, naming it, at engine start."""
+    from types import SimpleNamespace
 
-    model = Llama.random_init(dataclasses.replace(TINY, num_layers=1), seed=1)
-    with pytest.raises(ValueError, match=f"Pallas TPU attention kernel does not read "
-                                         f"{kv_dtype[:3]}.* KV pages"):
-        LLMEngine(model, None, EngineConfig(**ENGINE, kv_dtype=kv_dtype, attention_backend="pallas"))
-    check_format("reference", "int4")
-    pages = jnp.zeros((1, 2, 8, 32), jnp.uint8 if kv_dtype == "int4" else jnp.float8_e4m3fn)
-    with pytest.raises(ValueError, match="Triton GPU attention kernel does not read"):
-        ragged_paged_attention(jnp.zeros((1, 1, 64 if kv_dtype == "int4" else 32)), pages, pages,
-                               jnp.zeros(1, jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                               jnp.zeros(2, jnp.int32), jnp.int32(0), sm_scale=1.0,
-                               backend="pallas", pallas_target="gpu")
+    from pallas_kernels.ragged_paged_attention import check_format
+
+    for impl in ("reference", "tpu", "gpu", "mosaic_gpu"):
+        for fmt in ("float", "int8", "int4", "fp8"):
+            check_format(impl, fmt, SimpleNamespace(compute_capability="9.0"))
+    ampere = SimpleNamespace(compute_capability="8.0")
+    with pytest.raises(ValueError, match="Triton GPU attention kernel reads fp8 .* 8.0"):
+        check_format("gpu", "fp8", ampere)
+    check_format("gpu", "int4", ampere)
+    check_format("tpu", "fp8", ampere)  # not a GPU kernel
+    with pytest.raises(ValueError, match="does not read int2"):
+        check_format("reference", "int2")

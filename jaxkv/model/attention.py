@@ -71,8 +71,10 @@ def _check_kv_format(engine: EngineConfig, mesh) -> None:
     kv = engine.kv_dtype or engine.dtype
     fmt = ("int4" if kv == "int4" else "int8" if kv == "int8" else
            "fp8" if kv.startswith("fp8") else "float")
-    platform = None if mesh is None else mesh.devices.flat[0].platform
-    check_format(resolve(engine.attention_backend, platform=platform)[0], fmt)
+    import jax
+
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    check_format(resolve(engine.attention_backend, platform=device.platform)[0], fmt, device)
 
 
 class LocalBatch(NamedTuple):

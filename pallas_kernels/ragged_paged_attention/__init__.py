@@ -57,11 +57,13 @@ import importlib
 import jax
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_mosaic_gpu")
-# The page formats (`kv_formats.page_format`) each implementation reads.
-# int4 and fp8 pages are the reference's (and the native CPU kernel's
-# beneath it, where it takes them); the Pallas kernels refuse them by name.
-KERNEL_FORMATS = {"reference": ("float", "int8", "int4", "fp8"), "tpu": ("float", "int8"),
-                  "gpu": ("float", "int8"), "mosaic_gpu": ("float",)}
+# The page formats (`kv_formats.page_format`) each implementation reads
+# (the reference's include the native CPU kernel beneath it): every one.
+# What a GPU cannot do is `check_format`'s: Triton converts fp8 e4m3 from
+# compute capability 8.9 (Ada, Hopper) on.
+KERNEL_FORMATS = {impl: ("float", "int8", "int4", "fp8")
+                  for impl in ("reference", "tpu", "gpu", "mosaic_gpu")}
+_FP8_MIN_CAPABILITY = (8, 9)
 PALLAS_TARGETS = ("tpu", "gpu", "mosaic_gpu")
 _TARGET_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "mosaic_gpu": "gpu"}
 
@@ -100,15 +102,24 @@ def resolve(backend="auto", pallas_target=None, interpret=None, platform=None):
     return target, interpret
 
 
-def check_format(impl: str, fmt: str) -> None:
+def check_format(impl: str, fmt: str, device=None) -> None:
     """ValueError unless implementation `impl` ("reference", "tpu", "gpu",
-    "mosaic_gpu") reads pages of format `fmt` (`kv_formats.page_format`)."""
+    "mosaic_gpu") reads pages of format `fmt` (`kv_formats.page_format`) on
+    `device` (a jax GPU device, or None: not checked): fp8 pages need compute
+    capability 8.9 or newer for the Triton and Mosaic GPU kernels."""
+    name = {"tpu": "Pallas TPU", "gpu": "Pallas Triton GPU", "mosaic_gpu": "Mosaic GPU",
+            "reference": "reference"}[impl]
     if fmt not in KERNEL_FORMATS[impl]:
-        name = {"tpu": "Pallas TPU", "gpu": "Pallas Triton GPU", "mosaic_gpu": "Mosaic GPU",
-                "reference": "reference"}[impl]
         raise ValueError(f"the {name} attention kernel does not read {fmt} KV pages (it reads "
                          f"{', '.join(KERNEL_FORMATS[impl])}); use backend='reference' or "
                          "another kv_dtype")
+    capability = getattr(device, "compute_capability", None)
+    if fmt == "fp8" and impl in ("gpu", "mosaic_gpu") and capability:
+        have = tuple(int(x) for x in str(capability).split(".")[:2])
+        if have < _FP8_MIN_CAPABILITY:
+            raise ValueError(f"the {name} attention kernel reads fp8 KV pages on compute "
+                             f"capability 8.9 or newer (Ada, Hopper); this GPU is "
+                             f"{capability}: use kv_dtype int8 or int4")
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,

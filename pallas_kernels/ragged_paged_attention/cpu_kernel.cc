@@ -1,5 +1,5 @@
-// Causal flash attention over a paged KV cache, float32, for CPU (the
-// ragged paged attention contract of reference.py), as XLA FFI handlers:
+// Causal flash attention over a paged KV cache for CPU (the ragged paged
+// attention contract of reference.py), as XLA FFI handlers:
 // `rpa_dense_prefill` serves the rows of sequences with q_len > 1 (dense.py's
 // dense prefill contract), `rpa_ragged` every live row.
 //
@@ -22,6 +22,13 @@
 // so the sink joins the denominator and the rescaling carries it. A sink of
 // -inf (what cpu.py passes without sinks) is the plain start, m = -inf and
 // l = 0.
+//
+// Page formats (kv_formats.py): float32 pages are read in place; bfloat16,
+// float16, int8 (float32 scale per token), int4 (two nibbles a byte as
+// halves, (n - 7.5) * scale, bfloat16 scale per token) and fp8 (e4m3fn,
+// e5m2; plain values) are dequantized a page run at a time into a float32
+// tile that stays in L1 (`convert_rows`), so K and V move at their stored
+// size and the arithmetic is the float32 path's.
 //
 // All tasks run in one OpenMP parallel region (dynamic schedule, costliest
 // first; as many threads as the estimated work warrants), MKL sequential
@@ -92,6 +99,93 @@ struct Dims {
   int T, H, D, KVH, P, ps, S, W, G;
 };
 
+enum class Fmt { kF32, kBF16, kF16, kI8, kI4, kE4M3, kE5M2 };
+
+// One of K or V: pages [KVH, P, ps, row_bytes] in format `fmt`, and for
+// int8 / int4 the per-token scales [KVH, P, ps] (float32 or bfloat16).
+struct Pages {
+  const uint8_t* data;
+  const uint8_t* scale;
+  Fmt fmt;
+  bool scale_bf16;
+  int64_t row_bytes;
+};
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline float half_bits_to_float(uint16_t h) {
+  _Float16 x;
+  std::memcpy(&x, &h, sizeof(x));
+  return float(x);
+}
+
+inline float token_scale(const Pages& pg, int64_t row) {
+  if (pg.scale_bf16) return bf16_to_float(reinterpret_cast<const uint16_t*>(pg.scale)[row]);
+  return reinterpret_cast<const float*>(pg.scale)[row];
+}
+
+// Rows [row, row + n) of `pg` (consecutive token slots of one page), as
+// float32 values dst [n, D].
+void convert_rows(const Pages& pg, int64_t row, int n, int D, float* dst) {
+  const uint8_t* src = pg.data + row * pg.row_bytes;
+  for (int r = 0; r < n; ++r, src += pg.row_bytes, dst += D) {
+    switch (pg.fmt) {
+      case Fmt::kF32:
+        std::memcpy(dst, src, sizeof(float) * D);
+        break;
+      case Fmt::kBF16: {
+        const uint16_t* x = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+        for (int e = 0; e < D; ++e) dst[e] = bf16_to_float(x[e]);
+        break;
+      }
+      case Fmt::kF16: {
+        const _Float16* x = reinterpret_cast<const _Float16*>(src);
+#pragma omp simd
+        for (int e = 0; e < D; ++e) dst[e] = float(x[e]);
+        break;
+      }
+      case Fmt::kI8: {
+        const int8_t* x = reinterpret_cast<const int8_t*>(src);
+        const float s = token_scale(pg, row + r);
+#pragma omp simd
+        for (int e = 0; e < D; ++e) dst[e] = float(x[e]) * s;
+        break;
+      }
+      case Fmt::kI4: {  // byte j: channel j (low nibble), channel j + D / 2 (high)
+        const float s = token_scale(pg, row + r), off = -7.5f * s;
+        const int h = D / 2;
+#pragma omp simd
+        for (int j = 0; j < h; ++j) {
+          dst[j] = float(src[j] & 15) * s + off;
+          dst[j + h] = float(src[j] >> 4) * s + off;
+        }
+        break;
+      }
+      case Fmt::kE4M3: {
+        // As float16 bits (exponent bias 15 instead of 7, subnormals
+        // included), then times 2^8: exact for every finite code.
+#pragma omp simd
+        for (int e = 0; e < D; ++e) {
+          const uint16_t h = uint16_t((src[e] & 0x80) << 8 | (src[e] & 0x7f) << 7);
+          dst[e] = half_bits_to_float(h) * 256.0f;
+        }
+        break;
+      }
+      case Fmt::kE5M2: {  // the top byte of a float16
+#pragma omp simd
+        for (int e = 0; e < D; ++e) dst[e] = half_bits_to_float(uint16_t(src[e]) << 8);
+        break;
+      }
+    }
+  }
+}
+
 void free_floats(float* p) { std::free(p); }
 using Floats = std::unique_ptr<float[], decltype(&free_floats)>;
 
@@ -153,30 +247,32 @@ inline void start_row(const float* sinks, int h, float* m, float* l) {
   *l = sinks[h] == -INFINITY ? 0.0f : 1.0f;  // exp(sink - m), without -inf - -inf
 }
 
-// Keys [k0, k0 + n) of sequence `seq`, KV head `kvh`, copied to dst [n, D].
-void gather_keys(const float* pages, const int32_t* table, const Dims& d, int kvh, int k0, int n,
+// Keys [k0, k0 + n) of sequence `seq`, KV head `kvh`, as float32 dst [n, D].
+void gather_keys(const Pages& pg, const int32_t* table, const Dims& d, int kvh, int k0, int n,
                  float* dst) {
-  const float* head = pages + static_cast<int64_t>(kvh) * d.P * d.ps * d.D;
+  const int64_t head = static_cast<int64_t>(kvh) * d.P * d.ps;
   for (int p = k0; p < k0 + n;) {
     const int slot = p % d.ps;
     const int run = std::min(d.ps - slot, k0 + n - p);
-    const float* src = head + (static_cast<int64_t>(table[p / d.ps]) * d.ps + slot) * d.D;
-    std::memcpy(dst + static_cast<int64_t>(p - k0) * d.D, src, sizeof(float) * run * d.D);
+    convert_rows(pg, head + static_cast<int64_t>(table[p / d.ps]) * d.ps + slot, run, d.D,
+                 dst + static_cast<int64_t>(p - k0) * d.D);
     p += run;
   }
 }
 
 struct Scratch {
-  Floats q, k, v, s, acc, m, l;
+  Floats q, k, v, s, acc, m, l, t;
   int ld_s;
-  // R rows, K/V tiles of C keys, score rows of SC keys.
-  Scratch(int R, int C, int D, int SC)
+  // R rows, K/V tiles of C keys, score rows of SC keys, a decode's page
+  // tile of TR rows (dequantized pages).
+  Scratch(int R, int C, int D, int SC, int TR)
       : q(alloc_floats(size_t(R) * D)), k(alloc_floats(size_t(std::max(C, 1)) * D)),
         v(alloc_floats(size_t(std::max(C, 1)) * D)), s(alloc_floats(size_t(R) * (SC + 16))),
-        acc(alloc_floats(size_t(R) * D)), m(alloc_floats(R)), l(alloc_floats(R)), ld_s(SC + 16) {}
+        acc(alloc_floats(size_t(R) * D)), m(alloc_floats(R)), l(alloc_floats(R)),
+        t(alloc_floats(size_t(std::max(TR, 1)) * D)), ld_s(SC + 16) {}
 };
 
-void run_task(const Task& t, const Dims& d, const float* q, const float* kp, const float* vp,
+void run_task(const Task& t, const Dims& d, const float* q, const Pages& kp, const Pages& vp,
               const int32_t* tables, const float* sinks, int C, float scale, int window,
               float cap, Scratch& w, float* out) {
   const int G = d.G, D = d.D, R = t.rows * G;
@@ -245,21 +341,28 @@ inline float hsum16(v16 x) {
 }
 
 // Walks the keys [k0, k1) of one sequence / KV head page by page, calling
-// f(first key index, pointer to its row in the pages, run length).
+// f(first key index, its float32 rows [run, D], run length): float32 pages
+// in place, others dequantized into `tile` [page_size, D].
 template <typename F>
-inline void for_key_runs(const float* head, const int32_t* table, int ps, int D, int k0, int k1,
-                         F&& f) {
+inline void for_key_runs(const Pages& pg, int64_t head, const int32_t* table, int ps, int D,
+                         int k0, int k1, float* tile, F&& f) {
   for (int p = k0; p < k1;) {
     const int slot = p % ps;
     const int run = std::min(ps - slot, k1 - p);
-    f(p, head + (static_cast<int64_t>(table[p / ps]) * ps + slot) * D, run);
+    const int64_t row = head + static_cast<int64_t>(table[p / ps]) * ps + slot;
+    if (pg.fmt == Fmt::kF32) {
+      f(p, reinterpret_cast<const float*>(pg.data) + row * D, run);
+    } else {
+      convert_rows(pg, row, run, D, tile);
+      f(p, tile, run);
+    }
     p += run;
   }
 }
 
 // One decode row (sequence t.seq's query at position kv_len - 1, row t.row0)
 // for KV head t.kvh: its G heads against the keys in the window, read in place.
-void run_decode(const Task& t, const Dims& d, const float* q, const float* kp, const float* vp,
+void run_decode(const Task& t, const Dims& d, const float* q, const Pages& kp, const Pages& vp,
                 const int32_t* tables, const float* sinks, int C, float scale, int window,
                 float cap, Scratch& w, float* out) {
   const int G = d.G, D = d.D;
@@ -277,15 +380,13 @@ void run_decode(const Task& t, const Dims& d, const float* q, const float* kp, c
   std::fill(acc, acc + size_t(G) * D, 0.0f);
   for (int g = 0; g < G; ++g) start_row(sinks, t.kvh * G + g, w.m.get() + g, w.l.get() + g);
   const int32_t* table = tables + int64_t(t.seq) * d.W;
-  const int64_t head_off = static_cast<int64_t>(t.kvh) * d.P * d.ps * D;
-  const float* kh = kp + head_off;
-  const float* vh = vp + head_off;
+  const int64_t head = static_cast<int64_t>(t.kvh) * d.P * d.ps;  // the head's first row
   const int len = kv_len - kstart;
   const int nch = (len + C - 1) / C, size = (len + nch - 1) / nch;
   for (int k0 = kstart; k0 < kv_len; k0 += size) {
     const int k1 = std::min(kv_len, k0 + size), n = k1 - k0;
     // Scores s[g, c] = q_g . k_c.
-    for_key_runs(kh, table, d.ps, D, k0, k1, [&](int p, const float* k, int run) {
+    for_key_runs(kp, head, table, d.ps, D, k0, k1, w.t.get(), [&](int p, const float* k, int run) {
       for (int g = 0; g < G; ++g) {
         const float* qg = qs + g * D;
         float* sg = w.s.get() + int64_t(g) * w.ld_s + (p - k0);
@@ -311,7 +412,7 @@ void run_decode(const Task& t, const Dims& d, const float* q, const float* kp, c
                   acc + int64_t(g) * D, D);
     // acc[g] += sum_c p[g, c] v_c, 16 lanes of acc[g] kept in a register
     // across the page's keys.
-    for_key_runs(vh, table, d.ps, D, k0, k1, [&](int p, const float* v, int run) {
+    for_key_runs(vp, head, table, d.ps, D, k0, k1, w.t.get(), [&](int p, const float* v, int run) {
       for (int g = 0; g < G; ++g) {
         const float* pg = w.s.get() + int64_t(g) * w.ld_s + (p - k0);
         float* ag = acc + int64_t(g) * D;
@@ -344,11 +445,11 @@ ffi::Error invalid(const char* name, const char* msg) {
 // Rows of sequences with q_len > 1, and with `decodes` those with q_len == 1;
 // every other row of out is zero.
 ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
-                  ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
-                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
-                  ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                  ffi::Buffer<ffi::F32> sinks, float sm_scale, int32_t sliding_window,
-                  float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_scale,
+                  ffi::AnyBuffer v_scale, ffi::Buffer<ffi::S32> kv_lens,
+                  ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                  ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks, float sm_scale,
+                  int32_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions();
   auto bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || bd.size() != 2 ||
@@ -357,8 +458,41 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
     return invalid(name, "wrong ranks");
   Dims d{int(qd[0]), int(qd[1]), int(qd[2]), int(kd[0]), int(kd[1]), int(kd[2]),
          int(bd[0]), int(bd[1]), 0};
-  if (kd[3] != d.D || !std::equal(kd.begin(), kd.end(), vd.begin()))
-    return invalid(name, "k_pages and v_pages must be [KVH, P, page_size, D]");
+  if (k_pages.element_type() != v_pages.element_type() ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return invalid(name, "k_pages and v_pages must have one dtype and shape");
+  Fmt fmt;
+  int row_elems = d.D, elem_bytes = 1;
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32: fmt = Fmt::kF32; elem_bytes = 4; break;
+    case ffi::DataType::BF16: fmt = Fmt::kBF16; elem_bytes = 2; break;
+    case ffi::DataType::F16: fmt = Fmt::kF16; elem_bytes = 2; break;
+    case ffi::DataType::S8: fmt = Fmt::kI8; break;
+    case ffi::DataType::U8: fmt = Fmt::kI4; row_elems = d.D / 2; break;
+    case ffi::DataType::F8E4M3FN: fmt = Fmt::kE4M3; break;
+    case ffi::DataType::F8E5M2: fmt = Fmt::kE5M2; break;
+    default: return invalid(name, "unsupported page dtype");
+  }
+  if (kd[3] != row_elems || (fmt == Fmt::kI4 && d.D % 2))
+    return invalid(name, "pages must be [KVH, P, page_size, D] ([.., D / 2] bytes for int4)");
+  const bool scaled = fmt == Fmt::kI8 || fmt == Fmt::kI4;
+  auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions();
+  const bool scale_bf16 = k_scale.element_type() == ffi::DataType::BF16;
+  if (scaled) {
+    if (ksd.size() != 3 || !std::equal(ksd.begin(), ksd.end(), kd.begin()) ||
+        !std::equal(vsd.begin(), vsd.end(), ksd.begin(), ksd.end()) ||
+        k_scale.element_type() != v_scale.element_type() ||
+        (!scale_bf16 && k_scale.element_type() != ffi::DataType::F32))
+      return invalid(name, "int8 / int4 pages need k_scale, v_scale [KVH, P, page_size] "
+                           "float32 or bfloat16");
+  } else if (k_scale.element_count() != 0 || v_scale.element_count() != 0) {
+    return invalid(name, "k_scale / v_scale come with int8 or int4 pages only");
+  }
+  const int64_t row_bytes = int64_t(row_elems) * elem_bytes;
+  const Pages kp{static_cast<const uint8_t*>(k_pages.untyped_data()),
+                 static_cast<const uint8_t*>(k_scale.untyped_data()), fmt, scale_bf16, row_bytes};
+  const Pages vp{static_cast<const uint8_t*>(v_pages.untyped_data()),
+                 static_cast<const uint8_t*>(v_scale.untyped_data()), fmt, scale_bf16, row_bytes};
   if (d.KVH <= 0 || d.H % d.KVH != 0) return invalid(name, "H % KVH != 0");
   if (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != d.H)
     return invalid(name, "sinks must be [H]");
@@ -421,16 +555,16 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
     const int prev = MKL_Set_Num_Threads_Local(1);
     // Decodes need G rows of scratch and no K/V tiles.
     const bool prefills = num_tasks > num_decodes * d.KVH;
-    Scratch w(prefills ? bq * d.G : d.G, prefills ? C : 0, d.D, C);
+    Scratch w(prefills ? bq * d.G : d.G, prefills ? C : 0, d.D, C, fmt == Fmt::kF32 ? 0 : d.ps);
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < num_tasks; ++i) {
       const Task& t = tasks[i];
       if (t.rows == 0)
-        run_decode(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt,
-                   sinks.typed_data(), C, sm_scale, sliding_window, cap, w, o);
+        run_decode(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
+                   sliding_window, cap, w, o);
       else
-        run_task(t, d, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), bt,
-                 sinks.typed_data(), C, sm_scale, sliding_window, cap, w, o);
+        run_task(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
+                 sliding_window, cap, w, o);
     }
     MKL_Set_Num_Threads_Local(prev);
   }
@@ -440,14 +574,14 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
 // The two FFI handlers: rpa_dense_prefill (rows of sequences with q_len > 1
 // only; the rest stay zero) and rpa_ragged (every live row, decodes too).
 template <bool kDecodes>
-ffi::Error Handler(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                   ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
+ffi::Error Handler(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                   ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::Buffer<ffi::S32> kv_lens,
                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks, float sm_scale,
                    int32_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Attend(kDecodes ? "rpa_ragged" : "rpa_dense_prefill", kDecodes, q, k_pages, v_pages,
-                kv_lens, block_tables, cu_q_lens, num_seqs, sinks, sm_scale, sliding_window,
-                soft_cap, out);
+                k_scale, v_scale, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, sm_scale,
+                sliding_window, soft_cap, out);
 }
 
 }  // namespace
@@ -456,8 +590,10 @@ ffi::Error Handler(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
 #define JAXKV_RPA_BINDING                                                              \
   ffi::Ffi::Bind()                                                                     \
       .Arg<ffi::Buffer<ffi::F32>>() /* q [T, H, D] */                                  \
-      .Arg<ffi::Buffer<ffi::F32>>() /* k_pages [KVH, P, page_size, D] */               \
-      .Arg<ffi::Buffer<ffi::F32>>() /* v_pages */                                      \
+      .Arg<ffi::AnyBuffer>() /* k_pages [KVH, P, page_size, D] (kv_formats) */          \
+      .Arg<ffi::AnyBuffer>() /* v_pages */                                             \
+      .Arg<ffi::AnyBuffer>() /* k_scale [KVH, P, page_size] (int8 / int4), else [0] */  \
+      .Arg<ffi::AnyBuffer>() /* v_scale */                                             \
       .Arg<ffi::Buffer<ffi::S32>>() /* kv_lens [S] */                                  \
       .Arg<ffi::Buffer<ffi::S32>>() /* block_tables [S, W] */                          \
       .Arg<ffi::Buffer<ffi::S32>>() /* cu_q_lens [S + 1] */                            \

@@ -182,7 +182,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     q_len <= 1, the caller's promise), False only the blocked path, None
     both, picked at run time. `native_cpu` (static; the CPU "auto" backend
     sets it): the whole call runs as `cpu.py`'s native kernel where that
-    takes the case (float32, no int8 scales, no sink tokens) and is built."""
+    takes the case (any page format, no sink tokens) and is built."""
     T, H, D = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
@@ -201,7 +201,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     if native_cpu and native_takes(q, k_pages, k_scale, num_sink_tokens):
         return native_attention(*args, sm_scale=sm_scale, soft_cap=soft_cap,
-                                sliding_window=sliding_window, sinks=sinks).astype(q.dtype)
+                                sliding_window=sliding_window, sinks=sinks, k_scale=k_scale,
+                                v_scale=v_scale).astype(q.dtype)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale, num_sink_tokens=num_sink_tokens, sinks=sinks)
 

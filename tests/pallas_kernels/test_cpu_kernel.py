@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels import native
 from pallas_kernels.ragged_paged_attention import cpu, dense
+from tests.pallas_kernels import kernel_cases as kc
 from tests.pallas_kernels.rpa_cases import make_case, naive_attention
 from tests.pallas_kernels.test_dense import T_STEP, _case
 
@@ -118,10 +119,11 @@ def test_lone_prompt_equals_the_dense_path():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-def test_int8_pages_are_refused():
+def test_int8_pages_without_scales_are_refused():
     case = {k: jnp.asarray(v) for k, v in _case(2, [40], [40]).items()}
     case["k_pages"] = case["k_pages"].astype(jnp.int8)
-    with pytest.raises(ValueError):
+    case["v_pages"] = case["v_pages"].astype(jnp.int8)
+    with pytest.raises(ValueError, match="int8 pages need k_scale"):
         cpu.dense_prefill(**case, sm_scale=0.25)
 
 
@@ -232,8 +234,36 @@ def test_ragged_prefill_rows_equal_dense_prefill():
     assert (got[~served][:sum(q_lens)] != 0).any()  # the decode rows are served too
 
 
-def test_ragged_int8_pages_are_refused():
+def test_ragged_unread_page_dtypes_are_refused():
     case = {k: jnp.asarray(v) for k, v in _ragged_case(2, [1], [40]).items()}
-    case["k_pages"] = case["k_pages"].astype(jnp.int8)
-    with pytest.raises(ValueError):
+    case["k_pages"] = case["v_pages"] = case["k_pages"].astype(jnp.int16)
+    with pytest.raises(ValueError, match="does not read int16"):
         cpu.ragged_paged_attention(**case, sm_scale=0.25)
+
+
+# ---- page formats (kv_formats): every format the engine stores ----
+
+FORMATS = [kc.Config("float32", 64, 8, 8, 1, sliding_window=24, int8=True),
+           kc.Config("bfloat16", 128, 16, 6, 2), *kc.FORMAT_CONFIGS]
+
+
+@pytest.mark.parametrize("cfg", FORMATS, ids=lambda c: c.id)
+def test_ragged_reads_every_page_format(cfg):
+    """int8 / int4 (NaN scales in unwritten slots), fp8 and bfloat16 pages
+    against the reference and the float64 oracle on exactly their values."""
+    kc.check_against_reference_and_oracle(
+        lambda args, **kw: cpu.ragged_paged_attention(**args, **kw), cfg)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3"])
+def test_dense_prefill_reads_quantized_pages(fmt):
+    """Long prefill chunks (the gathered key tiles) over quantized pages."""
+    q_lens, kv_lens = [200, 1, 150], [1100, 50, 150]
+    case = kc.quantize(_case(11, q_lens, kv_lens, heads=9, kv_heads=3, page_size=16,
+                             head_dim=64), 3, fmt)
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    got, served = cpu.dense_prefill(**args, sm_scale=0.125)
+    served = np.asarray(served)
+    want = kc.oracle(case, sm_scale=0.125)
+    want[~served] = 0.0
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=3e-5, rtol=3e-5)
