@@ -26,7 +26,7 @@
 // Page formats (kv_formats.py): float32 pages are read in place; bfloat16,
 // float16, int8 (float32 scale per token), int4 (two nibbles a byte as
 // halves, (n - 7.5) * scale, bfloat16 scale per token) and fp8 (e4m3fn,
-// e5m2; plain values) are dequantized a page run at a time into a float32
+// e5m2; plain values, decoded by integer ops) are dequantized a page run at a time into a float32
 // tile that stays in L1 (`convert_rows`), so K and V move at their stored
 // size and the arithmetic is the float32 path's.
 //
@@ -118,10 +118,24 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-inline float half_bits_to_float(uint16_t h) {
-  _Float16 x;
-  std::memcpy(&x, &h, sizeof(x));
-  return float(x);
+// The value of a small float's code (sign, exponent, kM mantissa bits,
+// exponent bias kBias; sign at bit kSign): float16 (15, 10, 15), fp8
+// e4m3fn (7, 3, 7) and e5m2 (7, 2, 15), by branch-free integer ops that
+// vectorize: a normal code's exponent rebiased to float32's, a subnormal
+// one m * 2^(1 - bias - kM). Finite codes only (infinities and NaN are
+// never stored: the cache write saturates).
+template <int kSign, int kM, int kBias>
+inline float small_float(uint32_t code) {
+  const uint32_t mag = code & ((1u << kSign) - 1);
+  const uint32_t normal = (mag << (23 - kM)) + (uint32_t(127 - kBias) << 23);
+  const float sub_value = float(mag) * (1.0f / float(1u << (kBias + kM - 1)));
+  uint32_t sub;
+  std::memcpy(&sub, &sub_value, sizeof(sub));
+  const uint32_t is_normal = 0u - uint32_t((mag >> kM) != 0);  // all ones or zero
+  const uint32_t bits = (normal & is_normal) | (sub & ~is_normal) | (code >> kSign) << 31;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
 }
 
 inline float token_scale(const Pages& pg, int64_t row) {
@@ -145,9 +159,9 @@ void convert_rows(const Pages& pg, int64_t row, int n, int D, float* dst) {
         break;
       }
       case Fmt::kF16: {
-        const _Float16* x = reinterpret_cast<const _Float16*>(src);
+        const uint16_t* x = reinterpret_cast<const uint16_t*>(src);
 #pragma omp simd
-        for (int e = 0; e < D; ++e) dst[e] = float(x[e]);
+        for (int e = 0; e < D; ++e) dst[e] = small_float<15, 10, 15>(x[e]);
         break;
       }
       case Fmt::kI8: {
@@ -167,21 +181,14 @@ void convert_rows(const Pages& pg, int64_t row, int n, int D, float* dst) {
         }
         break;
       }
-      case Fmt::kE4M3: {
-        // As float16 bits (exponent bias 15 instead of 7, subnormals
-        // included), then times 2^8: exact for every finite code.
+      case Fmt::kE4M3:
 #pragma omp simd
-        for (int e = 0; e < D; ++e) {
-          const uint16_t h = uint16_t((src[e] & 0x80) << 8 | (src[e] & 0x7f) << 7);
-          dst[e] = half_bits_to_float(h) * 256.0f;
-        }
+        for (int e = 0; e < D; ++e) dst[e] = small_float<7, 3, 7>(src[e]);
         break;
-      }
-      case Fmt::kE5M2: {  // the top byte of a float16
+      case Fmt::kE5M2:
 #pragma omp simd
-        for (int e = 0; e < D; ++e) dst[e] = half_bits_to_float(uint16_t(src[e]) << 8);
+        for (int e = 0; e < D; ++e) dst[e] = small_float<7, 2, 15>(src[e]);
         break;
-      }
     }
   }
 }
