@@ -79,7 +79,8 @@ def save(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.n
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        arrays = {k: np.ascontiguousarray(v) for k, v in params.items()}
+        # np.require, not ascontiguousarray: that makes a 0-d array (a KV scale) 1-d.
+        arrays = {k: np.require(v, requirements='C') for k, v in params.items()}
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(tmp / "params", arrays)
             ckpt.wait_until_finished()

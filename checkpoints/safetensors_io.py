@@ -12,6 +12,7 @@ missing or unexpected tensors raise. Legend as in `jaxkv.model.params`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -60,7 +61,11 @@ HF_QK_NORM_MAP = {
     "self_attn.q_norm.weight": ("q_norm", "copy"),
     "self_attn.k_norm.weight": ("k_norm", "copy"),
     "self_attn.sinks": ("sinks", "copy"),
+    # fp8 KV scales (vLLM / llm-compressor's kv_cache_scheme): [] or [1]
+    "self_attn.k_scale": ("k_scale", "scalar"),
+    "self_attn.v_scale": ("v_scale", "scalar"),
 }
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")
 HF_TOP_MAP = {
     "model.embed_tokens.weight": ("embed", "copy"),
     "model.norm.weight": ("final_norm", "copy"),
@@ -70,7 +75,7 @@ HF_TOP_MAP = {
 
 def _hf_shape(how: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF-layout shape of a tensor whose jaxkv shape is ``shape``."""
-    if how == "copy":
+    if how in ("copy", "scalar"):
         return shape
     if how == "T":
         return shape[::-1]
@@ -105,6 +110,8 @@ def _transform(how: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
     D, E = config.head_dim, config.hidden_size
     if how == "copy":
         return w
+    if how == "scalar":  # [1] or []
+        return w.reshape(())
     if how == "T":
         return w.T
     if how in ("q", "kv"):  # [n*D, E] -> [E, n, D]
@@ -146,8 +153,9 @@ def hf_to_params(
     table, want = hf_tensor_map(config, names), expected_shapes(config)
     if config.tie_word_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")  # a tied copy of the embedding, dropped
-    problems = shape_problems({n: t[2] for n, t in table.items()},
-                              {n: shapes[n] for n in names})
+    stored = {n: (() if n.endswith(KV_SCALE_SUFFIXES) and tuple(shapes[n]) == (1,) else shapes[n])
+              for n in names}
+    problems = shape_problems({n: t[2] for n, t in table.items()}, stored)
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
     params = {}
@@ -285,6 +293,8 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str | np.dtype | None = "floa
     """Load an HF model dir (config.json + safetensors) into (config, params)."""
     config = read_hf_config(path)
     tensors = mxfp4_tensors(text_tensors(load_hf_tensors(path)), str(path))  # MXFP4 experts: float
+    if any(n.endswith(KV_SCALE_SUFFIXES) for n in tensors):  # the fp8 KV scales it carries
+        config = dataclasses.replace(config, kv_cache_scales=True)
     params = hf_to_params(
         config, {n: t[1] for n, t in tensors.items()}, {n: t[0] for n, t in tensors.items()},
         dtype=dtype, source=str(path), progress=progress)

@@ -78,7 +78,8 @@ class EngineConfig:
                       choices=("float32", "bfloat16"))
     kv_dtype: str | None = _opt(None, "KV cache dtype (default: same as --dtype). int8 / int4: "
                                       "a scale per token and KV head; fp8 (= fp8_e4m3), fp8_e5m2: "
-                                      "a scale per KV head, calibrated on the first prefill",
+                                      "a scale per KV head and layer: the checkpoint's k_scale / "
+                                      "v_scale where it carries them, else calibrated at start",
                                 choices=KV_DTYPES)
     quantize: str | None = _opt(
         None, "int8: weight-only int8 matmul weights with per-channel scales (a quarter of "

@@ -137,6 +137,9 @@ class ModelConfig:
     # (up + 1) * gate * sigmoid(alpha * gate); None: act(gate) * up.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # The checkpoint's fp8 KV scales, one k and one v per layer
+    # (layers.i.k_scale, v_scale: value = fp8 * scale), used by fp8 caches.
+    kv_cache_scales: bool = False
 
     def __post_init__(self):
         self.validate()

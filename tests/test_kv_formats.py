@@ -157,3 +157,53 @@ def test_every_kernel_reads_every_format_and_old_gpus_refuse_fp8_by_name():
     check_format("tpu", "fp8", ampere)  # not a GPU kernel
     with pytest.raises(ValueError, match="does not read int2"):
         check_format("reference", "int2")
+
+
+def _add_kv_scales(path, k_scale, v_scale, shape):
+    """The fp8 KV scales a checkpoint quantized by llm-compressor's
+    kv_cache_scheme carries (per layer self_attn.k_scale / v_scale), added
+    to a saved Hugging Face folder."""
+    from safetensors.numpy import load_file, save_file
+
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    layers = sum(n.endswith("self_attn.q_proj.weight") for n in tensors)
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.full(shape, k_scale, np.float32)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.full(shape, v_scale, np.float32)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_fp8_kv_scales_come_from_the_checkpoint(tmp_path):
+    """A checkpoint's k_scale / v_scale become every KV head's fp8 scale (no
+    calibration): logits stay close to transformers' float32 ones, and
+    scales that saturate every key and value (as a wrong reading would)
+    move them far more; int8 caches leave them unused."""
+    from checkpoints.loader import load_model
+    from jaxkv.worker.scoring import sequence_logits
+    from tests.model_utils import hf_logits, make_hf_model
+
+    hf, path = make_hf_model("llama", tmp_path, initializer_range=0.2)
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 128, 40)]
+    want = hf_logits(hf, ids).astype(np.float64)
+    errors = {}
+    for k_scale, shape in ((0.05, (1,)), (1e-3, ())):
+        _add_kv_scales(path, k_scale, k_scale / 2, shape)
+        module, _ = load_model(str(path))
+        np.testing.assert_allclose(module.kv_cache_scales(), [[k_scale, k_scale / 2]] * 2,
+                                   rtol=1e-7)
+        (got,) = sequence_logits(module, [ids], kv_dtype="fp8")
+        errors[k_scale] = float(np.abs(got - want).mean())
+    # Measured: 0.05 (|k| up to 22) is e4m3's own rounding; 1e-3 saturates.
+    assert errors[0.05] < 0.25 * errors[1e-3], errors
+    from checkpoints.convert import convert  # jaxkv's own format keeps them
+
+    module, _ = load_model(str(convert(path, tmp_path / "jaxkv", progress=False)))
+    np.testing.assert_allclose(module.kv_cache_scales(), [[1e-3, 5e-4]] * 2, rtol=1e-7)
+    eng = LLMEngine(module, None, EngineConfig(**ENGINE, kv_dtype="fp8"))
+    for s in eng.runner.cache.k_scale:
+        np.testing.assert_array_equal(np.asarray(s), np.float32(1e-3))
+    eng.shutdown()
+    eng = LLMEngine(module, None, EngineConfig(**ENGINE, kv_dtype="int8"))
+    assert eng.runner.cache.k_scale[0].ndim == 3 and eng.runner.cache.rotated(module.config)
+    eng.shutdown()

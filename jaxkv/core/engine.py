@@ -50,7 +50,7 @@ from jaxkv.core.draft import make_proposer
 from jaxkv.core.spec_decode import SpecControl
 from jaxkv.core.structured import Grammars
 from jaxkv.model.attention import AttentionSpec
-from jaxkv.model.kv_cache import create_cache
+from jaxkv.model.kv_cache import create_cache, preset_fp8_scales
 from jaxkv.model.pool_plan import hybrid_plan, max_model_len, plan_num_pages
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
@@ -96,12 +96,22 @@ class LLMEngine:
         self.follower = Follower(channel) if channel is not None and not channel.leader else None
         cache = create_cache(self.model_config, self.cache_config,
                              self.sharding.cache_sharding() if self.sharding else None)
+        # fp8: the checkpoint's KV scales where it carries them, else calibrated below.
+        kv_scales = model.kv_cache_scales() if cache.quantized else None
+        if kv_scales is not None:
+            if not cache.fp8:
+                log.info("the checkpoint's fp8 KV scales are not used by a %s cache",
+                         self.cache_config.kv_dtype)
+            else:
+                cache = preset_fp8_scales(cache, kv_scales)
+                log.info("fp8 KV scales from the checkpoint (k_scale, v_scale of %d layers)",
+                         len(kv_scales))
         store = ProgramStore.for_engine(config)
         self.runner = Runner(model, cache, buckets, self.attention,
                              max_decode_steps=config.num_decode_steps,
                              num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed,
                              plan=self.sharding, leader=leader, store=store)
-        if self.follower is None:  # fp8 scales set on a fixed text (mirrored to followers)
+        if self.follower is None and kv_scales is None:  # fp8: on a fixed text (mirrored)
             calibrate_kv_scales(self.runner, tokenizer, self.model_config.vocab_size, config, ring)
         self.loras = (LoRAAdapters(base, config.max_loras, config.max_lora_rank,
                                    self.runner.set_lora, self.sharding)

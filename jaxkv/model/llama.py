@@ -56,6 +56,9 @@ class Attention(nnx.Module):
             self.k_norm = nnx.Param(init(f"{prefix}.k_norm", (D,)))
         if config.attention_sinks:
             self.sinks = nnx.Param(init(f"{prefix}.sinks", (H,)).astype(jnp.float32))
+        if config.kv_cache_scales:  # the checkpoint's fp8 KV scales [k, v], read at cache set-up
+            self.kv_scale = nnx.Variable(jnp.stack(
+                [init(f"{prefix}.k_scale", ()), init(f"{prefix}.v_scale", ())]).astype(jnp.float32))
         self.bias = config.attention_bias
         self.out_bias = config.attention_out_bias
 
@@ -120,6 +123,8 @@ class Llama(nnx.Module):
                 return jnp.asarray(1.0 - config.norm_offset + 0.1 * rng.standard_normal(shape), dtype)
             if name.endswith("sinks"):
                 return jnp.asarray(rng.standard_normal(shape), dtype)
+            if name.endswith(("k_scale", "v_scale")):  # fp8 KV scales: |k|, |v| up to ~20
+                return jnp.asarray(0.05, dtype)
             fan_in = shape[0] if len(shape) > 1 or name.endswith("expert_gate") else 1
             if ".experts_" in name:  # [X, in, out]
                 fan_in = shape[1]
@@ -129,6 +134,13 @@ class Llama(nnx.Module):
             return jnp.asarray(std * rng.standard_normal(shape), dtype)
 
         return cls(config, init)
+
+    def kv_cache_scales(self) -> np.ndarray | None:
+        """The checkpoint's fp8 KV scales, [L, 2] float32 (k, v of each
+        layer; `ModelConfig.kv_cache_scales`), or None."""
+        if not self.config.kv_cache_scales:
+            return None
+        return np.stack([np.asarray(layer.attn.kv_scale[...]) for layer in self.layers])
 
     def __call__(self, cache: KVCache, batch, attention: AttentionSpec, *,
                  all_decode: bool | None = None):
@@ -152,12 +164,13 @@ class Llama(nnx.Module):
         T = x.shape[0]
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
         act = activation(cfg.hidden_act)
-        # int8 cache: each head's q, k and v are rotated by normalized
+        # int8 / int4 cache: each head's q, k and v are rotated by normalized
         # Walsh-Hadamard blocks (the largest power of two dividing D: all of
         # D for 64 or 128). A vector's few large channels are spread over
         # the block, so one absmax scale per token and head wastes far less
         # of the int8 range; (q R).(k R) = q.k, and outputs rotate back.
         rot = D & -D
+        rotate = cache.rotated(cfg)
         native = cpu_gemm.use_native(T, attention.platform, mesh)  # MKL sgemm on CPU
         # Hybrid pool: the sliding layers read and write their own rings of pages.
         local = local_view(batch, attention.ring_pages, cache.page_size) if attention.ring_pages else None
@@ -182,7 +195,7 @@ class Llama(nnx.Module):
                 k = rms_norm(k, a.k_norm[...], eps, off)
             q = apply_rope(q, batch.positions, inv_freq, cfg.rope_scale(i))
             k = apply_rope(k, batch.positions, inv_freq, cfg.rope_scale(i))
-            if cache.quantized:  # q.k unchanged; int8 loses less to outlier channels
+            if rotate:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
             window = cfg.layer_window(i)
             o, cache = attend(q, k, v, cache, i, local if i in attention.local_layers else batch,
@@ -190,7 +203,7 @@ class Llama(nnx.Module):
                               soft_cap=cfg.attn_logit_softcap, sm_scale=cfg.sm_scale,
                               window=window,
                               sinks=a.sinks[...] if cfg.attention_sinks else None)
-            if cache.quantized:  # values were rotated: rotate the output back
+            if rotate:  # values were rotated: rotate the output back
                 o = rotate_blocks(o, rot)
             o = o.astype(x.dtype)
             o = o.reshape(-1, H * D)

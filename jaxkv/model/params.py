@@ -19,6 +19,8 @@ H heads, K kv heads, D head dim, F MLP hidden, L layers; in a sparse layer
     layers.{i}.q_norm     [D]           only when config.qk_norm
     layers.{i}.k_norm     [D]           only when config.qk_norm
     layers.{i}.sinks      [H]           only when config.attention_sinks
+    layers.{i}.k_scale    []            only when config.kv_cache_scales (fp8 KV)
+    layers.{i}.v_scale    []            only when config.kv_cache_scales
     layers.{i}.post_attn_norm [E]       only when config.post_norms
     layers.{i}.mlp_norm   [E]
     layers.{i}.w_gate     [E, F]        dense layers
@@ -69,6 +71,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "k_norm"] = (D,)
         if config.attention_sinks:
             shapes[p + "sinks"] = (H,)
+        if config.kv_cache_scales:
+            shapes[p + "k_scale"] = ()
+            shapes[p + "v_scale"] = ()
         if config.post_norms:
             shapes[p + "post_attn_norm"] = (E,)
         shapes[p + "mlp_norm"] = (E,)

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.model.attention import AttentionSpec
-from jaxkv.model.kv_cache import KVCache, create_cache
+from jaxkv.model.kv_cache import KVCache, create_cache, preset_fp8_scales
 from jaxkv.worker.buckets import ProgramKey
 from jaxkv.worker.plan import StepPlan
 from jaxkv.worker.step_batch import StepBatch, empty, pack
@@ -94,7 +94,8 @@ def sequence_logits(model, token_lists: Sequence[Sequence[int]], *, page_size: i
         pages = -(-len(toks) // page_size)
         seqs.append((list(toks), 0, list(range(first, first + pages))))
         first += pages
-    cache = create_cache(model.config, CacheConfig(num_pages=first + 1, page_size=page_size,
-                                                   kv_dtype=kv_dtype))
+    cache = preset_fp8_scales(
+        create_cache(model.config, CacheConfig(num_pages=first + 1, page_size=page_size,
+                                               kv_dtype=kv_dtype)), model.kv_cache_scales())
     logits, _ = prefill_logits(model, seqs, cache)
     return logits
