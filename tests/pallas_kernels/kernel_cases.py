@@ -158,12 +158,13 @@ FORMAT_CONFIGS = [
 
 
 def sweep_configs():
-    """The full product, opt-in with -m sweep."""
+    """The full product, every page format included; opt-in with -m sweep."""
     out = []
-    for dtype, d, p, (h, kv), (win, cap), q8 in itertools.product(
+    for dtype, d, p, (h, kv), (win, cap), fmt in itertools.product(
             ("float32", "bfloat16"), (64, 128), (8, 16, 32), ((2, 2), (6, 2), (8, 1)),
-            ((None, None), (24, None), (None, 2.0)), (False, True)):
-        out.append(Config(dtype, d, p, h, kv, win, cap, q8))
+            ((None, None), (24, None), (None, 2.0)), ("float", "int8", "int4", "fp8_e4m3")):
+        out.append(Config(dtype, d, p, h, kv, win, cap, fmt == "int8",
+                          fmt if fmt in ("int4", "fp8_e4m3") else None))
     return out
 
 

@@ -5,7 +5,6 @@ log-sum-exp), batches with prefill chunks the blocked-query path. The int4
 and fp8 formats also lower for CUDA (the float and int8 ones:
 test_lowering.py)."""
 
-import jax
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -89,49 +88,3 @@ def test_gpu_kernel_rejects_unsupported_inputs(change, match):
 @pytest.mark.parametrize("cfg", kc.sweep_configs(), ids=lambda c: c.id)
 def test_gpu_kernel_sweep(cfg):
     kc.check_against_reference_and_oracle(_runner(**TEST_OPTIONS), cfg)
-
-
-# (q dtype, pages dtype, head_dim, page_size, H, KVH, attention kwargs); int4
-# pages are uint8 [.., D // 2] with bfloat16 scales; sinks=True passes
-# learned attention sinks, a float32 [H] argument.
-LOWERING_CONFIGS = [
-    ("bfloat16", "int4", 128, 16, 32, 8, {}),
-    ("float32", "int4", 64, 8, 8, 1, dict(soft_cap=30.0, sinks=True)),
-    ("bfloat16", "float8_e4m3fn", 128, 16, 32, 8, dict(sliding_window=128)),
-    ("float32", "float8_e5m2", 64, 32, 6, 2, {}),
-]
-
-
-@pytest.mark.parametrize("config", LOWERING_CONFIGS,
-                         ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-p{c[3]}-h{c[4]}kv{c[5]}")
-def test_gpu_kernel_lowers_for_cuda_int4_and_fp8(config):
-    # Pallas -> Triton IR inside XLA custom calls for an H100 (sm_90): the
-    # fp8 conversions and the int4 halves' dots pass Pallas' Triton lowering.
-    q_dt, kv, d, ps, h, kvh, kw = config
-    kw = dict(kw)
-    with_sinks = kw.pop("sinks", False)
-    T, S, W, P = 64, 8, 32, 300
-    sds = jax.ShapeDtypeStruct
-    pages = (sds((kvh, P, ps, d // 2), jnp.uint8) if kv == "int4"
-             else sds((kvh, P, ps, d), jnp.dtype(kv)))
-    scales = [sds((kvh, P, ps), jnp.bfloat16)] * 2 if kv == "int4" else []
-    specs = [sds((T, h, d), q_dt), pages, pages, sds((S,), jnp.int32), sds((S, W), jnp.int32),
-             sds((S + 1,), jnp.int32), sds((), jnp.int32), *scales] + (
-        [sds((h,), jnp.float32)] if with_sinks else [])
-
-    def f(q, k, v, kv_lens, tables, cu_q_lens, num_seqs, *extra):
-        extra = list(extra)
-        extra_kw = dict(sinks=extra.pop()) if with_sinks else {}
-        if extra:
-            extra_kw.update(k_scale=extra[0], v_scale=extra[1])
-        return gpu.ragged_paged_attention(q, k, v, kv_lens, tables, cu_q_lens, num_seqs,
-                                          sm_scale=d ** -0.5, **kw, **extra_kw)
-
-    # Newer jax reads the target GPU from the ambient mesh's device.
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                         platform="gpu")
-    with jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    # Two Triton kernels: the decode (split context) and the prefill configuration.
-    assert text.count("__gpu$xla.gpu.triton") == 2
