@@ -68,6 +68,15 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "cap on prompt + output tokens (default: the "
                                            "model's context, or the pool, if smaller)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV pages of shared prompt prefixes")
+    kv_offload_memory: int | str | None = _opt(
+        None, "host memory for KV pages leaving the device prefix cache, units allowed "
+              "(8GB): a prefix found there is copied back instead of computed again, and a "
+              "preempted sequence resumes from it (default: none)", parse="bytes")
+    kv_offload_dir: str | None = _opt(
+        None, "a disk tier under the host tier: pages it drops are kept as files here and "
+              "found again by a restarted engine (needs --kv-offload-memory)")
+    kv_offload_disk: int | str = _opt("10GiB", "bytes the disk tier may use, units allowed",
+                                      parse="bytes")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     attention_backend: str = _opt(
         "auto", "auto: the Pallas kernel on TPU/GPU (Triton on GPU), the jnp reference on CPU; "
@@ -155,17 +164,25 @@ class EngineConfig:
             if choices and v is not None and v not in choices:
                 raise ValueError(f"{f.name}: must be one of {choices}"
                                  f"{' or None' if f.default is None else ''}, got {v!r}")
-        if isinstance(self.kv_cache_memory, str):  # "64MB", "1GiB": units as on the command line
-            try:
-                object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
-            except ValueError as e:
-                raise ValueError(f"kv_cache_memory: {e}") from None
-        for name in ("num_pages", "kv_cache_memory", "max_model_len", "num_processes"):
+        for name in ("kv_cache_memory", "kv_offload_memory", "kv_offload_disk"):
+            if isinstance(getattr(self, name), str):  # "64MB", "1GiB": units as on the command line
+                try:
+                    object.__setattr__(self, name, parse_size(getattr(self, name)))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+        for name in ("num_pages", "kv_cache_memory", "max_model_len", "num_processes",
+                     "kv_offload_memory", "kv_offload_disk"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name}: must be a positive integer or None, got {v!r}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {self.num_pages}")
+        if self.kv_offload_dir is not None and self.kv_offload_memory is None:
+            raise ValueError("kv_offload_dir: the disk tier sits under the host tier; "
+                             "set kv_offload_memory too")
+        if self.kv_offload_memory is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory: the host tier keeps prefix-cache pages; it "
+                             "needs enable_prefix_caching")
         if self.streaming_window <= 0 or self.num_sink_tokens < 0:
             raise ValueError("streaming_window must be positive and num_sink_tokens >= 0")
         if self.process_id is not None and (not isinstance(self.process_id, int)

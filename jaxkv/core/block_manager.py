@@ -68,17 +68,8 @@ class BlockManager(PagePool):
         super().__init__(num_pages, page_size, enable_prefix_caching)
         self.pages_per_seq = pages_per_seq or num_pages - 1
         self._seqs: dict[Hashable, Progress] = {}
-        # Cumulative counters for metrics and tests.
-        self.prefix_query_tokens = 0  # prompt tokens of successful allocate calls
-        self.prefix_hit_pages = 0  # pages reused from the cache by allocate
-        self.prefix_hit_tokens = 0  # prompt tokens those pages covered
 
     # ------------------------------------------------------------------ queries
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Fraction of all prompt tokens served from the prefix cache."""
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -164,21 +155,27 @@ class BlockManager(PagePool):
         if hit_cap is not None and hit_pages:
             k = hit_cap(hit_hashes)
             hit_pages, hit_hashes = hit_pages[:k], hit_hashes[:k]
-        cached = len(hit_pages) * self.page_size
+        tier_hits = self._tier_hits(token_ids, hit_hashes, root) if cache_hits and not hit_cap \
+            else []
+        cached = (len(hit_pages) + len(tier_hits)) * self.page_size
         num_reserved = max(num_reserved, cached)
         need, ok = self._allocate_plan(num_reserved, hit_pages)
         if not ok:
+            self._unpin_hits(tier_hits)
             raise OutOfPages(
                 f"sequence {seq_id!r} needs {need} new pages for {num_reserved} slots "
                 f"({len(hit_pages)} cached), {self.num_free_pages} free or evictable"
             )
         for p in hit_pages:
             self._hold(p)
-        pages = hit_pages + [self._take_page() for _ in range(need)]
-        self._seqs[seq_id] = Progress(pages, num_reserved, cached, hit_hashes, root,
+        new = [self._take_page() for _ in range(need)]
+        for p, (h, where) in zip(new, tier_hits):  # loaded from the host / disk tier
+            self._load(p, h, where)
+        self._seqs[seq_id] = Progress(hit_pages + new, num_reserved, cached,
+                                      hit_hashes + [h for h, _ in tier_hits], root,
                                       self.pages_per_seq)
         self.prefix_query_tokens += len(token_ids)
-        self.prefix_hit_pages += len(hit_pages)
+        self.prefix_hit_pages += len(hit_pages) + len(tier_hits)
         self.prefix_hit_tokens += cached
         return cached
 

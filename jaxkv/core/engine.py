@@ -15,20 +15,14 @@ The engine wires collaborators, each given what it needs by its
 constructor: `RequestIntake` (requests in, aborts), the `Scheduler` (what
 runs next; each running sequence's progress), `SpecControl`
 (speculation), the `Executor` (a step as one plan for the worker
-`Runner`), `Overlap` (the step in flight) and the `OutputProcessor`
-(tokens to text and outputs). With overlapped scheduling
-(`async_scheduling`) a step is dispatched and left in flight; the next
-`step()` plans and dispatches the one after it, then reads the first one's
-tokens, so the host's work runs while the device computes. Outputs then
-arrive one `step()` later, and are the same tokens: a sequence that
-finished in the step read is dropped from the one in flight, its extra
-token discarded.
+`Runner`), `Overlap` (the step in flight; overlapped scheduling,
+`jaxkv.core.overlap`, gives the same tokens one `step()` later) and the
+`OutputProcessor` (tokens to text and outputs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from typing import Any, Iterable
@@ -50,11 +44,11 @@ from jaxkv.core.draft import make_proposer
 from jaxkv.core.spec_decode import SpecControl
 from jaxkv.core.structured import Grammars
 from jaxkv.model.attention import AttentionSpec
-from jaxkv.model.kv_cache import create_cache, preset_fp8_scales
-from jaxkv.model.pool_plan import hybrid_plan, max_model_len, plan_num_pages
+from jaxkv.core.kv_tiers import make_tier, persist
+from jaxkv.model.pool_plan import hybrid_plan, log_pool, max_model_len, plan_num_pages
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
-from jaxkv.worker.calibrate import calibrate_kv_scales
+from jaxkv.worker.calibrate import calibrate_kv_scales, engine_cache
 from jaxkv.worker.distributed import Follower, Leader, init_distributed, scale_out
 from jaxkv.worker.plan import StepResult
 from jaxkv.worker.program_store import ProgramStore
@@ -94,23 +88,14 @@ class LLMEngine:
                                pages_per_seq=buckets.pages_per_seq)
         leader = Leader(channel) if channel is not None and channel.leader else None
         self.follower = Follower(channel) if channel is not None and not channel.leader else None
-        cache = create_cache(self.model_config, self.cache_config,
-                             self.sharding.cache_sharding() if self.sharding else None)
         # fp8: the checkpoint's KV scales where it carries them, else calibrated below.
-        kv_scales = model.kv_cache_scales() if cache.quantized else None
-        if kv_scales is not None:
-            if not cache.fp8:
-                log.info("the checkpoint's fp8 KV scales are not used by a %s cache",
-                         self.cache_config.kv_dtype)
-            else:
-                cache = preset_fp8_scales(cache, kv_scales)
-                log.info("fp8 KV scales from the checkpoint (k_scale, v_scale of %d layers)",
-                         len(kv_scales))
+        cache, kv_scales = engine_cache(model, self.cache_config, self.sharding)
         store = ProgramStore.for_engine(config)
         self.runner = Runner(model, cache, buckets, self.attention,
                              max_decode_steps=config.num_decode_steps,
                              num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed,
-                             plan=self.sharding, leader=leader, store=store)
+                             plan=self.sharding, leader=leader, store=store,
+                             offload=config.kv_offload_memory is not None)
         if self.follower is None and kv_scales is None:  # fp8: on a fixed text (mirrored)
             calibrate_kv_scales(self.runner, tokenizer, self.model_config.vocab_size, config, ring)
         self.loras = (LoRAAdapters(base, config.max_loras, config.max_lora_rank,
@@ -118,6 +103,8 @@ class LLMEngine:
                       if config.enable_lora else None)
         # A draft model keeps its own cache in step, so it sees every step.
         proposer, self.draft = make_proposer(config, self, buckets, draft_model, store)
+        self.tier = self.bm.tier = make_tier(config, self.runner, model, kv_dtype,
+                                             hybrid=bool(ring), draft=self.draft is not None)
         spec = config.speculative
         self.spec = (SpecControl(proposer, buckets.num_spec, spec.adaptive, self._num_programs)
                      if proposer is not None else None)
@@ -130,7 +117,7 @@ class LLMEngine:
                                    seats=Seats(config.max_num_seqs, ring, config.page_size,
                                                max(w or 0 for w in self.model_config.windows)),
                                    loras=self.loras)
-        self.executor = Executor(self.runner, self.model_config.vocab_size, self.draft)
+        self.executor = Executor(self.runner, self.model_config.vocab_size, self.draft, self.tier)
         # decode_steps: model calls; partial_prefills: chunks short of the prompt's end;
         # overlapped_steps: steps dispatched while the one before was in flight.
         self.stats = dict(steps=0, decode_steps=0, prompt_tokens_computed=0, generated_tokens=0,
@@ -141,14 +128,8 @@ class LLMEngine:
                                     self.grammars, self.scheduler, self.outputs, self.loras)
         self.overlap = Overlap(self.executor, self.scheduler,
                                enabled=overlap_default(config) and proposer is None)
-        log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
-                 "on %d); max_model_len %d; up to %d sequences at full length", num_pages,
-                 config.page_size, pool_tokens, kv_dtype, shard_nbytes(self.runner.cache)
-                 / 2**20, config.tensor_parallel_size, self.max_model_len,
-                 max(1, pool_tokens // self.max_model_len))
-        if ring:
-            log.info("jaxkv: hybrid KV pool: %d sliding layers keep a ring of %d pages per seat "
-                     "(%d local pages)", len(local), ring, local_pages)
+        log_pool(self.cache_config, config, shard_nbytes(self.runner.cache), self.max_model_len,
+                 len(local), ring)
         self.warmup_report = None  # set by warm-up, when on
         if config.warmup:
             if self.draft is not None:
@@ -214,7 +195,10 @@ class LLMEngine:
         return True
 
     def shutdown(self) -> None:
-        """Process 0 of several: release the followers (also done at exit)."""
+        """Write the prefix cache to the disk tier when there is one (for the
+        next start); process 0 of several: release the followers (also done
+        at exit)."""
+        persist(self.runner, self.tier, self.bm)
         if self.runner.leader is not None:
             self.runner.leader.stop()
 
@@ -281,22 +265,23 @@ class LLMEngine:
             res, stuck = self.executor.run(plain, sched.num_steps)
             if self.spec is not None:
                 self.spec.after_step(plain, res, time.perf_counter() - t0)
-            for s in self.outputs.take_step(plain, res, stuck, touched):
-                self.intake.fork(s)
+            self._take(plain, res, stuck, touched)
         for sc in scored:  # prompt chunks with prompt log-probabilities
             score, stuck = self.executor.score(sc)
             self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_rows, score.target_logprobs,
                                          score.top_ids, score.top_logprobs)
-            for s in self.outputs.take_step([sc], score.step, stuck, touched):
-                self.intake.fork(s)
+            self._take([sc], score.step, stuck, touched)
         self.stats["steps"] += 1
         return [self._output(p) for p in touched.values()]
+
+    def _take(self, scheduled, res: StepResult, stuck: list[int], touched: dict) -> None:
+        for s in self.outputs.take_step(scheduled, res, stuck, touched):
+            self.intake.fork(s)
 
     def _finish_step(self, scheduled, res: StepResult, stuck: list[int]) -> list[RequestOutput]:
         """Hand a step read from flight on (its outputs)."""
         touched: dict[int, Sequence] = {}
-        for s in self.outputs.take_step(scheduled, res, stuck, touched):
-            self.intake.fork(s)
+        self._take(scheduled, res, stuck, touched)
         self.stats["steps"] += 1
         return [self._output(p) for p in touched.values()]
 

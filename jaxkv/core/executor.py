@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxkv.core.kv_tiers import apply_transfers
 from jaxkv.core.step_plan import build_plan
 from jaxkv.worker.plan import ScoreResult, StepPlan, StepResult
 from jaxkv.worker.runner import Pending, Runner
@@ -25,10 +26,11 @@ class Executor:
     """`draft`: a `jaxkv.core.draft.DraftProposer` whose cache follows
     every step and page copy the target runs (None without one)."""
 
-    def __init__(self, runner: Runner, vocab_size: int, draft=None):
+    def __init__(self, runner: Runner, vocab_size: int, draft=None, tier=None):
         self.runner = runner
         self.vocab_size = vocab_size
         self.draft = draft
+        self.tier = tier  # a kv_tiers.HostTier, or None
 
     def plan(self, scheduled: Sequence, num_steps: int) -> tuple[StepPlan, list[int]]:
         b = self.runner.buckets
@@ -41,8 +43,11 @@ class Executor:
             self.draft.copy_pages(pairs)
 
     def apply_copies(self, sched) -> None:
-        """A scheduler output's page copies, before its step: copy-on-write
-        pages, and a hybrid pool's ring copies (the target's only)."""
+        """A scheduler output's page moves, before its step: host-tier
+        copies out and loads in, copy-on-write pages, and a hybrid pool's
+        ring copies (the target's only)."""
+        if sched.transfers:
+            apply_transfers(self.runner, self.tier, sched.transfers)
         self.copy_pages(sched.copies)
         if sched.local_copies:
             self.runner.copy_pages(sched.local_copies, local=True)

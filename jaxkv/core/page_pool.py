@@ -13,6 +13,11 @@ three states:
 
 A cached page is named by a chained hash of the tokens it holds and of every
 page before it (`hash_page`), so equal names mean equal K/V.
+
+With a host tier (`tier`, `jaxkv.core.kv_tiers`) an evicted cached page is
+queued to be copied out (`transfers.outs`) before it is handed out again,
+and prefixes go on into the tier (`_tier_hits`; their loads queued in
+`transfers.ins`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import numpy as np
+
+from jaxkv.core.kv_tiers import TierTransfers
 
 TRASH_PAGE = 0
 ROOT_HASH = b""
@@ -73,8 +80,20 @@ class PagePool:
         self._page_hash: dict[int, bytes] = {}
         self._hash_to_page: dict[bytes, int] = {}
         self.num_evictions = 0  # cached pages dropped to make room
+        # Cumulative counters for metrics and tests (BlockManager.allocate).
+        self.prefix_query_tokens = 0  # prompt tokens of successful allocate calls
+        self.prefix_hit_pages = 0  # pages reused from the cache (or a tier) by allocate
+        self.prefix_hit_tokens = 0  # prompt tokens those pages covered
+        self.tier = None  # a kv_tiers.HostTier, set by the engine
+        self.transfers = TierTransfers()
+        self._loading: dict[int, bytes] = {}  # page -> hash of its queued load
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of all prompt tokens served from the prefix cache."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     @property
     def num_free_pages(self) -> int:
@@ -103,6 +122,10 @@ class PagePool:
     def page_hash(self, page: int) -> bytes | None:
         """The prefix-cache hash registered for ``page``, or None."""
         return self._page_hash.get(page)
+
+    def cached_pages(self) -> list[tuple[int, bytes]]:
+        """(page, hash) of every page in the prefix cache, held or evictable."""
+        return list(self._page_hash.items())
 
     def free_pages(self) -> list[int]:
         """Unheld, uncached pages in the order they will be handed out."""
@@ -157,10 +180,65 @@ class PagePool:
             page = self._free.popleft()
         else:
             page, _ = self._evictable.popitem(last=False)
-            del self._hash_to_page[self._page_hash.pop(page)]
+            h = self._page_hash.pop(page)
+            del self._hash_to_page[h]
             self.num_evictions += 1
+            if self.tier is not None:
+                self._offload(page, h)
         self._refcount[page] = 1
         return page
+
+    def _offload(self, page: int, h: bytes) -> None:
+        """Page `page` (cached as `h`) is about to be reused: queue its copy
+        to the host tier, unless its load from there is still queued (then
+        the tier has it: the load is dropped)."""
+        if self._loading.get(page) == h:
+            del self._loading[page]
+            self.transfers.ins = [(p, x) for p, x in self.transfers.ins if p != page]
+            self.tier.unpin(h)
+        elif not self.tier.holds(h):
+            self.tier.reserve(h)
+            self.transfers.outs.append((page, h))
+
+    def _tier_hits(self, token_ids: Sequence[int], hit_hashes: list[bytes],
+                   root: bytes) -> list[tuple[bytes, str]]:
+        """(hash, "host" or "disk") of the full pages after the device hit
+        (`hit_hashes`) that the host or disk tier holds, in a run (never the
+        last token), each pinned (a `_load` keeps the pin, `_unpin_hits`
+        drops it)."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return []
+        ps, out = self.page_size, []
+        parent = hit_hashes[-1] if hit_hashes else root
+        for i in range(len(hit_hashes), (len(token_ids) - 1) // ps):
+            h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
+            where = self.tier.find(h)
+            if where is None:
+                break
+            self.tier.pin(h)  # before the next find can push it out
+            out.append((h, where))
+            parent = h
+        return out
+
+    def _load(self, page: int, h: bytes, where: str) -> None:
+        """Page `page` takes cached page `h` from the tier (queued load)."""
+        if where == "host":
+            self.tier.stats.host_hit_pages += 1
+        else:
+            self.tier.stats.disk_hit_pages += 1
+        self._register(page, h)
+        self._loading[page] = h
+        self.transfers.ins.append((page, h))
+
+    def _unpin_hits(self, hits) -> None:
+        for h, _ in hits:
+            self.tier.unpin(h)
+
+    def take_transfers(self) -> TierTransfers:
+        """The queued page moves, for the executor to run before the next step."""
+        moves, self.transfers = self.transfers, TierTransfers()
+        self._loading.clear()
+        return moves
 
     def _release_page(self, page: int) -> None:
         rc = self._refcount[page] - 1

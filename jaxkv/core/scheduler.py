@@ -21,11 +21,10 @@ sequences whose step N may be their last token, and never preempts: where it wou
 says so (`needs_preemption`, admitting no one more) and the engine reads step N first, then
 plans again with preemption.
 
-When the page pool runs dry, the most recently admitted running sequence is preempted by
-recompute: its pages are freed and it goes back to the front of the queue (its prompt and tokens
-so far prefilled again, mostly from the prefix cache). A request with n > 1 holds n seats from
-its admission on; one with a LoRA adapter waits for a device slot (`jaxkv.core.lora`) while
-those after it may start.
+When the page pool runs dry, the most recently admitted running sequence is preempted: its pages
+are freed and it goes back to the front of the queue (what it computed comes back from the prefix
+cache or the host tier, else is prefilled again). A request with n > 1 holds n seats from its
+admission on; one with a LoRA adapter waits for a device slot while those after it may start.
 
 Each running sequence's `jaxkv.core.progress.Progress` is this scheduler's record: it reserves
 and trims slots through the block manager as it plans (`schedule`), counts what a dispatched
@@ -170,6 +169,7 @@ class Scheduler:
             self.seats.written(sc.seq, sc.start, sc.seq.progress.num_reserved)
         if out.scheduled or out.needs_preemption:  # else the engine applies no copies: kept
             out.local_copies = self.seats.take_copies()
+            out.transfers = self.bm.take_transfers()
         return out
 
     def _decode_only(self) -> bool:

@@ -6,6 +6,7 @@ proposals) and the step's page copies and preemptions
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxkv.core.sequence import Sequence
 
@@ -53,6 +54,7 @@ class SchedulerOutput:
     local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     num_steps: int = 1  # decode steps in this call (> 1: every sequence decodes)
     needs_preemption: bool = False  # a lookahead plan that could not grow a sequence
+    transfers: Any = None  # host-tier page moves to run first (kv_tiers.TierTransfers)
 
     @property
     def num_rows(self) -> int:

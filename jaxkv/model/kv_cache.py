@@ -237,3 +237,34 @@ def copy_pages(cache: KVCache, src, dst, layers: tuple[int, ...] | None = None) 
 
     return dataclasses.replace(cache, k=cp(cache.k), v=cp(cache.v), k_scale=cp(cache.k_scale),
                                v_scale=cp(cache.v_scale))
+
+
+def paged_leaves(cache: KVCache) -> tuple:
+    """Every array that holds data per page, in a fixed order: each layer's
+    k, v, then the per-token scales (int8 / int4); [KVH, P, page_size, ...].
+    fp8's per-head scales are not per page and are left out."""
+    out = []
+    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+        out += [x for x in (t or ()) if x.ndim > 1]
+    return tuple(out)
+
+
+def gather_pages(cache: KVCache, pages) -> tuple:
+    """The contents of `pages` [W] (int32 page ids): one array per
+    `paged_leaves` entry, [W, KVH, page_size, ...] (page first, the host
+    tier's layout)."""
+    return tuple(jnp.moveaxis(x[:, pages], 1, 0) for x in paged_leaves(cache))
+
+
+def put_pages(cache: KVCache, pages, data) -> KVCache:
+    """`cache` with `pages` [W] holding `data` (as `gather_pages` gives it)."""
+    it = iter(data)
+
+    def put(t):
+        if t is None:
+            return None
+        return tuple(x.at[:, pages].set(jnp.moveaxis(next(it), 0, 1).astype(x.dtype))
+                     if x.ndim > 1 else x for x in t)
+
+    return dataclasses.replace(cache, k=put(cache.k), v=put(cache.v),
+                               k_scale=put(cache.k_scale), v_scale=put(cache.v_scale))

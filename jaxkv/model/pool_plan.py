@@ -6,8 +6,25 @@ formula of `jaxkv.model.memory`."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxkv.model.memory import kv_cache_bytes, pages_for_budget
+
+log = logging.getLogger("jaxkv")
+
+
+def log_pool(cache_config, config, nbytes: int, max_len: int, num_local: int,
+             ring: int) -> None:
+    """Log the engine's pool: pages, tokens, bytes per device, max_model_len."""
+    pool_tokens = (cache_config.num_pages - 1) * cache_config.page_size
+    log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
+             "on %d); max_model_len %d; up to %d sequences at full length",
+             cache_config.num_pages, cache_config.page_size, pool_tokens,
+             cache_config.kv_dtype, nbytes / 2**20, config.tensor_parallel_size, max_len,
+             max(1, pool_tokens // max_len))
+    if ring:
+        log.info("jaxkv: hybrid KV pool: %d sliding layers keep a ring of %d pages per seat "
+                 "(%d local pages)", num_local, ring, cache_config.local_pages)
 
 
 def _free_device_memory() -> int | None:

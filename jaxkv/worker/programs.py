@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jaxkv.model.kv_cache import copy_pages
+from jaxkv.model.kv_cache import copy_pages, gather_pages, put_pages
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.sampler import sample_with_rules
 from jaxkv.worker.step import forward_step, score_step, step
@@ -48,6 +48,8 @@ jax.monitoring.register_event_listener(_on_event)
 
 # Copy-on-write pairs per page-copy call (padded with trash-to-trash pairs).
 COPY_WIDTH = 64
+# Pages per host-tier transfer (`jaxkv.core.kv_tiers`), padded with the trash page.
+TRANSFER_WIDTH = 32
 
 
 class Programs:
@@ -59,7 +61,7 @@ class Programs:
 
     def __init__(self, graphdef, examples: dict, buckets: Buckets, attention, *,
                  vocab_size: int, max_decode_steps: int, num_top_logprobs: int,
-                 shardings: dict | None = None, store=None):
+                 shardings: dict | None = None, store=None, offload: bool = False):
         self.graphdef = graphdef
         self.examples = examples
         self.buckets = buckets
@@ -69,6 +71,7 @@ class Programs:
         self.num_top_logprobs = num_top_logprobs
         self.shardings = shardings
         self.store = store
+        self.offload = offload  # the page transfers of a host tier are warmed up too
         self._compiled: dict[Any, Any] = {}
 
     def keys(self) -> list:
@@ -78,7 +81,9 @@ class Programs:
         return (self.buckets.programs()
                 + [("rules", s, n) for s in seqs for n in (0, *self.buckets.history)]
                 + [("copy", COPY_WIDTH)]
-                + ([("copy_local", COPY_WIDTH)] if self.attention.local_layers else []))
+                + ([("copy_local", COPY_WIDTH)] if self.attention.local_layers else [])
+                + ([("page_out", TRANSFER_WIDTH), ("page_in", TRANSFER_WIDTH)]
+                   if self.offload else []))
 
     @property
     def compiled(self) -> list:
@@ -142,6 +147,13 @@ class Programs:
                       tuple(i for i in range(len(cache.k)) if i not in local)) if local else None
             fn = functools.partial(copy_pages, layers=layers)
             return self._jit(fn, "crr", "c", (0,)).trace(cache, idx, idx).lower(**kw)
+        if key[0] == "page_out":  # pages -> their contents, for the host tier
+            idx = np.zeros(key[1], np.int32)
+            return self._jit(gather_pages, "cr", "r").trace(cache, idx).lower(**kw)
+        if key[0] == "page_in":  # contents -> pages
+            idx = np.zeros(key[1], np.int32)
+            data = jax.eval_shape(gather_pages, cache, idx)
+            return self._jit(put_pages, "crr", "c", (0,)).trace(cache, idx, data).lower(**kw)
         raise ValueError(f"program: unknown key {key!r}")
 
     def get(self, key):

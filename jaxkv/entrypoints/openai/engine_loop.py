@@ -135,6 +135,7 @@ class EngineLoop:
             while cmd is not None:
                 if cmd[0] == "stop":
                     self._fail_all("abort", None)
+                    eng.shutdown()  # a disk tier keeps the prefix cache for the next start
                     return
                 self._apply(cmd)
                 try:
