@@ -163,3 +163,41 @@ def test_what_the_tier_does_not_serve_is_refused_by_name(model, tmp_path):
         LLMEngine(model, None, EngineConfig(**ENGINE, kv_offload_memory="1MB", speculative_config={
             "method": "draft_model", "model": "given", "num_speculative_tokens": 2}),
             draft_model=model)
+
+
+def test_metrics_and_the_kv_page_show_the_tiers(model, tmp_path):
+    """/metrics counts what the tiers served and moved, in tokens and bytes
+    of the hand-computed page size; the live KV page draws the host tier."""
+    from jaxkv.entrypoints.openai import kv_map
+    from jaxkv.entrypoints.openai.metrics import ServerMetrics
+
+    ps = prompts(MODEL.vocab_size, 10)
+    eng = _engine(model, kv_offload_memory=6 * PAGE_BYTES, kv_offload_dir=str(tmp_path))
+    metrics = ServerMetrics("tiny")
+    _run(eng, ps)
+    metrics.refresh(eng)
+    _run(eng, ps)
+    metrics.refresh(eng)
+    kv = eng.kv_metrics()
+    st = eng.tier.stats
+    assert kv["host_hit_tokens"] == 8 * st.host_hit_pages > 0
+    assert kv["bytes_out"] == PAGE_BYTES * st.pages_out > 0
+    assert kv["host_bytes"] <= kv["host_max_bytes"] == 6 * PAGE_BYTES
+    text = metrics.render().decode()
+
+    def value(series):
+        line = next(x for x in text.splitlines() if x.startswith(series + " "))
+        return float(line.split()[-1])
+
+    assert value('jaxkv:kv_offload_hit_tokens_total{model_name="tiny",tier="host"}') \
+        == kv["host_hit_tokens"]
+    assert value('jaxkv:kv_offload_bytes_total{direction="in",model_name="tiny"}') \
+        == PAGE_BYTES * st.pages_in
+    assert value('jaxkv:kv_offload_tier_bytes{model_name="tiny",tier="host"}') == kv["host_bytes"]
+    assert value('jaxkv:kv_offload_copy_seconds_total{model_name="tiny"}') > 0
+    m = kv_map.snapshot(eng)
+    host = m["tiers"]["host"]
+    assert len(host["pages"]) == len(eng.tier) <= host["capacity"] == 6
+    assert set(host["pages"]) <= {1, 2, 3} and m["tiers"]["disk"]["pages"] == len(eng.tier.disk)
+    assert "host_grid" in kv_map.PAGE
+    eng.shutdown()

@@ -44,7 +44,7 @@ from jaxkv.core.draft import make_proposer
 from jaxkv.core.spec_decode import SpecControl
 from jaxkv.core.structured import Grammars
 from jaxkv.model.attention import AttentionSpec
-from jaxkv.core.kv_tiers import make_tier, persist
+from jaxkv.core.kv_tiers import make_tier, persist, tier_metrics
 from jaxkv.model.pool_plan import hybrid_plan, log_pool, max_model_len, plan_num_pages
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
@@ -252,6 +252,11 @@ class LLMEngine:
         proposed and accepted tokens, acceptance rate, mean accepted length,
         and the seconds spent proposing with their share of step time."""
         return {} if self.spec is None else self.spec.metrics(self.stats["step_seconds"])
+
+    def kv_metrics(self) -> dict:
+        """The KV tiers' figures so far ({} without `kv_offload_memory`):
+        `jaxkv.core.kv_tiers.tier_metrics`."""
+        return tier_metrics(self.tier, self.config.page_size)
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Run a planned step now and read it (no overlap)."""

@@ -78,6 +78,13 @@ class HostTier:
         """The host tier's page hashes, least recently used first."""
         return list(self._pages)
 
+    def ready(self, h: bytes) -> bool:
+        """Whether page `h`'s data is here (not still on its way)."""
+        return self._pages.get(h) is not None
+
+    def pinned(self, h: bytes) -> bool:
+        return h in self._pins
+
     def holds(self, h: bytes) -> bool:
         """Whether the host tier has (or is about to have) page `h`."""
         return h in self._pages
@@ -158,6 +165,24 @@ class TierTransfers:
 
     def __bool__(self) -> bool:
         return bool(self.outs or self.ins)
+
+
+def tier_metrics(tier: HostTier | None, page_size: int) -> dict:
+    """The tiers' figures ({} without a host tier): prompt tokens served from
+    each tier, pages and bytes moved each way, seconds spent copying, bytes
+    and pages each tier holds (and its bound)."""
+    if tier is None:
+        return {}
+    st, disk = tier.stats, tier.disk
+    return dict(host_hit_tokens=st.host_hit_pages * page_size,
+                disk_hit_tokens=st.disk_hit_pages * page_size,
+                pages_out=st.pages_out, pages_in=st.pages_in, bytes_out=st.bytes_out,
+                bytes_in=st.bytes_in, disk_writes=st.disk_writes, disk_reads=st.disk_reads,
+                disk_skipped=st.disk_skipped, copy_seconds=st.copy_seconds,
+                host_pages=len(tier), host_capacity_pages=tier.capacity,
+                host_bytes=tier.nbytes, host_max_bytes=tier.capacity * tier.page_bytes,
+                disk_pages=len(disk) if disk else 0, disk_bytes=disk.nbytes if disk else 0,
+                disk_max_bytes=disk.max_bytes if disk else 0)
 
 
 def apply_transfers(runner, tier: HostTier, moves: TierTransfers) -> None:

@@ -10,6 +10,12 @@ cached but held by nobody (a prefix-cache page, evicted least recently used
 first), -4 held by several requests (a shared prefix, or the pages of n
 answers), k >= 0 held by request k of `requests` alone. `released` counts
 block-table entries given back by a sliding window.
+
+With a host tier (`kv_offload_memory`) `tiers.host` draws it too: one code
+per page it holds, least recently used first (pages evicted together, a
+prefix, sit side by side): 1 held, 2 on its way from the device, 3 pinned
+(a prompt's load back to the device is queued); `tiers.disk` counts the
+disk tier's pages and bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +53,17 @@ def snapshot(engine) -> dict:
     return {"num_pages": bm.num_pages, "page_size": bm.page_size, "pages": pages,
             "requests": requests, "waiting": len(sched.waiting), "released": released,
             "free": pages.count(FREE), "cached": pages.count(CACHED),
-            "shared": pages.count(SHARED)}
+            "shared": pages.count(SHARED), "tiers": _tiers(getattr(engine, "tier", None))}
+
+
+def _tiers(tier) -> dict | None:
+    if tier is None:
+        return None
+    codes = [3 if tier.pinned(h) else 1 if tier.ready(h) else 2 for h in tier.hashes()]
+    disk = tier.disk
+    return {"host": {"capacity": tier.capacity, "pages": codes, "bytes": tier.nbytes},
+            "disk": ({"pages": len(disk), "bytes": disk.nbytes, "max_bytes": disk.max_bytes}
+                     if disk is not None else None)}
 
 
 PAGE = """<!doctype html>
@@ -57,9 +73,10 @@ PAGE = """<!doctype html>
  #chat { width: 360px; flex: none; }
  #chat textarea { width: 100%; height: 70px; }
  #answer { white-space: pre-wrap; border: 1px solid #ccc; min-height: 160px; padding: 6px; }
- #grid { display: grid; grid-template-columns: repeat(auto-fill, 9px); gap: 1px;
+ #grid, .grid { display: grid; grid-template-columns: repeat(auto-fill, 9px); gap: 1px;
          max-width: 900px; }
- #grid div { width: 9px; height: 9px; }
+ #grid div, .grid div { width: 9px; height: 9px; }
+ .host { background: #7cb342; } .moving { background: #ffb300; } .pinned { background: #6a1b9a; }
  .free { background: #e8e8e8; } .cached { background: #9cc9f0; } .trash { background: #222; }
  .shared { background: repeating-linear-gradient(45deg, #c2185b 0 2px, #f8bbd0 2px 4px); }
  .legend span { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 10px; }
@@ -79,6 +96,10 @@ PAGE = """<!doctype html>
   <span class="shared"></span>shared<span class="trash"></span>trash page</div>
  <ul id="requests"></ul>
  <div id="grid"></div>
+ <div id="tiers" hidden><h3>Host tier <small id="tier_summary"></small></h3>
+  <div class="legend"><span class="host"></span>held<span class="moving"></span>on its way
+   <span class="pinned"></span>loading back</div>
+  <div id="host_grid" class="grid"></div></div>
 </div>
 <script>
 const color = k => `hsl(${(k * 137) % 360}, 65%, 50%)`;
@@ -104,6 +125,17 @@ async function refresh() {
       `<li class="request" data-id="${r.id}"><span style="display:inline-block;width:10px;` +
       `height:10px;background:${color(k)}"></span> ${r.id}: ${r.pages} pages, ` +
       `${r.tokens} tokens</li>`).join("");
+    const t = m.tiers, box = document.getElementById("tiers");
+    box.hidden = !t;
+    if (t) {
+      const hg = document.getElementById("host_grid"), hc = ["", "host", "moving", "pinned"];
+      const n = Math.min(t.host.capacity, 4096);
+      while (hg.children.length < n) hg.appendChild(document.createElement("div"));
+      for (let i = 0; i < n; i++) hg.children[i].className = hc[t.host.pages[i] || 0] || "free";
+      document.getElementById("tier_summary").textContent =
+        `${t.host.pages.length} of ${t.host.capacity} pages, ${(t.host.bytes / 2**20).toFixed(1)} MiB` +
+        (t.disk ? `; disk ${t.disk.pages} pages, ${(t.disk.bytes / 2**20).toFixed(1)} MiB` : "");
+    }
   } catch (e) { /* the server may be restarting */ }
 }
 setInterval(refresh, 500); refresh();

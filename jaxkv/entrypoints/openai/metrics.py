@@ -66,6 +66,20 @@ class ServerMetrics:
         self.lora_slots = gauge("lora_slots_in_use", "LoRA device slots read by running requests.")
         self.lora_loads = counter("lora_slot_loads", "Adapters written into a device slot (a "
                                                      "slot's previous adapter evicted).")
+        self._tier_hits = Counter("jaxkv:kv_offload_hit_tokens", "Prompt tokens served from a "
+                                  "KV tier below the device pool (tier: host or disk).",
+                                  m + ["tier"], registry=r)
+        self._tier_pages = Counter("jaxkv:kv_offload_pages", "KV pages copied between the "
+                                   "device and the host tier (direction: out or in).",
+                                   m + ["direction"], registry=r)
+        self._tier_bytes = Counter("jaxkv:kv_offload_bytes", "Bytes of those copies.",
+                                   m + ["direction"], registry=r)
+        self.tier_seconds = counter("kv_offload_copy_seconds", "Seconds spent moving KV pages "
+                                                               "between the tiers (disk included).")
+        self._tier_held = Gauge("jaxkv:kv_offload_tier_bytes", "Bytes of KV pages a tier holds "
+                                "(tier: host or disk).", m + ["tier"], registry=r)
+        self.evicted_tokens = counter("kv_evicted_tokens", "Tokens dropped from requests' KV by "
+                                                           "importance eviction (kv_eviction).")
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.",
                          _LATENCY)
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens (a "
@@ -116,6 +130,28 @@ class ServerMetrics:
                 metric.inc(now - self._seen[key])
             self._seen[key] = now
         self._count_routed(getattr(getattr(engine, "runner", None), "routed", None))
+        self._count_tiers(engine.kv_metrics() if hasattr(engine, "kv_metrics") else {})
+
+    def _count_tiers(self, kv: dict) -> None:
+        """The KV tiers' and eviction's counters (from `LLMEngine.kv_metrics`)."""
+        if not kv:
+            return
+        name = self.model_name
+        for key, metric in (("host_hit_tokens", self._tier_hits.labels(name, "host")),
+                            ("disk_hit_tokens", self._tier_hits.labels(name, "disk")),
+                            ("pages_out", self._tier_pages.labels(name, "out")),
+                            ("pages_in", self._tier_pages.labels(name, "in")),
+                            ("bytes_out", self._tier_bytes.labels(name, "out")),
+                            ("bytes_in", self._tier_bytes.labels(name, "in")),
+                            ("copy_seconds", self.tier_seconds),
+                            ("evicted_tokens", self.evicted_tokens)):
+            now, seen = kv.get(key, 0), self._seen.get(key, 0)
+            if now > seen:
+                metric.inc(now - seen)
+            self._seen[key] = now
+        if "host_bytes" in kv:
+            self._tier_held.labels(name, "host").set(kv["host_bytes"])
+            self._tier_held.labels(name, "disk").set(kv["disk_bytes"])
 
     def _count_routed(self, routed) -> None:
         if routed is None:
