@@ -26,12 +26,15 @@ class CacheConfig:
     """Paged KV cache geometry: `num_pages` pages (page 0 is the trash page) of
     `page_size` tokens each; `kv_dtype` is one of `KV_DTYPES`.
     `local_pages` (a hybrid pool; 0: none): the sliding layers' own pages,
-    rings that hold each running sequence's window."""
+    rings that hold each running sequence's window. `scores`: a float32
+    accumulated-attention slot per token and KV head beside the pages
+    (importance eviction, `jaxkv.core.kv_evict`)."""
 
     num_pages: int
     page_size: int = 16
     kv_dtype: str = "float32"
     local_pages: int = 0
+    scores: bool = False
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -105,7 +108,14 @@ class EngineConfig:
               "tokens (default: on for GPU/TPU, off on CPU)")
     kv_eviction: str | None = _opt(
         None, "streaming: keep attention sinks plus a recent window (StreamingLLM), so "
-              "generation runs past the pool with bounded memory", choices=("streaming",))
+              "generation runs past the pool with bounded memory; snapkv: at the end of a "
+              "prompt keep, per KV head, the kv_budget tokens its last queries attend to "
+              "most; h2o: while decoding keep the heavy hitters and the recent tokens "
+              "within kv_budget (jaxkv.core.kv_evict)", choices=("streaming", "snapkv", "h2o"))
+    kv_budget: int | None = _opt(None, "tokens of KV a sequence keeps under snapkv / h2o "
+                                       "eviction (per KV head and layer)")
+    snapkv_window: int = _opt(32, "snapkv: the last prompt queries whose attention picks the "
+                                  "kept tokens (kept themselves)")
     streaming_window: int = _opt(1024, "recent tokens kept by streaming eviction")
     hybrid_kv_cache: bool = _opt(True, "in a model whose layers differ in window (Gemma), the "
                                        "sliding layers keep only each sequence's window of pages")
@@ -177,6 +187,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer or None, got {v!r}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages: need at least 2 (page 0 is reserved), got {self.num_pages}")
+        if self.kv_eviction in ("snapkv", "h2o"):
+            _check_importance_eviction(self)
         if self.kv_offload_dir is not None and self.kv_offload_memory is None:
             raise ValueError("kv_offload_dir: the disk tier sits under the host tier; "
                              "set kv_offload_memory too")
@@ -194,6 +206,29 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)  # names a bad key or value
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def _check_importance_eviction(c: "EngineConfig") -> None:
+    """snapkv / h2o: a budget, and none of what a compacted sequence cannot
+    share or replay (refused by name)."""
+    name = c.kv_eviction
+    b = c.kv_budget
+    if not isinstance(b, int) or isinstance(b, bool) or b < 2 * c.page_size:
+        raise ValueError(f"kv_budget: kv_eviction={name!r} needs a budget of at least two "
+                         f"pages ({2 * c.page_size} tokens), got {b!r}")
+    if name == "snapkv" and not 0 < c.snapkv_window < b:
+        raise ValueError(f"snapkv_window: must be positive and below kv_budget ({b}), "
+                         f"got {c.snapkv_window}")
+    for cond, what in ((c.kv_offload_memory is not None, "the host tier (kv_offload_memory)"),
+                       (c.speculative_config is not None, "speculative decoding"),
+                       (c.tensor_parallel_size > 1 or (c.num_processes or 1) > 1,
+                        "tensor parallel or several processes"),
+                       (c.async_scheduling, "overlapped scheduling (async_scheduling)")):
+        if cond:
+            raise ValueError(f"kv_eviction={name!r} compacts each sequence's pages in place; "
+                             f"it does not run with {what}")
+    # A compacted page holds no prefix any other prompt could share.
+    object.__setattr__(c, "enable_prefix_caching", False)
 
 
 @dataclasses.dataclass(frozen=True)

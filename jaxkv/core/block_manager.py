@@ -54,14 +54,10 @@ class UnknownSequenceError(LookupError):
 
 class BlockManager(PagePool):
     """Page pool of ``num_pages`` pages (page 0 reserved) of ``page_size``
-    token slots each; see the module docstring for the calling protocol.
-
-    ``enable_prefix_caching=False`` turns off hashing and reuse; everything
-    else behaves the same (freed pages go straight back to the free list).
-    Each admitted sequence has one `Progress` record (its pages and counts,
-    `progress(seq_id)`); ``pages_per_seq`` sizes its block table row (it
-    grows past that if a sequence does).
-    """
+    token slots each (protocol: the module docstring). Without prefix
+    caching freed pages go straight back to the free list. Each admitted
+    sequence has one `Progress` record (`progress(seq_id)`); ``pages_per_seq``
+    sizes its block table row (it grows past that if a sequence does)."""
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
                  pages_per_seq: int | None = None):
@@ -117,8 +113,8 @@ class BlockManager(PagePool):
         """(new pages needed for growth, whether a copy-on-write is needed)."""
         if num_new_tokens <= 0:
             return 0, False
-        need = self._pages_for(s.num_reserved + num_new_tokens) - s.num_pages
-        cow = (s.num_reserved % self.page_size != 0
+        need = self._pages_for(s.num_reserved - s.evicted + num_new_tokens) - s.num_pages
+        cow = ((s.num_reserved - s.evicted) % self.page_size != 0
                and self._refcount[int(s.pages[s.num_pages - 1])] > 1)
         return need, cow
 
@@ -300,13 +296,20 @@ class BlockManager(PagePool):
         were this sequence's own, never hashed). Returns pages released."""
         s = self._seq(seq_id)
         s.num_reserved = max(s.num_computed, min(s.num_reserved, num_reserved))
-        keep = self._pages_for(s.num_reserved)
+        keep = self._pages_for(s.num_reserved - s.evicted)
         if keep >= s.num_pages:
             return 0
         extra = s.drop_pages(keep)
         for p in reversed(extra):
             self._release_page(p)
         return len(extra)
+
+    def compact(self, seq_id: Hashable, keep: int) -> int:
+        """Importance eviction: the sequence keeps `keep` tokens of K/V (its
+        first slots); positions run on. Returns pages released."""
+        s = self._seq(seq_id)
+        s.evicted = s.num_reserved - keep
+        return self.trim(seq_id, s.num_reserved)
 
     # ---------------------------------------------------------------- internals
 

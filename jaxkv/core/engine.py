@@ -22,12 +22,11 @@ runs next; each running sequence's progress), `SpecControl`
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Iterable
 
-from jaxkv.config import CacheConfig, EngineConfig, ModelConfig
+from jaxkv.config import EngineConfig, ModelConfig
 from jaxkv.core.block_manager import BlockManager
 from jaxkv.core.executor import Executor
 from jaxkv.core.intake import RequestIntake
@@ -43,9 +42,9 @@ from jaxkv.core.sequence import Sequence
 from jaxkv.core.draft import make_proposer
 from jaxkv.core.spec_decode import SpecControl
 from jaxkv.core.structured import Grammars
-from jaxkv.model.attention import AttentionSpec
+from jaxkv.core.kv_evict import make_evictor
 from jaxkv.core.kv_tiers import make_tier, persist, tier_metrics
-from jaxkv.model.pool_plan import hybrid_plan, log_pool, max_model_len, plan_num_pages
+from jaxkv.model.pool_plan import engine_pool, log_pool
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
 from jaxkv.worker.calibrate import calibrate_kv_scales, engine_cache
@@ -68,18 +67,10 @@ class LLMEngine:
         model, base = attach_lora(model, config)  # LoRA slots (zeros) before it is placed
         model, self.sharding, channel = scale_out(model, config)
         self.model_config: ModelConfig = model.config  # KV heads as stored (replicated)
-        kv_dtype = config.kv_dtype or config.dtype
-        num_pages = plan_num_pages(config, self.model_config, kv_dtype, config.tensor_parallel_size)
-        # A hybrid pool: the sliding layers' rings per seat (jaxkv.core.seats).
-        local, ring, local_pages = hybrid_plan(config, self.model_config)
-        self.cache_config = CacheConfig(num_pages=num_pages, page_size=config.page_size,
-                                        kv_dtype=kv_dtype, local_pages=local_pages)
-        pool_tokens = (num_pages - 1) * config.page_size
-        self.attention = dataclasses.replace(AttentionSpec.for_engine(
-            self.model_config, config, self.sharding.mesh if self.sharding else None),
-            ring_pages=ring, local_layers=local)
-        self.max_model_len = max_model_len(config, self.model_config, self.attention,
-                                           pool_tokens)
+        self.cache_config, self.attention, self.max_model_len = engine_pool(
+            config, self.model_config, self.sharding.mesh if self.sharding else None)
+        num_pages, kv_dtype = self.cache_config.num_pages, self.cache_config.kv_dtype
+        ring, local = self.attention.ring_pages, self.attention.local_layers
         buckets = Buckets.make(config.max_num_seqs, config.max_num_batched_tokens,
                                -(-self.max_model_len // config.page_size), self.max_model_len,
                                num_spec=config.num_speculative_tokens)
@@ -103,6 +94,7 @@ class LLMEngine:
                       if config.enable_lora else None)
         # A draft model keeps its own cache in step, so it sees every step.
         proposer, self.draft = make_proposer(config, self, buckets, draft_model, store)
+        self.evictor = make_evictor(config, self.runner, self.bm)  # snapkv / h2o
         self.tier = self.bm.tier = make_tier(config, self.runner, model, kv_dtype,
                                              hybrid=bool(ring), draft=self.draft is not None)
         spec = config.speculative
@@ -111,13 +103,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.bm, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   max_num_steps=1 if self.draft else config.num_decode_steps,
+                                   max_num_steps=1 if self.draft or self.evictor
+                                   else config.num_decode_steps,
                                    spec=self.spec, window=self.attention.sliding_window,
                                    num_sink_tokens=self.attention.num_sink_tokens,
                                    seats=Seats(config.max_num_seqs, ring, config.page_size,
                                                max(w or 0 for w in self.model_config.windows)),
                                    loras=self.loras)
-        self.executor = Executor(self.runner, self.model_config.vocab_size, self.draft, self.tier)
+        self.executor = Executor(self.runner, self.model_config.vocab_size, self.draft, self.tier,
+                                 self.evictor)
         # decode_steps: model calls; partial_prefills: chunks short of the prompt's end;
         # overlapped_steps: steps dispatched while the one before was in flight.
         self.stats = dict(steps=0, decode_steps=0, prompt_tokens_computed=0, generated_tokens=0,
@@ -127,7 +121,8 @@ class LLMEngine:
         self.intake = RequestIntake(config, self.model_config, self.max_model_len, tokenizer,
                                     self.grammars, self.scheduler, self.outputs, self.loras)
         self.overlap = Overlap(self.executor, self.scheduler,
-                               enabled=overlap_default(config) and proposer is None)
+                               enabled=overlap_default(config) and proposer is None
+                               and self.evictor is None)
         log_pool(self.cache_config, config, shard_nbytes(self.runner.cache), self.max_model_len,
                  len(local), ring)
         self.warmup_report = None  # set by warm-up, when on
@@ -254,9 +249,10 @@ class LLMEngine:
         return {} if self.spec is None else self.spec.metrics(self.stats["step_seconds"])
 
     def kv_metrics(self) -> dict:
-        """The KV tiers' figures so far ({} without `kv_offload_memory`):
-        `jaxkv.core.kv_tiers.tier_metrics`."""
-        return tier_metrics(self.tier, self.config.page_size)
+        """The KV tiers' figures so far (`jaxkv.core.kv_tiers.tier_metrics`)
+        and importance eviction's; {} with neither."""
+        return {**tier_metrics(self.tier, self.config.page_size),
+                **(self.evictor.metrics() if self.evictor else {})}
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Run a planned step now and read it (no overlap)."""
@@ -271,6 +267,8 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.after_step(plain, res, time.perf_counter() - t0)
             self._take(plain, res, stuck, touched)
+            if self.evictor is not None:  # cut what went over its budget
+                self.evictor.after_step(plain)
         for sc in scored:  # prompt chunks with prompt log-probabilities
             score, stuck = self.executor.score(sc)
             self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_rows, score.target_logprobs,

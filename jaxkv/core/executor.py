@@ -26,16 +26,20 @@ class Executor:
     """`draft`: a `jaxkv.core.draft.DraftProposer` whose cache follows
     every step and page copy the target runs (None without one)."""
 
-    def __init__(self, runner: Runner, vocab_size: int, draft=None, tier=None):
+    def __init__(self, runner: Runner, vocab_size: int, draft=None, tier=None, evictor=None):
         self.runner = runner
         self.vocab_size = vocab_size
         self.draft = draft
         self.tier = tier  # a kv_tiers.HostTier, or None
+        self.evictor = evictor  # a kv_evict.Evictor, or None
 
     def plan(self, scheduled: Sequence, num_steps: int) -> tuple[StepPlan, list[int]]:
         b = self.runner.buckets
-        return build_plan(scheduled, num_steps, pages_per_seq=b.pages_per_seq,
-                          vocab_size=self.vocab_size, history_width=b.history_width)
+        plan, stuck = build_plan(scheduled, num_steps, pages_per_seq=b.pages_per_seq,
+                                 vocab_size=self.vocab_size, history_width=b.history_width)
+        if self.evictor is not None:
+            self.evictor.annotate(plan, scheduled)
+        return plan, stuck
 
     def copy_pages(self, pairs) -> None:
         self.runner.copy_pages(pairs)

@@ -116,6 +116,9 @@ class RequestIntake:
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         if params.n > c.max_num_seqs:
             raise ValueError(f"n: {params.n} sequences exceed max_num_seqs {c.max_num_seqs}")
+        if params.n > 1 and c.kv_eviction in ("snapkv", "h2o"):
+            raise ValueError(f"n: kv_eviction={c.kv_eviction!r} compacts a sequence's pages, "
+                             f"which n > 1 answers would share; ask for n=1")
         if params.structured_outputs is not None:
             self.grammars.matcher(params.structured_outputs)  # compiles (cached) or names the error
         if params.bad_words and self.tokenizer is None:

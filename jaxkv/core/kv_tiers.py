@@ -6,14 +6,16 @@ How pages move (`jaxkv.core.page_pool` queues, `jaxkv.core.executor` moves):
 
 - out: a cached page the device pool evicts to hand it out again is queued
   (`TierTransfers.outs`); before the step that reuses it, the executor
-  copies every queued page to the host in batches (`Runner.page_out`) and
-  `put`s it here. A preempted sequence's full pages are cached pages like
+  dispatches the copy of every queued page to the host in batches
+  (`page_io.page_out_later`), and the tier takes the data (`settle`) when
+  the next moves come or a page is first needed, so a step in flight runs
+  on meanwhile. A preempted sequence's full pages are cached pages like
   any other: when the pool needs them they go to the host, and the
   sequence's resumed prompt finds them there (swap, not recompute; only its
   partial last page is computed again).
 - in: a prompt whose prefix goes on past the device's hits into a tier gets
   fresh pages for those hits, each with a queued load, applied in batches
-  (`Runner.page_in`) before the step that reads them.
+  (`page_io.page_in`) before the step that reads them.
 - host -> disk: the host tier is LRU over `capacity` pages; with a
   `DiskTier` the page it drops is written there (`jaxkv.core.kv_disk`), and
   a disk hit is read back, checked, into the host tier when it is found.
@@ -30,6 +32,8 @@ import time
 from collections import OrderedDict
 
 import numpy as np
+
+from jaxkv.worker import page_io
 
 log = logging.getLogger("jaxkv")
 
@@ -64,6 +68,7 @@ class HostTier:
         self.disk = disk
         self._pages: OrderedDict[bytes, PageData | None] = OrderedDict()  # None: data on its way
         self._pins: dict[bytes, int] = {}
+        self._arriving: list[tuple[list[bytes], object]] = []  # (hashes, page_io.page_out_later)
         self.stats = TierStats()
 
     def __len__(self) -> int:
@@ -113,12 +118,27 @@ class HostTier:
             self._pages[h] = None
         self._pages.move_to_end(h)
 
-    def put(self, h: bytes, data: PageData) -> None:
-        self._pages[h] = data
-        self._pages.move_to_end(h)
-        self._trim()
+    def arriving(self, hashes: list[bytes], wait) -> None:
+        """Pages `hashes` (reserved) come from a dispatched copy: `wait()`
+        gives their data, taken by `settle` (the step in flight runs on)."""
+        self._arriving.append((hashes, wait))
+
+    def settle(self) -> None:
+        """Take the data of every dispatched copy (waits for them)."""
+        t0 = time.perf_counter()
+        arriving, self._arriving = self._arriving, []
+        for hashes, wait in arriving:
+            data = wait()
+            for j, h in enumerate(hashes):
+                if h in self._pages:  # own copies: the batch is freed
+                    self._pages[h] = [np.array(x[j]) for x in data]
+        if arriving:
+            self.stats.copy_seconds += time.perf_counter() - t0
+            self._trim()
 
     def get(self, h: bytes) -> PageData:
+        if self._pages.get(h) is None and self._arriving:
+            self.settle()
         data = self._pages[h]
         if data is None:
             raise RuntimeError(f"page {h.hex()} was queued for the host tier and never copied")
@@ -190,18 +210,18 @@ def apply_transfers(runner, tier: HostTier, moves: TierTransfers) -> None:
     then load the ins' pages from it (before the step that needs them)."""
     if not moves:
         return
+    tier.settle()  # the copies dispatched with the step before (done by now, mostly)
     t0 = time.perf_counter()
     st = tier.stats
-    if moves.outs:
-        data = runner.page_out([p for p, _ in moves.outs])
-        for j, (_, h) in enumerate(moves.outs):
-            tier.put(h, [np.array(x[j]) for x in data])  # own copies: the batch is freed
+    if moves.outs:  # read when the next moves come, or when a page is needed first
+        tier.arriving([h for _, h in moves.outs],
+                      page_io.page_out_later(runner, [p for p, _ in moves.outs]))
         st.pages_out += len(moves.outs)
         st.bytes_out += len(moves.outs) * tier.page_bytes
     if moves.ins:
         pages = [tier.get(h) for _, h in moves.ins]
-        runner.page_in([p for p, _ in moves.ins],
-                       [np.stack(leaf) for leaf in zip(*pages)])
+        page_io.page_in(runner, [p for p, _ in moves.ins],
+                        [np.stack(leaf) for leaf in zip(*pages)])
         for _, h in moves.ins:
             tier.unpin(h)
         st.pages_in += len(moves.ins)
@@ -252,6 +272,7 @@ def persist(runner, tier: HostTier | None, pool) -> int:
     bound, least recently used first out). Returns pages written."""
     if tier is None or tier.disk is None:
         return 0
+    tier.settle()
     disk, written = tier.disk, 0
     t0 = time.perf_counter()
     for h in tier.hashes():  # oldest first: the newest end up kept
@@ -261,7 +282,7 @@ def persist(runner, tier: HostTier | None, pool) -> int:
     device = [(p, h) for p, h in pool.cached_pages() if h not in disk]
     for i in range(0, len(device), 256):
         chunk = device[i:i + 256]
-        data = runner.page_out([p for p, _ in chunk])
+        data = page_io.page_out(runner, [p for p, _ in chunk])
         for j, (_, h) in enumerate(chunk):
             written += disk.write(h, [x[j] for x in data])
     tier.stats.disk_writes += written

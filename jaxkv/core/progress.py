@@ -16,6 +16,9 @@ and reads them back. Nothing else writes it. Counts, all in tokens
     inflight_steps   dispatched steps holding it, not read yet
     inflight_tokens  tokens those steps sample for it
     inflight_end     position after the last K/V they write (0: none)
+    evicted          importance eviction (`jaxkv.core.kv_evict`): positions
+                     whose K/V was dropped; position p's K/V sits at kv
+                     index p - evicted, which the pages count
 
 and `num_scheduled`, the K/V written once every dispatched step has run:
 where the next step's rows start.
@@ -35,7 +38,7 @@ class Progress:
     parent hash of page 0 (`page_pool.salted_root`)."""
 
     __slots__ = ("pages", "num_pages", "hashes", "root", "num_reserved", "num_computed",
-                 "inflight_steps", "inflight_tokens", "inflight_end")
+                 "inflight_steps", "inflight_tokens", "inflight_end", "evicted", "score_from")
 
     def __init__(self, pages, num_reserved: int, num_computed: int, hashes: list[bytes],
                  root: bytes = ROOT_HASH, capacity: int = 0):
@@ -49,6 +52,8 @@ class Progress:
         self.inflight_steps = 0
         self.inflight_tokens = 0
         self.inflight_end = 0
+        self.evicted = 0  # importance eviction: positions whose K/V was dropped
+        self.score_from = 1 << 30  # ... the kv index from which its rows are scored
 
     @property
     def num_scheduled(self) -> int:

@@ -33,13 +33,14 @@ class AttentionSpec:
     platform: str | None = None
     ring_pages: int = 0  # hybrid pool: pages per sequence's ring of sliding-layer pages (0: off)
     local_layers: tuple[int, ...] = ()  # hybrid pool: the layers whose pages are rings
+    score_rows: int | None = None  # importance eviction: most rows a step scores (None: all)
 
     def fingerprint(self) -> tuple:
         """What a compiled program depends on (the mesh by its shape)."""
         mesh = None if self.mesh is None else (tuple(self.mesh.shape.items()),
                                                self.mesh.devices.shape)
         return (self.backend, self.sliding_window, self.num_sink_tokens, mesh, self.platform,
-                self.ring_pages, self.local_layers)
+                self.ring_pages, self.local_layers, self.score_rows)
 
     @classmethod
     def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> "AttentionSpec":
@@ -50,6 +51,13 @@ class AttentionSpec:
         behind a window: each layer applies its own (`layer_window`), and the
         engine's hybrid pool, when on, gives the sliding layers rings."""
         _check_kv_format(engine, mesh)
+        if engine.kv_eviction in ("snapkv", "h2o"):
+            if any(w is not None for w in model.windows):
+                raise ValueError(f"kv_eviction={engine.kv_eviction!r}: this model's layers "
+                                 f"slide a window; importance eviction runs on models without one")
+            rows = (engine.max_num_seqs * engine.snapkv_window
+                    if engine.kv_eviction == "snapkv" else None)
+            return cls(engine.attention_backend, None, 0, mesh, score_rows=rows)
         if engine.kv_eviction == "streaming":
             return cls(engine.attention_backend, engine.streaming_window, engine.num_sink_tokens,
                        mesh)
@@ -147,7 +155,16 @@ def attend(q, k, v, cache: KVCache, layer: int, batch, spec: AttentionSpec, *,
                            in_specs=(heads, heads, heads, pages, rep, P() if sinks is None else P("model")),
                            out_specs=(heads, pages), check_vma=False)
     o, arrays = fn(q, k, v, arrays, meta, sinks)
-    return o, replace_layer(cache, layer, *arrays)
+    cache = replace_layer(cache, layer, *arrays)
+    if cache.scores is not None:  # importance eviction: the attention each key receives
+        from jaxkv.model.kv_scores import accumulate_scores
+
+        acc = accumulate_scores(cache.scores[layer], q, arrays[0], arrays[2], batch,
+                                sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]),
+                                soft_cap=soft_cap, max_rows=spec.score_rows)
+        cache = dataclasses.replace(cache, scores=cache.scores[:layer] + (acc,)
+                                    + cache.scores[layer + 1:])
+    return o, cache
 
 
 def _write_and_attend(q, k, v, arrays, meta, sinks, *, spec, all_decode, soft_cap, sm_scale, window,

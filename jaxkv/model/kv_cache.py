@@ -53,7 +53,8 @@ FP8_HEADROOM = 4.0
 class KVCache:
     """k, v: L x [KVH, P, page_size, D] (D // 2 bytes for int4); k_scale,
     v_scale: L x [KVH, P, page_size] float32 for int8 / int4, L x [KVH] for
-    fp8, else None. routed: [X] int32 for a
+    fp8, else None. scores: L x [KVH, P, page_size] float32, the attention
+    each slot has received (importance eviction), else None. routed: [X] int32 for a
     mixture of experts (else None), the choices each expert has received,
     summed over layers, counted by every step and wrapping at 2**32 (the
     host reads differences: `jaxkv.worker.runner`); it rides in the cache
@@ -64,6 +65,7 @@ class KVCache:
     k_scale: tuple | None = None
     v_scale: tuple | None = None
     routed: jax.Array | None = None
+    scores: tuple | None = None  # L x [KVH, P, page_size] float32: attention each slot received
 
     @property
     def num_layers(self) -> int:
@@ -121,8 +123,10 @@ def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
     scales = tuple(jax.ShapeDtypeStruct((K,) if fp8 else (K, P, ps), sdt) for P in pages)
     q = cache.kv_dtype in ("int8", "int4") or fp8
     X = getattr(model, "num_experts", 0)
+    acc = tuple(jax.ShapeDtypeStruct((K, P, ps), jnp.float32) for P in pages)
     return KVCache(k=layers, v=layers, k_scale=scales if q else None, v_scale=scales if q else None,
-                   routed=jax.ShapeDtypeStruct((X,), jnp.int32) if X else None)
+                   routed=jax.ShapeDtypeStruct((X,), jnp.int32) if X else None,
+                   scores=acc if cache.scores else None)
 
 
 def cache_shardings(shapes: KVCache, sharding):
@@ -236,7 +240,7 @@ def copy_pages(cache: KVCache, src, dst, layers: tuple[int, ...] | None = None) 
                      else x for i, x in enumerate(t))
 
     return dataclasses.replace(cache, k=cp(cache.k), v=cp(cache.v), k_scale=cp(cache.k_scale),
-                               v_scale=cp(cache.v_scale))
+                               v_scale=cp(cache.v_scale), scores=cp(cache.scores))
 
 
 def paged_leaves(cache: KVCache) -> tuple:

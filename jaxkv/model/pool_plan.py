@@ -13,6 +13,27 @@ from jaxkv.model.memory import kv_cache_bytes, pages_for_budget
 log = logging.getLogger("jaxkv")
 
 
+def engine_pool(config, model, mesh=None):
+    """(CacheConfig, AttentionSpec, max_model_len) of an engine with
+    `config` (EngineConfig) over `model` (ModelConfig): the pool's pages
+    (`plan_num_pages`), a hybrid pool's rings (`hybrid_plan`), the
+    attention choice and the longest sequence the pool takes."""
+    from jaxkv.config import CacheConfig
+    from jaxkv.model.attention import AttentionSpec
+
+    kv_dtype = config.kv_dtype or config.dtype
+    num_pages = plan_num_pages(config, model, kv_dtype, config.tensor_parallel_size)
+    # A hybrid pool: the sliding layers' rings per seat (jaxkv.core.seats).
+    local, ring, local_pages = hybrid_plan(config, model)
+    cache = CacheConfig(num_pages=num_pages, page_size=config.page_size, kv_dtype=kv_dtype,
+                        local_pages=local_pages,
+                        scores=config.kv_eviction in ("snapkv", "h2o"))
+    attention = dataclasses.replace(AttentionSpec.for_engine(model, config, mesh),
+                                    ring_pages=ring, local_layers=local)
+    return cache, attention, max_model_len(config, model, attention,
+                                           (num_pages - 1) * config.page_size)
+
+
 def log_pool(cache_config, config, nbytes: int, max_len: int, num_local: int,
              ring: int) -> None:
     """Log the engine's pool: pages, tokens, bytes per device, max_model_len."""

@@ -59,6 +59,11 @@ class StepPlan:
     rules: RulesBatch | None = None
     ring_base: np.ndarray | None = None  # [S] first page of each sequence's ring (hybrid pool)
     lora_slots: np.ndarray | None = None  # [S] each sequence's LoRA slot + 1 (0: none)
+    # Importance eviction (else None): [S] tokens dropped before `starts` (starts, the
+    # block tables and kv_lens count kept tokens; RoPE positions add this), and the
+    # kv index from which rows are scored (`jaxkv.model.kv_scores`).
+    pos_offset: np.ndarray | None = None
+    score_from: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from jaxkv.model.kv_cache import copy_pages, gather_pages, put_pages
+from jaxkv.model.kv_scores import compact_pages, gather_scores
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.sampler import sample_with_rules
 from jaxkv.worker.step import forward_step, score_step, step
@@ -154,6 +155,14 @@ class Programs:
             idx = np.zeros(key[1], np.int32)
             data = jax.eval_shape(gather_pages, cache, idx)
             return self._jit(put_pages, "crr", "c", (0,)).trace(cache, idx, data).lower(**kw)
+        if key[0] == "scores":  # importance eviction: one row's accumulated attention
+            return self._jit(gather_scores, "cr", "r").trace(cache, np.zeros(key[1], np.int32)
+                                                             ).lower(**kw)
+        if key[0] == "compact":  # ... and its kept tokens moved to its first slots
+            _, W, B = key
+            src = np.zeros((len(cache.k), cache.k[0].shape[0], B), np.int32)
+            return self._jit(compact_pages, "crrr", "c", (0,)).trace(
+                cache, np.zeros(W, np.int32), src, np.int32(B)).lower(**kw)
         raise ValueError(f"program: unknown key {key!r}")
 
     def get(self, key):

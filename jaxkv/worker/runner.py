@@ -7,7 +7,7 @@ back one `StepResult`; it never sees a request.
     runner.score(plan, targets) -> ScoreResult           logits at every row
     runner.forward(plan)                                 K/V writes only (a draft's mirror)
     runner.copy_pages(pairs)                             copy-on-write
-    runner.page_out(pages) / runner.page_in(pages, data) a host tier's page transfers
+    (page moves of the host tier, importance eviction: `jaxkv.worker.page_io`)
     runner.warm_up()                                     every program ready
 
 Its collaborators come in by the constructor: `Programs` (compiled once
@@ -42,7 +42,7 @@ from jaxkv.model.kv_cache import KVCache
 from jaxkv.sharding import leaf_names, to_host
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.plan import ScoreResult, StepPlan, StepResult
-from jaxkv.worker.programs import COPY_WIDTH, TRANSFER_WIDTH, Programs
+from jaxkv.worker.programs import COPY_WIDTH, Programs
 from jaxkv.worker.step import StepOutput
 from jaxkv.worker.step_batch import (StepBatch, empty_rules, pack, pad_penalties, pad_rules)
 
@@ -287,29 +287,3 @@ class Runner:
             src[:len(chunk)] = [p[0] for p in chunk]
             dst[:len(chunk)] = [p[1] for p in chunk]
             self.cache = prog(self.cache, src, dst)
-
-    def page_out(self, pages: Sequence[int]) -> list[np.ndarray]:
-        """The contents of `pages` on the host: one array per paged cache
-        leaf (`kv_cache.paged_leaves`), [len(pages), KVH, page_size, ...]."""
-        prog = self.programs.get(("page_out", TRANSFER_WIDTH))
-        parts = []
-        for i in range(0, len(pages), TRANSFER_WIDTH):
-            idx = np.zeros(TRANSFER_WIDTH, np.int32)  # padding reads the trash page
-            n = len(pages[i:i + TRANSFER_WIDTH])
-            idx[:n] = pages[i:i + TRANSFER_WIDTH]
-            parts.append([to_host(x)[:n] for x in prog(self.cache, idx)])
-        return [np.concatenate(p) for p in zip(*parts)]
-
-    def page_in(self, pages: Sequence[int], data: Sequence[np.ndarray]) -> None:
-        """Write `data` (as `page_out` gives it) into `pages` before the next step."""
-        prog = self.programs.get(("page_in", TRANSFER_WIDTH))
-        for i in range(0, len(pages), TRANSFER_WIDTH):
-            idx = np.zeros(TRANSFER_WIDTH, np.int32)  # padding writes the trash page
-            n = len(pages[i:i + TRANSFER_WIDTH])
-            idx[:n] = pages[i:i + TRANSFER_WIDTH]
-            chunk = []
-            for x in data:
-                pad = np.zeros((TRANSFER_WIDTH,) + x.shape[1:], x.dtype)
-                pad[:n] = x[i:i + n]
-                chunk.append(pad)
-            self.cache = prog(self.cache, idx, tuple(chunk))

@@ -25,6 +25,9 @@ compiles once per program key (`ProgramKey`: kind, T, S) and never again:
                         `jaxkv.model.attention.local_view`)
     lora_slot[T]        the LoRA slot each row's projections add (0: none,
                         m + 1: slot m; `jaxkv.model.lora`)
+    score_from[S]       importance eviction: s's rows at kv index >= this
+                        add their attention to the cache's scores
+                        (`jaxkv.model.kv_scores`; 2**30: none)
     num_steps[]         decode steps to run (decode programs; 1 otherwise)
     prev_index[T]       -1, or for a row whose input token is not on the host
                         yet (overlapped scheduling): the index of its
@@ -120,6 +123,7 @@ class StepBatch:
     stops: StopBatch
     ring_base: Any = None
     lora_slot: Any = None
+    score_from: Any = None  # [S] importance eviction: rows at kv index >= this are scored
 
 
 def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
@@ -142,7 +146,8 @@ def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
                      logits_indices=i32(S * (num_spec + 1) if key.kind == "verify" else S),
                      num_output=i32(S), num_steps=np.asarray(1, np.int32),
                      prev_index=np.full(T, -1, np.int32), sampling=sampling, stops=stops,
-                     ring_base=i32(S), lora_slot=i32(T))
+                     ring_base=i32(S), lora_slot=i32(T),
+                     score_from=np.full(S, 1 << 30, np.int32))
 
 
 def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
@@ -185,7 +190,10 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
         raise ValueError(f"sequence {bad}: {end} positions but {held} pages "
                          f"(at most {pages_per_seq})")
     b.token_ids[:T] = plan.token_ids
-    b.positions[:T] = pos
+    # Positions (RoPE) run on past kv indices by the tokens eviction dropped.
+    b.positions[:T] = pos if plan.pos_offset is None else pos + plan.pos_offset[seq_of_row]
+    if plan.score_from is not None:
+        b.score_from[:S] = plan.score_from
     b.slot_mapping[:T] = pages * page_size + pos % page_size
     b.kv_lens[:S] = plan.starts + q
     b.block_tables[:S, :width] = tables[:, :pages_per_seq]
