@@ -201,3 +201,25 @@ def test_metrics_and_the_kv_page_show_the_tiers(model, tmp_path):
     assert set(host["pages"]) <= {1, 2, 3} and m["tiers"]["disk"]["pages"] == len(eng.tier.disk)
     assert "host_grid" in kv_map.PAGE
     eng.shutdown()
+
+
+def test_a_restarted_server_serves_its_first_repeated_prompt_from_disk(model, lone, tmp_path):
+    """A server's stop writes its prefix cache to the disk tier; a new
+    server on the same directory answers the same prompt with the same
+    tokens, its prompt pages counted on /metrics as disk hits."""
+    from tests.serve_utils import get, metric, post, serving
+
+    prompt = prompts(MODEL.vocab_size, 2)[1]
+    kw = dict(kv_offload_memory="1MB", kv_offload_dir=str(tmp_path))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    answers = []
+    for first in (True, False):
+        eng = _engine(model, **kw)
+        with serving(eng) as srv:
+            code, out = post(srv.port, "/v1/completions", body)
+            assert code == 200, out
+            answers.append(out["choices"][0]["token_ids"])
+            hits = metric(get(srv.port, "/metrics")[1], "jaxkv:kv_offload_hit_tokens_total"
+                          + '{model_name="tiny",tier="disk"}')
+        assert (hits == 0) if first else (hits >= 8 * ((len(prompt) - 1) // 8)), hits
+    assert answers[0] == answers[1] == lone(prompt, 5)

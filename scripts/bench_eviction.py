@@ -1,0 +1,119 @@
+"""Importance eviction on a retrieval task: secret-word retrieval (a pass-key task) on the
+default model (SmolLM2-135M-Instruct) with the full cache, and with KV
+budgets of 12.5%, 25% and 50% of the prompt's tokens under snapkv, h2o and
+streaming (4 sink tokens plus a recent window).
+
+    python scripts/bench_eviction.py [--samples 40] [--filler 20]
+
+Each sample states a secret word (one of 40 common nouns) at a random
+depth of a filler text (about --filler x 26 tokens) and asks for it at
+the end; it is solved when the greedy answer's first word is the key. Every engine runs every
+sample (fixed seed), so the methods answer the same prompts. Writes
+scripts/results/bench_eviction_cpu_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+WORDS = ("apple", "river", "garden", "silver", "tiger", "window", "candle", "forest", "rocket",
+         "pencil", "mountain", "ocean", "violin", "dragon", "castle", "pepper", "island",
+         "jacket", "ladder", "mirror", "orange", "planet", "rabbit", "saddle", "tomato",
+         "wallet", "zebra", "anchor", "basket", "cactus", "donkey", "engine", "falcon",
+         "guitar", "hammer", "igloo", "jungle", "kettle", "lemon", "magnet")
+
+
+def samples(n: int, filler: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, key) pairs: a secret word stated at a random depth of the
+    filler, asked for at the end."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        key = str(rng.choice(WORDS))
+        at = int(rng.integers(0, filler))
+        parts = [FILLER] * filler
+        parts.insert(at, f"The secret word is {key}. Remember it: {key}.")
+        prompt = ("There is an important piece of information hidden inside a lot of "
+                  "irrelevant text. Find it and memorize it.\n" + " ".join(parts)
+                  + "\nWhat is the secret word? The secret word is")
+        out.append((prompt, key))
+    return out
+
+
+def run(model: str, variant: str, budget: int | None, data, page_size: int) -> dict:
+    from jaxkv.core.engine import LLMEngine
+    from jaxkv.core.sampling_params import SamplingParams
+
+    kw = dict(page_size=page_size, max_num_seqs=8, max_num_batched_tokens=512,
+              enable_prefix_caching=False, max_model_len=2048, warmup=False)
+    if variant in ("snapkv", "h2o"):
+        kw.update(kv_eviction=variant, kv_budget=budget, snapkv_window=min(32, budget // 2))
+    elif variant == "streaming":
+        kw.update(kv_eviction="streaming", num_sink_tokens=4, streaming_window=budget - 4)
+    eng = LLMEngine.from_pretrained(model, **kw)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    t0 = time.perf_counter()
+    ids = [eng.add_request(p, params) for p, _ in data]
+    out = eng.run_to_completion(ids)
+    secs = time.perf_counter() - t0
+    answers = [out[i].outputs[0].text for i in ids]
+    solved = [re.findall(r"[a-z]+", a.lower())[:1] == [key] for a, (_, key) in zip(answers, data)]
+    return dict(solved=float(np.mean(solved)), seconds=secs, answers=answers[:5],
+                metrics=eng.kv_metrics())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--filler", type=int, default=20)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--fractions", default="0.125,0.25,0.5")
+    ap.add_argument("--variants", default="snapkv,h2o,streaming")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from bench_common import _cpu_name, _loadavg, _num_cores
+    from checkpoints.loader import load_model
+
+    data = samples(args.samples, args.filler)
+    _, tok = load_model(args.model)
+    lengths = [len(tok.encode(p)) for p, _ in data]
+    mean_len = float(np.mean(lengths))
+    print(f"{len(data)} prompts of {min(lengths)}-{max(lengths)} tokens (mean {mean_len:.0f})")
+    table = {"full": run(args.model, "full", None, data, args.page_size)}
+    print(f"full cache: {table['full']['solved']:.1%}", flush=True)
+    for frac in [float(f) for f in args.fractions.split(",")]:
+        budget = max(2 * args.page_size, int(round(frac * mean_len / args.page_size))
+                     * args.page_size)
+        for v in args.variants.split(","):
+            res = run(args.model, v, budget, data, args.page_size)
+            res["budget"] = budget
+            table[f"{v}@{frac}"] = res
+            print(f"{v:10s} budget {frac:5.1%} ({budget} tokens): {res['solved']:.1%} "
+                  f"({res['seconds']:.0f} s)", flush=True)
+    out = Path(args.out) if args.out else (
+        HERE / "results" / f"bench_eviction_cpu_{datetime.date.today().isoformat()}.json")
+    out.write_text(json.dumps(dict(command=" ".join(sys.argv), cpu=_cpu_name(),
+                                   cores=_num_cores(), loadavg=_loadavg(),
+                                   prompt_tokens=dict(min=min(lengths), max=max(lengths),
+                                                      mean=mean_len),
+                                   table=table), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
