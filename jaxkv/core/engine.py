@@ -267,13 +267,13 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.after_step(plain, res, time.perf_counter() - t0)
             self._take(plain, res, stuck, touched)
-            if self.evictor is not None:  # cut what went over its budget
-                self.evictor.after_step(plain)
         for sc in scored:  # prompt chunks with prompt log-probabilities
             score, stuck = self.executor.score(sc)
             self.outputs.prompt_logprobs(sc.seq, sc.start, sc.num_rows, score.target_logprobs,
                                          score.top_ids, score.top_logprobs)
             self._take([sc], score.step, stuck, touched)
+        if self.evictor is not None:  # cut what went over its budget
+            self.evictor.after_step(sched.scheduled)
         self.stats["steps"] += 1
         return [self._output(p) for p in touched.values()]
 

@@ -32,15 +32,14 @@ from pallas_kernels.ragged_paged_attention.kv_formats import dequantize
 NEVER = 1 << 30  # a score_from no row reaches
 
 
-def _sequence_keys(kp, ks, block_tables):
-    """[KVH, S, W * page_size, D] float32 keys of each sequence's block table."""
-    KVH, _, ps = kp.shape[:3]
-    S, W = block_tables.shape
+def _row_keys(kp, ks, table):
+    """[KVH, W * page_size, D] float32 keys of one block table row `table` [W]."""
+    KVH = kp.shape[0]
     if ks is not None and ks.ndim == 1:  # fp8: one scale per KV head
-        k = dequantize(kp[:, block_tables]) * ks[:, None, None, None, None]
+        k = dequantize(kp[:, table]) * ks[:, None, None, None]
     else:
-        k = dequantize(kp[:, block_tables], None if ks is None else ks[:, block_tables])
-    return k.reshape(KVH, S, W * ps, -1)
+        k = dequantize(kp[:, table], None if ks is None else ks[:, table])
+    return k.reshape(KVH, -1, k.shape[-1])
 
 
 def accumulate_scores(scores, q, kp, ks, batch, *, sm_scale: float,
@@ -61,13 +60,13 @@ def accumulate_scores(scores, q, kp, ks, batch, *, sm_scale: float,
     live = (rows < cu[batch.num_seqs]) & (row_kv >= batch.score_from[seq])
     R = T if max_rows is None else min(T, max_rows)
     pick = jnp.argsort(~live, stable=True)[:R]  # the scoring rows first
-    keys = _sequence_keys(kp, ks, batch.block_tables)  # [KVH, S, J, D]
     J = W * ps
     qs = q[pick].astype(jnp.float32).reshape(R, KVH, G, D)
 
-    def one(args):
+    def one(args):  # one row against its sequence's keys (gathered per row: no [S, J] copy)
         qr, s, limit, ok = args
-        logits = jnp.einsum("kgd,kjd->kgj", qr, keys[:, s]) * sm_scale
+        keys = _row_keys(kp, ks, batch.block_tables[s])
+        logits = jnp.einsum("kgd,kjd->kgj", qr, keys) * sm_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         seen = jnp.arange(J) <= limit
