@@ -59,17 +59,23 @@ def samples(n: int, filler: int, seed: int = 0) -> list[tuple[str, str]]:
     return out
 
 
-def run(model: str, variant: str, budget: int | None, data, page_size: int) -> dict:
+def engine(model: str, variant: str, budget: int | None, page_size: int, **kw):
+    """An engine of `model` with `variant`'s eviction ("full": none) at `budget`."""
     from jaxkv.core.engine import LLMEngine
-    from jaxkv.core.sampling_params import SamplingParams
 
-    kw = dict(page_size=page_size, max_num_seqs=8, max_num_batched_tokens=512,
-              enable_prefix_caching=False, max_model_len=2048, warmup=False)
+    kw.update(page_size=page_size, max_num_batched_tokens=512, enable_prefix_caching=False,
+              warmup=False)
     if variant in ("snapkv", "h2o"):
         kw.update(kv_eviction=variant, kv_budget=budget, snapkv_window=min(32, budget // 2))
     elif variant == "streaming":
         kw.update(kv_eviction="streaming", num_sink_tokens=4, streaming_window=budget - 4)
-    eng = LLMEngine.from_pretrained(model, **kw)
+    return LLMEngine.from_pretrained(model, **kw)
+
+
+def run(model: str, variant: str, budget: int | None, data, page_size: int) -> dict:
+    from jaxkv.core.sampling_params import SamplingParams
+
+    eng = engine(model, variant, budget, page_size, max_num_seqs=8, max_model_len=2048)
     params = SamplingParams(max_tokens=8, temperature=0)
     t0 = time.perf_counter()
     ids = [eng.add_request(p, params) for p, _ in data]
@@ -101,16 +107,9 @@ def likelihood(model: str, variant: str, budget: int | None, context: str, cont:
     """Nats per token of `cont` after `context`, the answer forced to
     `cont` by a regex (the log-probabilities reported are the model's own,
     before the token rules), with `variant`'s eviction at `budget`."""
-    from jaxkv.core.engine import LLMEngine
     from jaxkv.core.sampling_params import SamplingParams
 
-    kw = dict(page_size=page_size, max_num_seqs=1, max_num_batched_tokens=512,
-              enable_prefix_caching=False, max_model_len=4096, warmup=False)
-    if variant in ("snapkv", "h2o"):
-        kw.update(kv_eviction=variant, kv_budget=budget, snapkv_window=min(32, budget // 2))
-    elif variant == "streaming":
-        kw.update(kv_eviction="streaming", num_sink_tokens=4, streaming_window=budget - 4)
-    eng = LLMEngine.from_pretrained(model, **kw)
+    eng = engine(model, variant, budget, page_size, max_num_seqs=1, max_model_len=4096)
     params = SamplingParams(max_tokens=2 * len(cont), temperature=0, logprobs=0,
                             structured_outputs={"regex": re.escape(cont)})
     rid = eng.add_request(context, params)
