@@ -15,9 +15,13 @@ one; llama.cpp ships such tensors as Q5_0 or Q8_0), are dequantized to
 float32 as before; the fused projections run their parts side by side
 (`BlockDense`).
 
-Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device;
-the tied Q8_0 embedding is `jaxkv.model.q8`). There is no XLA
-version: the loader keeps blocks only where the native kernel runs."""
+On TPU and GPU the 32-value types (Q4_0, Q4_1, Q5_0, Q8_0) are regrouped
+into planes of the same bytes and read by the Pallas kernels of
+`pallas_kernels.block_matmul`; K-quant parts are dequantized there (no
+Pallas kernel reads super-blocks yet).
+
+Where: `EngineConfig.gguf_blocks` (opt-in; one device: float32 on CPU,
+any dtype on TPU and GPU; the tied Q8_0 embedding is `jaxkv.model.q8`)."""
 
 from __future__ import annotations
 
@@ -65,16 +69,27 @@ def available() -> bool:
     return cpu_gemm.available()
 
 
+# Run the Pallas kernels in interpret mode (tests of the TPU / GPU path on CPU).
+INTERPRET = False
+PALLAS_BACKENDS = ("tpu", "gpu")
+
+
+def backend() -> str:
+    """The backend whose matmul reads the blocks: JAX's default (tests
+    patch it to run the TPU / GPU path on CPU)."""
+    return jax.default_backend()
+
+
 def keep_gguf_blocks(cfg) -> bool:
     """Whether an engine of `cfg` (`EngineConfig`) loads a GGUF's weights in
-    their blocks (`gguf_blocks`); ValueError where the native matmuls cannot
-    run them (they need float32 on one CPU device and their build)."""
+    their blocks (`gguf_blocks`); ValueError where no kernel can run them
+    (one device; on CPU float32 and the native matmul's build)."""
     if not cfg.gguf_blocks:
         return False
-    why = ("dtype float32" if cfg.dtype != "float32" else
-           "one device" if cfg.tensor_parallel_size != 1 or (cfg.num_processes or 1) != 1 else
-           "the CPU backend" if jax.default_backend() != "cpu" else
-           "the native CPU matmul" if not available() else None)
+    cpu = backend() not in PALLAS_BACKENDS
+    why = ("one device" if cfg.tensor_parallel_size != 1 or (cfg.num_processes or 1) != 1 else
+           "dtype float32 on CPU" if cpu and cfg.dtype != "float32" else
+           "the native CPU matmul" if cpu and not available() else None)
     if why:
         raise ValueError(f"gguf_blocks: the weights kept in GGUF blocks need {why}")
     return True
@@ -94,20 +109,51 @@ def matmul(x, raw, qtype: int):
 
 class BlockDense(nnx.Module):
     """x [T, N_in] -> [T, sum of the parts' N_out]: the parts of a fused
-    projection (q, k, v; gate, up) side by side, each a `BlockWeight` (read
-    by the native matmul) or a float32 [N_in, N_out] array."""
+    projection (q, k, v; gate, up) side by side, each a `BlockWeight` or a
+    float32 [N_in, N_out] array. On CPU a block part keeps its raw blocks
+    for the native matmul (kind: its GGUF type); on TPU / GPU a 32-value
+    type becomes `pallas_kernels.block_matmul` planes (kind: minus its
+    type) and a K-quant part is dequantized (kind 0, as a dense part)."""
 
     def __init__(self, parts):
-        self.kinds = tuple(int(p.qtype) if isinstance(p, BlockWeight) else 0 for p in parts)
-        self.parts = nnx.List([nnx.Param(jnp.asarray(p.raw if isinstance(p, BlockWeight) else p))
-                               for p in parts])
+        from pallas_kernels.block_matmul import FORMATS, to_planes
+
+        pallas = backend() in PALLAS_BACKENDS
+        plane_types = {t for t, _, _ in FORMATS.values()}
+        self.backend = backend()
+        kinds, params = [], []
+        for p in parts:
+            if not isinstance(p, BlockWeight):
+                kinds.append(0)
+                params.append(nnx.Param(jnp.asarray(p)))
+            elif not pallas:
+                kinds.append(int(p.qtype))
+                params.append(nnx.Param(jnp.asarray(p.raw)))
+            elif int(p.qtype) in plane_types:
+                pl = to_planes(p.raw, int(p.qtype), p.rows, p.cols)
+                kinds.append(-int(p.qtype))
+                params.append(nnx.List([nnx.Param(jnp.asarray(a))
+                                        for a in (pl.q, pl.d, pl.m, pl.qh) if a is not None]))
+            else:
+                kinds.append(0)
+                params.append(nnx.Param(jnp.asarray(p.dequantize().T)))
+        self.kinds, self.parts = tuple(kinds), nnx.List(params)
 
     def __call__(self, x, native: bool = False):
+        from pallas_kernels import block_matmul
+        from pallas_kernels.block_matmul.planes import FORMATS
+
         outs = []
         for kind, p in zip(self.kinds, self.parts):
-            if kind:
+            if kind > 0:
                 outs.append(matmul(x, p[...], kind).astype(x.dtype))
+            elif kind < 0:
+                fmt = next(f for f, (t, _, _) in FORMATS.items() if t == -kind)
+                arrays = [a[...] for a in p]
+                extra = {FORMATS[fmt][2][0]: arrays[2]} if len(arrays) > 2 else {}
+                planes = block_matmul.Planes(q=arrays[0], d=arrays[1], fmt=fmt, **extra)
+                outs.append(block_matmul.matmul(x, planes, backend=self.backend,
+                                                interpret=INTERPRET).astype(x.dtype))
             else:
-                outs.append(jnp.einsum("TI,IO->TO", x, p[...]))
+                outs.append(jnp.einsum("TI,IO->TO", x, p[...].astype(x.dtype)))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-

@@ -114,6 +114,37 @@ def test_matmul_dispatches_by_backend():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_a_model_on_pallas_blocks_gives_the_float32_models_tokens(tmp_path, monkeypatch, backend):
+    # The TPU / GPU path of jaxkv.model.blocks, its kernels in interpret
+    # mode: a GGUF whose layers mix types (q F16, k Q8_0, v Q4_0, o Q4_1,
+    # gate BF16, up Q5_0, down Q5_1) loads with the four 32-value types as
+    # planes, and decodes the tokens of the same model on float32 weights.
+    from checkpoints.loader import load_model
+    from jaxkv.config import EngineConfig
+    from jaxkv.model import blocks
+    from tests.checkpoints.test_gguf_io import write_gguf
+    from tests.model_utils import greedy_runs
+
+    monkeypatch.setattr(blocks, "backend", lambda: backend)
+    monkeypatch.setattr(blocks, "INTERPRET", True)
+    assert blocks.keep_gguf_blocks(EngineConfig(gguf_blocks=True, dtype="bfloat16"))
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, arch="llama", tied=True)
+    prompts = [[1, 5, 9, 2], list(range(3, 30))]
+    runs = {}
+    for keep in (True, False):
+        module, tok = load_model(str(path), gguf_blocks=keep)
+        if keep:
+            attn, layer = module.layers[0].attn, module.layers[0]
+            assert (attn.wqkv.kinds, attn.wo.kinds, layer.w_gate_up.kinds) == (
+                (0, -int(Q.Q8_0), -int(Q.Q4_0)), (-int(Q.Q4_1),), (0, -int(Q.Q5_0)))
+        runs[keep] = greedy_runs(module, tok, prompts)
+    for (tb, lb), (tf, lf) in zip(runs[True], runs[False]):
+        assert tb == tf
+        np.testing.assert_allclose(lb, lf, atol=1e-3)
+
 # Deviceless / lowering configs: (id, fmt, T, N, K, x dtype)
 LOWER = [("q4_1-t16-n576-k576-f32", "q4_1", 16, 576, 576, "float32"),
          ("q8_0-t1-n49152-k576-f32", "q8_0", 1, 49152, 576, "float32"),
