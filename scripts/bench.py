@@ -1,7 +1,7 @@
 """Generation benchmarks: jaxkv on the default model, optionally against
 Hugging Face transformers on the same GGUF, in the same process.
 
-    python scripts/bench.py [--peer hf] [--json out.json] [--quick] [--runs N]
+    python scripts/bench.py [--peer hf] [--peer llamacpp] [--json out.json] [--quick] [--runs N]
                             [--quantize w8a8] [--also-quantize w8a8]
 
 Phases (fixed prompts cut from one built-in text; greedy with the end token
@@ -79,7 +79,7 @@ from bench_plot import write_plot
 from bench_report import evaluate_goals, format_report  # noqa: F401 (re-exported)
 
 
-def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
+def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | tuple[str, ...] | None = None,
                    sizes: Sizes = FULL, runs: int = 3, cold_compile: bool = False,
                    quantize: str | None = None, also_quantize: tuple[str, ...] = (),
                    engine_options: dict | None = None, log=print) -> dict[str, Any]:
@@ -93,6 +93,8 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
 
     if runs < 1:
         raise ValueError(f"runs: must be >= 1, got {runs}")
+    peer_names = (peer,) if isinstance(peer, str) else tuple(peer or ())
+    peer = "+".join(peer_names) or None
     if cold_compile:
         jax.config.update("jax_enable_compilation_cache", False)
     else:
@@ -119,7 +121,13 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
                     for q in also_quantize}
         benches = dict(engine=jx, prefill_engine=jl, **{f"engine_{q}": v
                                                         for q, v in variants.items()})
-        hf = HFBench(model, _num_cores()) if peer == "hf" else None
+        hf = HFBench(model, _num_cores()) if "hf" in peer_names else None
+        peers = ()
+        if "llamacpp" in peer_names:
+            from bench_llamacpp import LlamaCppBench
+            peers = (LlamaCppBench(model, _num_cores()),)
+            res["meta"].update({f"llamacpp_{k}": v for k, v in peers[0].versions.items()},
+                               llamacpp_load_s=peers[0].load_s)
         res["meta"]["jaxkv_load_s"] = jx.load_s
         res["meta"]["engine"] = {k: v for k, v in dataclasses.asdict(jx.engine.config).items()
                                  if isinstance(v, (int, float, str, bool, type(None)))}
@@ -130,8 +138,8 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | None = None,
             res["meta"].update({f"hf_{k}": v for k, v in hf.versions.items()})
         res["model"] = dict(weight_bytes=jx.weight_bytes, kv_bytes_per_token=jx.kv_bytes_per_token,
                             num_layers=jx.config.num_layers, vocab_size=jx.config.vocab_size)
-        res["decode"] = decode_phase(jx, hf, sizes, runs, bw, log, variants)
-        res["prefill"] = prefill_phase(jx, jl, hf, sizes, runs, log)
+        res["decode"] = decode_phase(jx, hf, sizes, runs, bw, log, variants, peers)
+        res["prefill"] = prefill_phase(jx, jl, hf, sizes, runs, log, peers)
         res["e2e"] = e2e_phase(jx, sizes, runs, log)
     res["ttft"] = ttft_summary(res)
     res["compile"] = dict(programs=sum(len(b.runner.compiled) for b in benches.values()),
@@ -151,9 +159,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="model name or path (a GGUF file or Hugging Face folder for --peer hf) "
                         "(default: %(default)s, read from its GGUF)")
-    p.add_argument("--peer", choices=["hf"], default=None,
-                   help="also run Hugging Face transformers (torch CPU, float32) on the same "
-                        "weights, interleaved with jaxkv, and print the ratios")
+    p.add_argument("--peer", choices=["hf", "llamacpp"], action="append", default=[],
+                   help="also run a peer on the same weights, interleaved with jaxkv, and print "
+                        "the ratios (repeatable): hf, Hugging Face transformers (torch CPU, "
+                        "float32); llamacpp, llama-cpp-python on the same GGUF (optional, "
+                        "installed by hand; batch-1 decode and prefill)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the results here")
     p.add_argument("--quick", action="store_true",
                    help="smaller workloads (8 decode steps, prefill 256 only, 16 e2e requests)")

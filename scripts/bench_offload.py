@@ -5,7 +5,9 @@ and after a restart on the disk tier.
     python scripts/bench_offload.py [--conversations 48] [--turns 6] [--runs 2]
 
 Each conversation is a system prompt then `--turns` turns of a user message
-(`--user` tokens of text) and a greedy answer of `--answer` tokens; turn k's
+(`--user` tokens of text) and a greedy answer of `--answer` tokens on average
+(each turn's length drawn from answer/2..3 answer/2, seeded, so the
+conversations drift apart as chats do rather than finishing in lockstep); turn k's
 prompt is the whole history so far, so by the last turn it is about
 system + turns x (user + answer) tokens (~1.5k with the defaults). The
 conversations' turns are replayed round robin (every conversation's turn 1,
@@ -69,7 +71,8 @@ def make_engine(args, variant: str, disk_dir: str | None, pool_pages: int, host_
     from jaxkv.core.engine import LLMEngine
 
     kw = dict(num_pages=pool_pages, page_size=args.page_size, max_num_seqs=args.concurrency,
-              max_num_batched_tokens=args.batched_tokens, max_model_len=args.max_model_len)
+              max_num_batched_tokens=args.batched_tokens, max_model_len=args.max_model_len,
+              num_decode_steps=args.decode_steps)
     if variant == "host":
         kw.update(kv_offload_memory=host_bytes)
     elif variant in ("host+disk", "restart"):
@@ -84,7 +87,6 @@ def replay(eng, system, msgs, turns: range, history: dict, args) -> list[tuple[i
     conversation's tokens so far (extended with each turn and answer)."""
     from jaxkv.core.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=args.answer, temperature=0, ignore_eos=True)
     queue = collections.deque((c, turns.start) for c in range(len(msgs)))
     live: dict[str, tuple[int, int, float]] = {}  # rid -> (conversation, turn, t_added)
     first: dict[str, float] = {}
@@ -93,6 +95,8 @@ def replay(eng, system, msgs, turns: range, history: dict, args) -> list[tuple[i
         while queue and len(live) < args.concurrency:
             c, k = queue.popleft()
             history[c] = history.get(c, list(system)) + msgs[c][k]
+            params = SamplingParams(max_tokens=int(args.answer_lengths[c, k]), temperature=0,
+                                    ignore_eos=True)
             rid = eng.add_request(list(history[c]), params)
             live[rid] = (c, k, time.perf_counter())
         for out in eng.step():
@@ -101,7 +105,7 @@ def replay(eng, system, msgs, turns: range, history: dict, args) -> list[tuple[i
                 first[rid] = time.perf_counter()
             if out.finished:
                 c, k, t0 = live.pop(rid)
-                ttft.append((k, first[rid] - t0))
+                ttft.append((k, first[rid] - t0, len(out.outputs[0].token_ids)))
                 history[c] = history[c] + list(out.outputs[0].token_ids)
                 if k + 1 < turns.stop:
                     queue.append((c, k + 1))
@@ -131,17 +135,18 @@ def run_variant(args, variant: str, system, msgs, pool_pages: int, host_bytes: i
         eng.shutdown()
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
-    later = [t for k, t in ttft if k >= 1]
+    generated = sum(n for _, _, n in ttft)
+    later = [t for k, t, _ in ttft if k >= 1]
     res = dict(ttft_p50_later=float(np.percentile(later, 50)),
                ttft_p90_later=float(np.percentile(later, 90)),
-               ttft_p50_turn1=float(np.percentile([t for k, t in ttft if k == 0], 50)),
-               generated_tok_s=len(ttft) * args.answer / t_busy, seconds=t_busy,
+               ttft_p50_turn1=float(np.percentile([t for k, t, _ in ttft if k == 0], 50)),
+               generated_tok_s=generated / t_busy, seconds=t_busy,
                prompt_tokens_computed=sum(s.get("prompt_tokens_computed", 0)
                                           for s in stats[0::2]),
                tiers=stats[1::2])
     if variant == "restart":
         res["ttft_p50_after_restart"] = float(np.percentile(
-            [t for k, t in ttft if k >= args.turns // 2], 50))
+            [t for k, t, _ in ttft if k >= args.turns // 2], 50))
     return res
 
 
@@ -150,13 +155,16 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--conversations", type=int, default=48)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--system", type=int, default=96)
-    ap.add_argument("--user", type=int, default=200)
-    ap.add_argument("--answer", type=int, default=32)
+    ap.add_argument("--system", type=int, default=256)
+    ap.add_argument("--user", type=int, default=100)
+    ap.add_argument("--answer", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--batched-tokens", type=int, default=512)
     ap.add_argument("--pool-fraction", type=float, default=0.2)
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="the engine's num_decode_steps (1: a turn's TTFT never waits on a "
+                         "multi-step decode call already in flight)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None)
@@ -172,7 +180,9 @@ def main() -> None:
     del probe
     system, msgs = conversations(tokenizer, vocab, args.conversations, args.turns, args.system,
                                  args.user)
-    final = args.system + args.turns * (args.user + args.answer)
+    args.answer_lengths = np.random.default_rng(11).integers(
+        args.answer // 2, args.answer * 3 // 2 + 1, (args.conversations, args.turns))
+    final = args.system + args.turns * args.user + int(args.answer_lengths.sum(1).max())
     args.max_model_len = final + args.page_size
     pool_pages = max(int(args.pool_fraction * args.conversations * final / args.page_size),
                      args.concurrency * -(-final // args.page_size)) + 1
@@ -208,7 +218,8 @@ def main() -> None:
         HERE / "results" / f"bench_offload_cpu_{datetime.date.today().isoformat()}.json")
     out.write_text(json.dumps(dict(
         command=" ".join(sys.argv), cpu=_cpu_name(), cores=_num_cores(), loadavg=_loadavg(),
-        args={k: v for k, v in vars(args).items()}, pool_pages=pool_pages,
+        args={k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in vars(args).items()},
+        pool_pages=pool_pages,
         host_bytes=host_bytes, final_history_tokens=final, table=table, runs=runs), indent=1))
     print(f"wrote {out}")
 

@@ -32,10 +32,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def decode_phase(jx: JaxkvBench, hf: HFBench | None, sizes: Sizes, runs: int, bw: dict,
-                 log, variants: dict[str, JaxkvBench] | None = None) -> dict[str, Any]:
+                 log, variants: dict[str, JaxkvBench] | None = None,
+                 peers: tuple = ()) -> dict[str, Any]:
     """Decode at each batch; `variants` (name -> the engine on other
     weights, e.g. w8a8) run the same decodes at the batches HF runs,
-    interleaved with the others (entry["variants"][name])."""
+    interleaved with the others (entry["variants"][name]); `peers`: more
+    peers (`bench_llamacpp.LlamaCppBench`) at the batches they decode
+    (entry[peer.name], entry["ratio_vs_" + peer.name])."""
     P, N = sizes.decode_prompt, sizes.decode_steps
     prompts = make_prompts(jx.stream, [P] * max(sizes.decode_batches))
     out: dict[str, Any] = {}
@@ -45,6 +48,11 @@ def decode_phase(jx: JaxkvBench, hf: HFBench | None, sizes: Sizes, runs: int, bw
             hf_state = hf.decode_setup(prompts[:B])
             hf.decode_run(hf_state, 2)
         vs = {k: v for k, v in (variants or {}).items() if B in sizes.hf_decode_batches}
+        ps = {}
+        for p in peers if B in sizes.hf_decode_batches else ():
+            if (st := p.decode_setup(prompts[:B])) is not None:
+                p.decode_run(st, 2)
+                ps[p.name] = (p, st, [])
         jr, ht, vr = [], [], {k: [] for k in vs}
         for r in range(runs):
             jr.append(jx.decode_run(prompts[:B], N))
@@ -52,10 +60,13 @@ def decode_phase(jx: JaxkvBench, hf: HFBench | None, sizes: Sizes, runs: int, bw
                 vr[k].append(v.decode_run(prompts[:B], N))
             if hf_state is not None:
                 ht.append(hf.decode_run(hf_state, N))
+            for p, st, times in ps.values():
+                times.append(p.decode_run(st, N))
             log(f"bench: decode batch {B} run {r + 1}/{runs}: jaxkv "
                 f"{jr[-1]['tokens'] / jr[-1]['seconds']:.1f} tok/s"
                 + "".join(f", {k} {x[-1]['tokens'] / x[-1]['seconds']:.1f}" for k, x in vr.items())
-                + (f", hf {B * N / ht[-1]:.1f} tok/s" if ht else ""))
+                + (f", hf {B * N / ht[-1]:.1f} tok/s" if ht else "")
+                + "".join(f", {k} {B * N / t[-1]:.1f} tok/s" for k, (_, _, t) in ps.items()))
         m = _median_run(jr, lambda x: x["tokens"] / x["seconds"])
         steps = m["tokens"] / B
         # Each decode step reads the weights once and every sequence's live K/V.
@@ -74,6 +85,9 @@ def decode_phase(jx: JaxkvBench, hf: HFBench | None, sizes: Sizes, runs: int, bw
         if ht:
             entry["hf"] = _entry([(t, B * N) for t in ht], step_ms=1e3 * _median(ht) / N)
             entry["ratio"] = _ratio(e["tok_per_s"], entry["hf"]["tok_per_s"])
+        for k, (_, _, times) in ps.items():
+            entry[k] = _entry([(t, B * N) for t in times], step_ms=1e3 * _median(times) / N)
+            entry[f"ratio_vs_{k}"] = _ratio(e["tok_per_s"], entry[k]["tok_per_s"])
         if vr:
             entry["variants"] = {k: _entry([(x["seconds"], x["tokens"]) for x in xs],
                                            new_compiles_in_timed_runs=sum(
@@ -83,12 +97,14 @@ def decode_phase(jx: JaxkvBench, hf: HFBench | None, sizes: Sizes, runs: int, bw
                 v["ratio_vs_jaxkv"] = _ratio(v["tok_per_s"], e["tok_per_s"])
                 if "hf" in entry:
                     v["ratio"] = _ratio(v["tok_per_s"], entry["hf"]["tok_per_s"])
+                for k in ps:
+                    v[f"ratio_vs_{k}"] = _ratio(v["tok_per_s"], entry[k]["tok_per_s"])
         out[f"batch{B}"] = entry
     return out
 
 
 def prefill_phase(jx: JaxkvBench, jl: JaxkvBench, hf: HFBench | None, sizes: Sizes, runs: int,
-                  log) -> dict[str, Any]:
+                  log, peers: tuple = ()) -> dict[str, Any]:
     """Prefill n tokens in one step (`jl`, the lone-prompt engine whose
     budget holds the longest prompt), and in chunks of the default token
     budget (`jx`); HF runs one forward either way (its figure for the same
@@ -103,14 +119,20 @@ def prefill_phase(jx: JaxkvBench, jl: JaxkvBench, hf: HFBench | None, sizes: Siz
         peer = hf is not None and not (chunked and f"tokens{n}" in out)
         if peer:
             hf.prefill(prompt)
+        more = {} if chunked else {p.name: (p, []) for p in peers}
+        for p, _ in more.values():
+            p.prefill(prompt)
         jr, ht = [], []
         for r in range(runs):
             jr.append(eng.engine_run(reqs, sequential=False))
             if peer:
                 ht.append(hf.prefill(prompt))
+            for p, times in more.values():
+                times.append(p.prefill(prompt))
             log(f"bench: prefill {n}{' chunked' if chunked else ''} run {r + 1}/{runs}: jaxkv "
                 f"{n / jr[-1]['ttft_s'][0]:.1f} tok/s"
-                + (f", hf {n / ht[-1]:.1f} tok/s" if ht else ""))
+                + (f", hf {n / ht[-1]:.1f} tok/s" if ht else "")
+                + "".join(f", {k} {n / t[-1]:.1f} tok/s" for k, (_, t) in more.items()))
         jt = [x["ttft_s"][0] for x in jr]
         e = _entry([(t, n) for t in jt], ttft_ms=1e3 * _median(jt),
                    new_compiles_in_timed_runs=sum(x["new_compiles"] for x in jr))
@@ -122,6 +144,9 @@ def prefill_phase(jx: JaxkvBench, jl: JaxkvBench, hf: HFBench | None, sizes: Siz
             entry["hf"] = out[f"tokens{n}"]["hf"]
         if "hf" in entry:
             entry["ratio"] = _ratio(e["tok_per_s"], entry["hf"]["tok_per_s"])
+        for k, (_, times) in more.items():
+            entry[k] = _entry([(t, n) for t in times], ttft_ms=1e3 * _median(times))
+            entry[f"ratio_vs_{k}"] = _ratio(e["tok_per_s"], entry[k]["tok_per_s"])
         out[f"tokens{n}{'_chunked' if chunked else ''}"] = entry
     return out
 

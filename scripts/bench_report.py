@@ -14,6 +14,8 @@ GOAL_DECODE16_VS_HF = 3.0
 GOAL_E2E_TOK_S = 300.0
 GOAL_PREFILL256_VS_LLAMA_CPP = 2.0
 GOAL_PREFILL_VS_HF = 1.3  # every prefill length; >= 1.0 is the floor
+GOAL_DECODE1_VS_LLAMACPP = 1.0  # batch-1 decode on the same GGUF (--peer llamacpp)
+PEERS = ("llamacpp",)  # peers beside hf (entry[name], entry["ratio_vs_" + name])
 
 
 def evaluate_goals(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -34,6 +36,8 @@ def evaluate_goals(res: dict[str, Any]) -> list[dict[str, Any]]:
         add("decode batch 1 vs fp32 bandwidth limit", "decode/batch1",
             d1["jaxkv"]["tok_per_s"] / limit, GOAL_DECODE1_BW_FRACTION,
             f">= {100 * GOAL_DECODE1_BW_FRACTION:.0f}% of bw limit {limit:.1f} tok/s", "{:.0%}")
+        add("decode batch 1 vs llama.cpp", "decode/batch1", d1.get("ratio_vs_llamacpp"),
+            GOAL_DECODE1_VS_LLAMACPP, f">= {GOAL_DECODE1_VS_LLAMACPP:g}x llama.cpp", "{:.2f}x")
     d16 = res["decode"].get("batch16")
     if d16:
         add("decode batch 16 vs HF", "decode/batch16", d16.get("ratio"), GOAL_DECODE16_VS_HF,
@@ -85,16 +89,23 @@ def format_report(res: dict[str, Any]) -> str:
         for name, v in e.get("variants", {}).items():
             rows.append((f"jaxkv {name}", "decode", str(e["batch"]), _fmt(v["tok_per_s"]),
                          _fmt(v["ratio_vs_jaxkv"], ".2f") + "x vs jaxkv"
-                         + (f", {v['ratio']:.2f}x vs hf" if v.get("ratio") else ""), "", ""))
-        if "hf" in e:
-            rows.append(("hf", "decode", str(e["batch"]), _fmt(e["hf"]["tok_per_s"]), "", "", ""))
+                         + (f", {v['ratio']:.2f}x vs hf" if v.get("ratio") else "")
+                         + "".join(f", {v['ratio_vs_' + p]:.2f}x vs {p}" for p in PEERS
+                                   if v.get("ratio_vs_" + p)), "", ""))
+        for p in ("hf",) + PEERS:
+            if p in e:
+                rows.append((p, "decode", str(e["batch"]), _fmt(e[p]["tok_per_s"]),
+                             "" if p == "hf" else _fmt(e.get("ratio_vs_" + p), ".2f")
+                             + "x (jaxkv / peer)", "", ""))
     for key, e in res["prefill"].items():
         g, m = goal_cells(f"prefill/{key}")
         rows.append(("jaxkv", _prefill_label(e), "1", _fmt(e["jaxkv"]["tok_per_s"]),
                      _fmt(e.get("ratio"), ".2f") + ("x vs hf" if e.get("ratio") else ""), g, m))
-        if "hf" in e and e.get("steps", 1) == 1:
-            rows.append(("hf", f"prefill {e['prompt_tokens']}", "1", _fmt(e["hf"]["tok_per_s"]),
-                         "", "", ""))
+        for p in ("hf",) + PEERS:
+            if p in e and e.get("steps", 1) == 1:
+                rows.append((p, f"prefill {e['prompt_tokens']}", "1", _fmt(e[p]["tok_per_s"]),
+                             "" if p == "hf" else _fmt(e.get("ratio_vs_" + p), ".2f")
+                             + "x (jaxkv / peer)", "", ""))
     e2e = res["e2e"]
     n = e2e["num_requests"]
     g, m = goal_cells("e2e/batched")
