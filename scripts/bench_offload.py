@@ -9,7 +9,7 @@ Each conversation is a system prompt then `--turns` turns of a user message
 (each turn's length drawn from answer/2..3 answer/2, seeded, so the
 conversations drift apart as chats do rather than finishing in lockstep); turn k's
 prompt is the whole history so far, so by the last turn it is about
-system + turns x (user + answer) tokens (~1.5k with the defaults). The
+system + turns x (user + answer) tokens (up to ~1.4k with the defaults). The
 conversations' turns are replayed round robin (every conversation's turn 1,
 then every turn 2, ...), `--concurrency` requests at a time, through a
 device pool sized to hold `--pool-fraction` of the final histories: by the
