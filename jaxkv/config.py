@@ -147,8 +147,10 @@ class EngineConfig:
     speculative_config: dict | None = _opt(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
               '4} (prompt lookup; "prompt_lookup_max" / "prompt_lookup_min" the n-gram '
-              'lengths tried) or {"method": "draft_model", "model": PATH, '
-              '"num_speculative_tokens": 4}; outputs are exactly those without it',
+              'lengths tried), {"method": "draft_model", "model": PATH, '
+              '"num_speculative_tokens": 4} or {"method": "eagle3", "model": HEAD_DIR, '
+              '"num_speculative_tokens": 4} (an EAGLE-3 head, e.g. from jaxkv train-draft); '
+              'outputs are exactly those without it',
         parse="json")
 
     @property
@@ -239,7 +241,10 @@ class SpeculativeConfig:
     prompt_lookup_max down to prompt_lookup_min) matched against the
     sequence's own earlier tokens, the tokens that followed proposed.
     method "draft_model": a smaller model (`model`, any path jaxkv loads,
-    same vocabulary) proposes greedily. num_speculative_tokens: k, the most
+    same vocabulary) proposes greedily. method "eagle3": an EAGLE-3 draft
+    head (`model`, a folder in the Hugging Face layout, `checkpoints.eagle3`)
+    proposes greedily from the target's own hidden states
+    (`jaxkv.core.eagle`). num_speculative_tokens: k, the most
     proposals a sequence brings to one step (static: one program per k).
     adaptive: speculate only in steps where it is expected to pay, from the
     measured cost of verifying and the acceptance so far
@@ -253,7 +258,7 @@ class SpeculativeConfig:
     model: str | None = None
     adaptive: bool = True
 
-    METHODS = ("ngram", "draft_model")
+    METHODS = ("ngram", "draft_model", "eagle3")
     MAX_TOKENS = 16
 
     @classmethod
@@ -290,11 +295,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: prompt_lookup_min {lo} exceeds "
                              f"prompt_lookup_max {hi}")
         model = d.get("model")
-        if method == "draft_model" and (not isinstance(model, str) or not model):
-            raise ValueError("speculative_config.model: the draft model's name or path is "
-                             "required with method 'draft_model'")
+        if method in ("draft_model", "eagle3") and (not isinstance(model, str) or not model):
+            what = "draft model's name" if method == "draft_model" else "EAGLE-3 head's folder"
+            raise ValueError(f"speculative_config.model: the {what} or path is required with "
+                             f"method {method!r}")
         if method == "ngram" and model is not None:
-            raise ValueError("speculative_config.model: only with method 'draft_model'")
+            raise ValueError("speculative_config.model: only with method 'draft_model' or "
+                             "'eagle3'")
         adaptive = d.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive: must be true or false, got "

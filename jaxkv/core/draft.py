@@ -82,6 +82,10 @@ class DraftProposer:
         return ([("forward", k) for k in steps] + [k for k in steps if k.loops]
                 + [("copy", COPY_WIDTH)])
 
+    @property
+    def compiled(self) -> list:
+        return self.runner.compiled
+
     def warm_up(self) -> dict:
         return self.runner.warm_up(progress=False, keys=self.program_keys())
 
@@ -117,15 +121,35 @@ class DraftProposer:
     def copy_pages(self, pairs) -> None:
         self.runner.copy_pages(pairs)
 
+    def follow(self, scheduled, pending, res) -> None:
+        """Nothing after the target's step: the mirror ran before it."""
 
-def make_proposer(config, engine, buckets, draft_model=None, store=None):
+
+def eagle_head(model, spec, given=None):
+    """With method "eagle3": the head (loaded, or `given` as a
+    `jaxkv.core.eagle.Head`), the target set to return the features it
+    reads; else None. Before the target's Runner is made."""
+    if spec is None or spec.method != "eagle3":
+        return None
+    from jaxkv.core.eagle import Head, prepare_target
+
+    return prepare_target(model, spec, given if isinstance(given, Head) else None)
+
+
+def make_proposer(config, engine, buckets, draft_model=None, store=None, head=None, model=None):
     """(proposer, draft) for an engine: (None, None) when speculation is
-    off; a draft model's proposer is also the draft (it mirrors every step
-    into its own cache)."""
+    off; a draft model's proposer, or an EAGLE-3 head's (`head`, from
+    `jaxkv.core.eagle.prepare_target`, and the target `model`), is also the
+    draft (it follows every step into its own cache)."""
     spec = config.speculative
     if spec is None:
         return None, None
     if spec.method == "ngram":
         return NgramProposer(spec), None
+    if spec.method == "eagle3":
+        from jaxkv.core.eagle import EagleProposer
+
+        eagle = EagleProposer.for_engine(spec, config, engine, buckets, head, model)
+        return eagle, eagle
     draft = DraftProposer.for_engine(spec, config, engine, buckets, draft_model, store)
     return draft, draft

@@ -39,7 +39,7 @@ from jaxkv.core.scheduler import Scheduler
 from jaxkv.core.scheduler_output import SchedulerOutput
 from jaxkv.core.seats import Seats
 from jaxkv.core.sequence import Sequence
-from jaxkv.core.draft import make_proposer
+from jaxkv.core.draft import eagle_head, make_proposer
 from jaxkv.core.spec_decode import SpecControl
 from jaxkv.core.structured import Grammars
 from jaxkv.core.kv_evict import make_evictor
@@ -82,6 +82,7 @@ class LLMEngine:
         # fp8: the checkpoint's KV scales where it carries them, else calibrated below.
         cache, kv_scales = engine_cache(model, self.cache_config, self.sharding)
         store = ProgramStore.for_engine(config)
+        head = eagle_head(model, config.speculative, draft_model)  # its steps return features
         self.runner = Runner(model, cache, buckets, self.attention,
                              max_decode_steps=config.num_decode_steps,
                              num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed,
@@ -93,7 +94,8 @@ class LLMEngine:
                                    self.runner.set_lora, self.sharding)
                       if config.enable_lora else None)
         # A draft model keeps its own cache in step, so it sees every step.
-        proposer, self.draft = make_proposer(config, self, buckets, draft_model, store)
+        proposer, self.draft = make_proposer(config, self, buckets, draft_model, store, head,
+                                             model)
         self.evictor = make_evictor(config, self.runner, self.bm)  # snapkv / h2o
         self.tier = self.bm.tier = make_tier(config, self.runner, model, kv_dtype,
                                              hybrid=bool(ring), draft=self.draft is not None)
@@ -240,7 +242,7 @@ class LLMEngine:
     def _num_programs(self) -> int:
         """Programs ready so far (the draft's too): a step that compiled
         one says nothing about what a step costs."""
-        return len(self.runner.compiled) + (len(self.draft.runner.compiled) if self.draft else 0)
+        return len(self.runner.compiled) + (len(self.draft.compiled) if self.draft else 0)
 
     def speculative_metrics(self) -> dict:
         """Speculative decoding so far ({} when off): verify steps, drafts,

@@ -64,7 +64,10 @@ class Executor:
 
     def run(self, scheduled: Sequence, num_steps: int) -> tuple[StepResult, list[int]]:
         pending, stuck = self.dispatch(scheduled, num_steps)
-        return self.runner.fetch(pending), stuck
+        res = self.runner.fetch(pending)
+        if self.draft is not None:  # an EAGLE-3 head reads the step's features and tokens
+            self.draft.follow(scheduled, pending, res)
+        return res, stuck
 
     def score(self, sc) -> tuple[ScoreResult, list[int]]:
         """Rows [sc.start, sc.start + sc.num_rows) of one sequence; row r's

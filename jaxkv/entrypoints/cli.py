@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_convert)
 
     add_estimate_command(sub)
+    from jaxkv.entrypoints.train_draft import add_command as add_train_draft
+    add_train_draft(sub)
 
     return p
 

@@ -104,6 +104,10 @@ class Llama(nnx.Module):
         # grouped by (`jaxkv.sharding.shard_model`); 1 unsharded.
         self.num_shards = 1
         self.expert_parallel = False  # experts split whole over the shards (jaxkv.model.moe)
+        # An EAGLE-3 head's feature layers (`jaxkv.model.eagle`): id j is the
+        # input of layer j (0 the embeddings, L the last layer's output).
+        # Set before the model is split; () returns no features.
+        self.aux_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
@@ -143,9 +147,11 @@ class Llama(nnx.Module):
         return np.stack([np.asarray(layer.attn.kv_scale[...]) for layer in self.layers])
 
     def __call__(self, cache: KVCache, batch, attention: AttentionSpec, *,
-                 all_decode: bool | None = None):
+                 all_decode: bool | None = None, features: bool = False):
         """One ragged step: returns (logits [S, V] float32 at each sequence's
-        logits_indices row, updated cache). `batch` is a
+        logits_indices row, updated cache), and with `features` a third
+        output: the `aux_layers` inputs side by side, [T, len(aux_layers) E]
+        (an EAGLE-3 head reads them). `batch` is a
         `jaxkv.worker.step_batch.StepBatch` (any object with its token,
         position, slot and sequence fields); `attention` the engine's
         attention choice; `all_decode` (static) tells the attention that
@@ -177,7 +183,10 @@ class Llama(nnx.Module):
         routed = None
         lora = getattr(self, "lora", None)  # adapters in slots (jaxkv.model.lora)
         rows = None if lora is None else lora.rows(batch.lora_slot, x.dtype, mesh, attention.platform)
+        feats = {}
         for i, layer in enumerate(self.layers):
+            if features and i in self.aux_layers:
+                feats[i] = x
             h = rms_norm(x, layer.attn_norm[...], eps, off)
             a = layer.attn
             inv_freq = (self.inv_freq_local if cfg.local_rope(i) else self.inv_freq)[...]
@@ -231,6 +240,9 @@ class Llama(nnx.Module):
             x = x + m
         if routed is not None and cache.routed is not None:
             cache = dataclasses.replace(cache, routed=cache.routed + routed)
+        if features:
+            feats[cfg.num_layers] = x
+            aux = jnp.concatenate([feats[j] for j in self.aux_layers], axis=-1)
         h = x[batch.logits_indices]  # [S, E]
         h = rms_norm(h, self.final_norm[...], eps, off)
         if blocks:
@@ -244,6 +256,8 @@ class Llama(nnx.Module):
                 # the logits [S, V] move rather than the weight [E, V].
                 logits = _constrain(logits, mesh, None, "model")
         logits = soft_cap(logits, cfg.final_logit_softcap)
+        if features:
+            return _constrain(logits, mesh), cache, _constrain(aux, mesh)
         return _constrain(logits, mesh), cache  # every shard samples from all of V
 
 

@@ -55,6 +55,8 @@ class Pending:
     fields: tuple  # (tokens, logprobs, top_ids, top_logprobs, finite), re-sampled if need be
     num_seqs: int
     t0: float
+    batch: Any = None  # the packed StepBatch it ran
+    key: Any = None  # its program key
 
 
 def _abstract(tree):
@@ -175,7 +177,7 @@ class Runner:
         fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
         if redraw:
             fields = self._resample(out, batch.sampling, batch.num_output, plan, key.seqs)
-        return Pending(out, fields, plan.num_seqs, t0)
+        return Pending(out, fields, plan.num_seqs, t0, batch, key)
 
     def fetch(self, pending: Pending) -> StepResult:
         """Wait for a dispatched step and read its outputs to the host."""

@@ -47,7 +47,9 @@ class StepOutput:
     calls run (rows past it are zeros); logits [S, V] f32 of the last call;
     counts [S] the rows of each sequence that are its tokens (steps, or in
     a verify step its accepted proposals plus one); routed [X] the cache's
-    wrapping routed counts after the step (a mixture of experts; else None)."""
+    wrapping routed counts after the step (a mixture of experts; else None);
+    features [T, n E] the model's `aux_layers` inputs at every row of the
+    last call (an EAGLE-3 head's; else None)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -58,6 +60,15 @@ class StepOutput:
     logits: jax.Array
     counts: jax.Array
     routed: jax.Array | None = None
+    features: jax.Array | None = None
+
+
+def run_model(model, cache: KVCache, batch, attention: AttentionSpec, all_decode):
+    """(logits, cache, features): the model's `aux_layers` inputs when it
+    has any (an EAGLE-3 head reads them), else None."""
+    if model.aux_layers:
+        return model(cache, batch, attention, all_decode=all_decode, features=True)
+    return (*model(cache, batch, attention, all_decode=all_decode), None)
 
 
 @jax.tree_util.register_dataclass
@@ -136,14 +147,14 @@ def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *, kind: 
 def _step(model, cache: KVCache, batch: StepBatch, rng, *, kind: str, max_steps: int,
           num_top_logprobs: int, attention: AttentionSpec):
     if kind == "mixed":  # one step, some rows are prefill chunks
-        logits, cache = model(cache, batch, attention, all_decode=False)
+        logits, cache, feats = run_model(model, cache, batch, attention, False)
         out = sample(logits, batch.sampling, rng, batch.num_output,
                      num_top_logprobs=num_top_logprobs)
         t, lp, ti, tl = (x[None] for x in _stack(out))
         finite = jnp.all(jnp.isfinite(logits), axis=-1)[None]
         S = batch.kv_lens.shape[0]
         return StepOutput(t, lp, ti, tl, finite, jnp.int32(1), logits,
-                          jnp.ones(S, jnp.int32)), cache
+                          jnp.ones(S, jnp.int32), features=feats), cache
     # "decode": every row a decode; "both": decided at run time (a mixed
     # batch runs with num_steps 1, its rows need not be its sequences).
     return _decode_loop(model, cache, batch, rng, max_steps=max_steps,
@@ -165,12 +176,12 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
     num_steps = jnp.minimum(batch.num_steps, max_steps)
 
     def cond(carry):
-        i, _, _, done, _, _ = carry
+        i, _, _, done, _, _, _ = carry
         return (i < num_steps) & ~jnp.all(done)
 
     def body(carry):
-        i, cache, b, done, bufs, _ = carry
-        logits, cache = model(cache, b, attention, all_decode=all_decode)
+        i, cache, b, done, bufs, _, _ = carry
+        logits, cache, feats = run_model(model, cache, b, attention, all_decode)
         out = sample(logits, b.sampling, rng, b.num_output, num_top_logprobs=N)
         row = _stack(out) + (jnp.all(jnp.isfinite(logits), axis=-1),)
         bufs = tuple(buf.at[i].set(x) for buf, x in zip(bufs, row))
@@ -185,8 +196,11 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
         b = dataclasses.replace(b, token_ids=t, positions=pos, slot_mapping=slot,
                                 kv_lens=jnp.where(live, b.kv_lens + 1, 0),
                                 num_output=b.num_output + 1)
-        return i + 1, cache, b, done, bufs, logits
+        return i + 1, cache, b, done, bufs, logits, feats
 
-    init = (jnp.int32(0), cache, batch, ~live, bufs, jnp.zeros((S, V), jnp.float32))
-    n, cache, _, _, bufs, logits = jax.lax.while_loop(cond, body, init)
-    return StepOutput(*bufs, n, logits, jnp.full(S, n, jnp.int32)), cache
+    T = batch.token_ids.shape[0]
+    feats = (jnp.zeros((T, len(model.aux_layers) * model.config.hidden_size),
+                       model.final_norm[...].dtype) if model.aux_layers else None)
+    init = (jnp.int32(0), cache, batch, ~live, bufs, jnp.zeros((S, V), jnp.float32), feats)
+    n, cache, _, _, bufs, logits, feats = jax.lax.while_loop(cond, body, init)
+    return StepOutput(*bufs, n, logits, jnp.full(S, n, jnp.int32), features=feats), cache

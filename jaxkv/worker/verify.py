@@ -31,7 +31,7 @@ from flax import nnx
 from jaxkv.model.attention import AttentionSpec
 from jaxkv.model.kv_cache import KVCache
 from jaxkv.worker.sampler import sample
-from jaxkv.worker.step import StepOutput, newest, take_previous
+from jaxkv.worker.step import StepOutput, newest, run_model, take_previous
 from jaxkv.worker.step_batch import StepBatch
 
 
@@ -54,7 +54,7 @@ def verify_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *,
 
 def _verify(model, cache: KVCache, batch: StepBatch, rng, *, num_spec: int,
             num_top_logprobs: int, attention: AttentionSpec):
-    logits, cache = model(cache, batch, attention, all_decode=False)  # [S (k+1), V]
+    logits, cache, feats = run_model(model, cache, batch, attention, False)  # [S (k+1), V]
     S = batch.kv_lens.shape[0]
     T = batch.token_ids.shape[0]
     K1 = num_spec + 1
@@ -76,4 +76,4 @@ def _verify(model, cache: KVCache, batch: StepBatch, rng, *, num_spec: int,
     return StepOutput(tokens.T, by_row(out.logprob), by_row(out.top_ids),
                       by_row(out.top_logprobs), by_row(finite), jnp.int32(K1),
                       logits.reshape(S, K1, -1)[:, 0],
-                      jnp.where(live, accepted + 1, 0).astype(jnp.int32)), cache
+                      jnp.where(live, accepted + 1, 0).astype(jnp.int32), features=feats), cache

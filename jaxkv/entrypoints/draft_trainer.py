@@ -1,0 +1,208 @@
+"""Training an EAGLE-3 head (`jaxkv train-draft`, `jaxkv.entrypoints.train_draft`):
+the objective on the engine's own unrolled computation
+(`jaxkv.model.eagle.unrolled_logits`, EAGLE-3's training-time test), optax's
+AdamW with warm-up, cosine decay and clipping, orbax checkpoints from which
+a killed run resumes to the same state (each step's batch is a function of
+the step), and the held-out mean accepted length."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.entrypoints.draft_data import draft_index
+from jaxkv.model import eagle as head_ops
+
+LOSS_DECAY = 0.8  # weight of chained step j: LOSS_DECAY ** j
+
+
+def chain_targets(batch, t2d, steps: int):
+    """Labels [steps, B, T] in draft ids, where they count [steps, B, T],
+    and the anchors whose proposals are scored [B, T]. Step j at anchor t
+    reads token t + j + 1 and predicts the target's token after it
+    (labels[t + j + 1]); a label outside the draft vocabulary counts as
+    a miss. Anchors: rows from the last prompt token on (where decoding
+    proposes) with a next row."""
+    labels, mask = batch["labels"], batch["mask"]
+    B, T = labels.shape
+    shift = lambda x, n: jnp.concatenate(  # noqa: E731
+        [x[:, n:], jnp.zeros((B, n), x.dtype)], axis=1)
+    lab = jnp.stack([t2d[shift(labels, j + 1)] for j in range(steps)])
+    real = jnp.stack([shift(mask, j + 1) for j in range(steps)])
+    anchors = real[0] & (jnp.arange(T)[None, :] >= batch["start"][:, None] - 1)
+    return lab, real & (lab >= 0), anchors
+
+
+def loss_and_metrics(trainable, frozen, batch, cfg, steps: int):
+    """(weighted cross-entropy, {"loss", "accept"}): `accept` is the mean
+    accepted length of k = `steps` greedy proposals over the anchors."""
+    params = {**trainable, **frozen["params"]}
+    feats = batch["feats"].astype(params["fc"].dtype)
+    logits = head_ops.unrolled_logits(cfg, params, frozen["embed"], feats, batch["tokens"],
+                                      batch["mask"], steps)  # [J, B, T, Vd]
+    labels, ok, anchors = chain_targets(batch, frozen["t2d"], steps)
+    ok = ok & batch["mask"][None]
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(lp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+    w = LOSS_DECAY ** jnp.arange(steps, dtype=jnp.float32)
+    per_step = (nll * ok).sum((1, 2)) / jnp.maximum(ok.sum((1, 2)), 1)
+    loss = (w * per_step).sum() / w.sum()
+    hit = (jnp.argmax(logits, -1) == labels) & ok  # a label outside the vocabulary: a miss
+    run = jnp.cumprod(hit.astype(jnp.int32), axis=0)  # accepted while every earlier one was
+    accept = 1 + (run * anchors[None]).sum() / jnp.maximum(anchors.sum(), 1)
+    return loss, {"loss": loss, "accept": accept}
+
+
+def _batches(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """The sequence indices of training step `step` (a fixed function of
+    the step: a resumed run sees the same batches)."""
+    epoch, pos = divmod(step * batch_size, n)
+    idx = []
+    while len(idx) < batch_size:
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        take = order[pos:pos + batch_size - len(idx)]
+        idx.extend(take.tolist())
+        epoch, pos = epoch + 1, 0
+    return np.asarray(idx)
+
+
+def _take(data: dict, idx) -> dict:
+    out = {k: jnp.asarray(data[k][idx]) for k in ("feats", "tokens", "labels", "mask")}
+    start = data.get("start")
+    out["start"] = jnp.asarray(start[idx] if start is not None
+                               else np.zeros(len(idx), np.int32))
+    return out
+
+
+class Trainer:
+    """The optimizer, the jitted step and evaluation, and the orbax
+    checkpoints of one training run."""
+
+    def __init__(self, cfg: head_ops.Eagle3Config, params: dict, embed, *, steps: int,
+                 lr: float = 1e-3, warmup: int | None = None, clip: float = 0.5,
+                 weight_decay: float = 0.0, chain: int = 4, ckpt_dir: str | os.PathLike | None = None,
+                 save_every: int = 50):
+        import optax
+
+        self.cfg = cfg
+        self.chain = chain
+        self.steps = steps
+        trainable = {k: jnp.asarray(v) for k, v in params.items() if k not in ("d2t", "embed")}
+        self.frozen = {"params": {"d2t": jnp.asarray(params["d2t"])},
+                       "embed": jnp.asarray(params["embed"] if "embed" in params else embed),
+                       "t2d": jnp.asarray(draft_index(np.asarray(params["d2t"]), cfg.vocab_size))}
+        warmup = max(1, steps // 20) if warmup is None else warmup
+        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
+                                                      end_value=lr * 0.05)
+        self.opt = optax.chain(optax.clip_by_global_norm(clip),
+                               optax.adamw(schedule, weight_decay=weight_decay))
+        self.state = {"params": trainable, "opt": self.opt.init(trainable),
+                      "step": jnp.zeros((), jnp.int32)}
+        self._manager = None
+        self.save_every = save_every
+        if ckpt_dir is not None:
+            import orbax.checkpoint as ocp
+
+            self._manager = ocp.CheckpointManager(
+                Path(ckpt_dir).absolute(),
+                options=ocp.CheckpointManagerOptions(max_to_keep=2,
+                                                     save_interval_steps=save_every))
+        opt, frozen = self.opt, self.frozen
+
+        def train_step(state, batch):
+            grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
+            (_, metrics), grads = grad_fn(state["params"], frozen, batch, cfg, chain)
+            updates, new_opt = opt.update(grads, state["opt"], state["params"])
+            return {"params": optax.apply_updates(state["params"], updates), "opt": new_opt,
+                    "step": state["step"] + 1}, metrics
+
+        self._step = jax.jit(train_step, donate_argnums=(0,))
+        self._eval = jax.jit(lambda p, b: loss_and_metrics(p, frozen, b, cfg, chain)[1])
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    def restore(self) -> bool:
+        """Resume from the newest checkpoint, if any: True when restored."""
+        import orbax.checkpoint as ocp
+
+        if self._manager is None or self._manager.latest_step() is None:
+            return False
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, self.state)
+        self.state = self._manager.restore(self._manager.latest_step(),
+                                           args=ocp.args.StandardRestore(abstract))
+        return True
+
+    def save(self, force: bool = False) -> None:
+        import orbax.checkpoint as ocp
+
+        if self._manager is not None:
+            self._manager.save(self.step, args=ocp.args.StandardSave(self.state), force=force)
+            self._manager.wait_until_finished()
+
+    def train_step(self, batch) -> dict:
+        self.state, metrics = self._step(self.state, batch)
+        if self._manager is not None and self.step % self.save_every == 0:
+            self.save()
+        return metrics
+
+    def evaluate(self, data: dict, batch_size: int = 8) -> dict:
+        """Mean loss and accepted length over `data` (weighted by anchors)."""
+        tot = {"loss": 0.0, "accept": 0.0}
+        n = 0
+        N = len(data["tokens"])
+        for i in range(0, N, batch_size):
+            idx = np.arange(i, min(i + batch_size, N))
+            idx = np.concatenate([idx, np.full(batch_size - len(idx), idx[-1])])
+            b = _take(data, idx)
+            w = float(np.asarray(b["mask"])[:len(idx)].sum())
+            m = self._eval(self.state["params"], b)
+            tot = {k: tot[k] + w * float(m[k]) for k in tot}
+            n += w
+        return {k: v / max(n, 1) for k, v in tot.items()}
+
+    def params(self) -> dict:
+        return {**{k: np.asarray(v) for k, v in self.state["params"].items()},
+                "d2t": np.asarray(self.frozen["params"]["d2t"])}
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+
+
+def train(cfg: head_ops.Eagle3Config, params: dict, embed, data: dict, *, steps: int,
+          batch_size: int = 8, seed: int = 0, heldout: dict | None = None, eval_every: int = 50,
+          ckpt_dir=None, save_every: int = 50, stop_after: int | None = None, progress=True,
+          **opt) -> tuple[Trainer, list[dict]]:
+    """Train (or resume) to `steps`; returns the trainer and the history of
+    evaluations. `stop_after`: stop at that step (as a killed run would)."""
+    from tqdm.auto import tqdm
+
+    tr = Trainer(cfg, params, embed, steps=steps, ckpt_dir=ckpt_dir, save_every=save_every,
+                 **opt)
+    tr.restore()
+    history = []
+    N = len(data["tokens"])
+    bar = tqdm(total=steps, initial=tr.step, desc="train-draft", unit="step",
+               dynamic_ncols=True, disable=not progress)
+    last = stop_after if stop_after is not None else steps
+    while tr.step < min(steps, last):
+        metrics = tr.train_step(_take(data, _batches(N, batch_size, tr.step, seed)))
+        post = {"loss": f"{float(metrics['loss']):.3f}", "accept": f"{float(metrics['accept']):.2f}"}
+        if heldout is not None and (tr.step % eval_every == 0 or tr.step == steps):
+            ev = tr.evaluate(heldout, batch_size)
+            history.append({"step": tr.step, **ev})
+            post["held-out accept"] = f"{ev['accept']:.2f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+    bar.close()
+    if tr.step == steps:
+        tr.save(force=True)
+    return tr, history
+
+

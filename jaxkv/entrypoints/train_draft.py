@@ -1,0 +1,160 @@
+"""`jaxkv train-draft`: train an EAGLE-3 draft head for a model by
+self-distillation, with optax, checkpointed with orbax.
+
+    jaxkv train-draft --model M --data prompts.jsonl --out DIR [--steps N] [--held-out FILE]
+
+1. The engine answers the prompts greedily: the target's own outputs are
+   the data (no data set from elsewhere is needed, and the head learns the
+   very distribution it will be verified against).
+2. One pass of the target over each prompt + answer records what the head
+   reads (the features of its three layers, `Llama.aux_layers`) and what
+   it must predict (the target's greedy token at every position).
+3. The head trains on the engine's own unrolled computation
+   (`jaxkv.model.eagle.unrolled_logits`, EAGLE-3's training-time test):
+   cross-entropy of each of k chained steps against the target's token,
+   weighted 0.8**j, under AdamW with warm-up and cosine decay and gradient
+   clipping. The draft vocabulary is the `--draft-vocab` tokens the target
+   produces most often (`d2t` maps them back).
+4. Every `--save-every` steps an orbax checkpoint (parameters, optimizer
+   state, step) lets a killed run resume where it stopped, on the same data
+   (kept in DIR/data); at the end the head is written to DIR in the Hugging
+   Face layout (`checkpoints.eagle3`), which `speculative_config={"method":
+   "eagle3", "model": DIR}` loads.
+
+The progress bar shows the loss and, every `--eval-every` steps, the mean
+accepted length on the held-out prompts: for each position, 1 + the number
+of chained proposals that equal the target's greedy tokens before the
+first that does not, which is what greedy speculative decoding with k
+proposals gains per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from jaxkv.entrypoints.draft_data import answer, choose_vocab, read_prompts, target_features
+from jaxkv.entrypoints.draft_trainer import train
+from jaxkv.model import eagle as head_ops
+
+log = logging.getLogger("jaxkv")
+
+
+def add_command(sub) -> None:
+    t = sub.add_parser(
+        "train-draft", help="train an EAGLE-3 draft head for a model (self-distillation)",
+        description="The model answers the prompts greedily; a draft head learns to predict "
+                    "its tokens from its hidden states (optax; orbax checkpoints in OUT/ckpt, "
+                    "so a killed run resumes). The head is written to OUT in the Hugging Face "
+                    "EAGLE-3 layout: serve it with --speculative-config "
+                    "'{\"method\": \"eagle3\", \"model\": \"OUT\"}'.")
+    t.add_argument("--model", default="smollm2-135m-instruct",
+                   help="the target model: name or path (default: %(default)s)")
+    t.add_argument("--data", required=True, help="prompts, JSONL: {\"prompt\": ...} or "
+                   "{\"messages\": [...]} per line (the repo ships data/draft_prompts/train.jsonl)")
+    t.add_argument("--held-out", default=None, help="prompts for the held-out acceptance length")
+    t.add_argument("--out", required=True, help="folder for the head (and ckpt/, data/)")
+    t.add_argument("--steps", type=int, default=400, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    t.add_argument("--chain", type=int, default=4,
+                   help="chained proposals trained per position, k (default: %(default)s)")
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft vocabulary: the target's most frequent tokens (default: %(default)s)")
+    t.add_argument("--max-tokens", type=int, default=192,
+                   help="longest answer generated per prompt (default: %(default)s)")
+    t.add_argument("--length", type=int, default=256,
+                   help="rows per training sequence, prompt + answer (default: %(default)s)")
+    t.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    t.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train_draft)
+
+
+def _dataset(engine, tok, model, prompts, aux, args, path: Path) -> dict:
+    """The prompts answered and passed through the target, kept in `path`
+    (a resumed run reads it back)."""
+    if path.is_file():
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    t0 = time.perf_counter()
+    seqs, starts = answer(engine, tok, prompts, args.max_tokens)
+    data = target_features(model, seqs, aux, args.length, starts=starts)
+    log.info("jaxkv train-draft: %d sequences answered and recorded in %.0f s (%s)", len(seqs),
+             time.perf_counter() - t0, path.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(str(path) + ".tmp.npz", **data)
+    os.replace(str(path) + ".tmp.npz", path)
+    return data
+
+
+def cmd_train_draft(a) -> int:
+    from checkpoints.eagle3 import save_eagle3
+    from checkpoints.loader import load_model
+    from jaxkv.config import EngineConfig
+    from jaxkv.core.eagle import _target_embed
+    from jaxkv.core.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    out = Path(a.out)
+    prompts = read_prompts(a.data)
+    held = read_prompts(a.held_out) if a.held_out else None
+    model, tok = load_model(a.model)
+    cfg = head_ops.Eagle3Config.for_target(model.config, a.draft_vocab)
+    aux = cfg.aux_layers
+    engine = LLMEngine(model, tok, EngineConfig(warmup=False, max_num_seqs=16))
+    data = _dataset(engine, tok, model, prompts, aux, a, out / "data" / "train.npz")
+    heldout = (_dataset(engine, tok, model, held, aux, a, out / "data" / "heldout.npz")
+               if held else None)
+    meta = out / "data" / "vocab.npy"
+    if meta.is_file():
+        d2t = np.load(meta)
+    else:
+        d2t = choose_vocab(data["labels"], data["mask"], cfg.vocab_size, a.draft_vocab,
+                           always=model.config.eos_token_ids)
+        np.save(meta, d2t)
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, draft_vocab_size=len(d2t))
+    embed = _target_embed(model)
+    params = head_ops.random_params(cfg, a.seed, d2t=d2t)
+    params["lm_head"] = _init_head(embed, d2t, cfg)
+    tr, history = train(cfg, params, embed, data, steps=a.steps, batch_size=a.batch_size,
+                        seed=a.seed, heldout=heldout, eval_every=a.eval_every,
+                        ckpt_dir=out / "ckpt", save_every=a.save_every, lr=a.lr, chain=a.chain)
+    save_eagle3(out, cfg, tr.params())
+    tr.close()
+    summary = {"steps": tr.step, "seconds": round(time.perf_counter() - t0, 1),
+               "sequences": int(len(data["tokens"])), "draft_vocab_size": cfg.draft_vocab_size,
+               "held_out": history}
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "held_out"}
+                     | ({"held_out_last": history[-1]} if history else {})))
+    return 0
+
+
+def _init_head(embed: np.ndarray, d2t: np.ndarray, cfg) -> np.ndarray:
+    """The draft lm_head started from the target's embedding rows of the
+    draft vocabulary (scaled), which the target's tied head reads: a
+    start that already points at the right tokens."""
+    rows = np.asarray(embed, np.float32)[np.arange(cfg.draft_vocab_size) + d2t]  # [Vd, E]
+    return (rows / (np.linalg.norm(rows, axis=1, keepdims=True) + 1e-6)).T.copy()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jaxkv train-draft")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_command(sub)
+    a = p.parse_args(["train-draft", *(argv or [])])
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
