@@ -1,7 +1,7 @@
 """Speculative decoding, side by side with plain decoding in one run.
 
     python scripts/bench_spec.py [--model smollm2-135m-instruct] [--runs 3]
-        [--max-tokens 128] [--k 4] [--draft-sweep] [--json out.json]
+        [--max-tokens 128] [--k 4] [--draft-sweep] [--eagle HEAD_DIR] [--json out.json]
 
 Batch-1 decode tok/s (output tokens after the first, over the time from
 the first token to the last; chat template, greedy) of each task with
@@ -14,7 +14,9 @@ the same tokens). `--draft-sweep`: the draft-model proposer at batch 1 with
 drafts of the target's width and 1 to 30 layers: random weights (acceptance
 near 0, so a step costs what it costs) and the target itself (acceptance
 1): step time, and the mean accepted length a draft of that size needs to
-break even with plain decoding.
+break even with plain decoding. `--eagle HEAD_DIR`: an EAGLE-3 head (from
+`jaxkv train-draft`) against plain and n-gram on held-out open chat
+(`scripts/bench_eagle.py`).
 """
 
 from __future__ import annotations
@@ -181,16 +183,17 @@ def bench_draft_sweep(module, tok, a) -> dict:
 def report(res: dict) -> str:
     lines = [f"jaxkv speculative decoding, {res['date']}, {res['cpu']} ({res['cores']} cores), "
              f"weights {res['quantize'] or 'float32'}, k={res['k']}, {res['runs']} runs, "
-             f"max_tokens {res['max_tokens']}", "",
-             "| task | grounded | plain tok/s | n-gram tok/s | speedup | mean accepted length "
-             "| identical |", "|---|---|---:|---:|---:|---:|---|"]
-    for name, t in res["ngram"]["tasks"].items():
-        lines.append(f"| {name} | {'yes' if t['grounded'] else 'no'} | {t['plain']:.1f} | "
-                     f"{t['ngram']:.1f} | {t['speedup']:.2f}x | "
-                     f"{t.get('mean_accepted_length', 1):.2f} | {t['identical']} |")
-    b = res["ngram"]["batched"]
-    lines.append(f"| 16 sequences (output tok/s) | mixed | {b['plain']:.1f} | {b['ngram']:.1f} "
-                 f"| {b['speedup']:.2f}x | | |")
+             f"max_tokens {res['max_tokens']}"]
+    if "ngram" in res:
+        lines += ["", "| task | grounded | plain tok/s | n-gram tok/s | speedup "
+                  "| mean accepted length | identical |", "|---|---|---:|---:|---:|---:|---|"]
+        for name, t in res["ngram"]["tasks"].items():
+            lines.append(f"| {name} | {'yes' if t['grounded'] else 'no'} | {t['plain']:.1f} | "
+                         f"{t['ngram']:.1f} | {t['speedup']:.2f}x | "
+                         f"{t.get('mean_accepted_length', 1):.2f} | {t['identical']} |")
+        b = res["ngram"]["batched"]
+        lines.append(f"| 16 sequences (output tok/s) | mixed | {b['plain']:.1f} | "
+                     f"{b['ngram']:.1f} | {b['speedup']:.2f}x | | |")
     if "draft_sweep" in res:
         d = res["draft_sweep"]
         lines += ["", f"draft model at batch 1 (plain {d['plain']:.1f} tok/s)", "",
@@ -202,6 +205,10 @@ def report(res: dict) -> str:
                          f"{r['tok_s']:.1f} | {r['mean_accepted_length']:.2f} | "
                          f"{1000 * r['step_seconds']:.0f} | {r['break_even_length']:.2f} | "
                          f"{r['propose_share']:.0%} |")
+    if "eagle3" in res:
+        from bench_eagle import report_eagle
+
+        lines += report_eagle(res["eagle3"], res["k"])
     return "\n".join(lines)
 
 
@@ -219,6 +226,12 @@ def main(argv=None) -> int:
                    help="weights as the engine's --quantize")
     p.add_argument("--draft-sweep", action="store_true")
     p.add_argument("--draft-layers", type=int, nargs="+", default=[1, 4, 8, 30])
+    p.add_argument("--eagle", default=None, metavar="HEAD_DIR",
+                   help="an EAGLE-3 head: its figures on held-out open chat")
+    p.add_argument("--tasks", action="store_true",
+                   help="with --eagle: the n-gram task table too")
+    p.add_argument("--eagle-prompts", type=int, default=8,
+                   help="held-out prompts the head runs on (default: %(default)s)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
@@ -229,7 +242,12 @@ def main(argv=None) -> int:
     module, tok = load_model(a.model, quantize=a.quantize)
     res = dict(date=time.strftime("%Y-%m-%d"), cpu=_cpu_name(), cores=_num_cores(), k=a.k,
                runs=a.runs, max_tokens=a.max_tokens, model=a.model, quantize=a.quantize)
-    res["ngram"] = bench_ngram(module, tok, a)
+    if a.eagle:  # first: the head's figures are what this run is for
+        from bench_eagle import bench_eagle
+
+        res["eagle3"] = bench_eagle(module, tok, a, make_engine, run, chat_ids)
+    if not a.eagle or a.tasks:
+        res["ngram"] = bench_ngram(module, tok, a)
     if a.draft_sweep:
         res["draft_sweep"] = bench_draft_sweep(module, tok, a)
     print(report(res))

@@ -79,6 +79,19 @@ def _target_embed(model) -> np.ndarray:
     return np.asarray(model.embed[...], np.float32)
 
 
+def target_head(model) -> np.ndarray:
+    """The target's output projection [E, V] as floats (the head's start
+    in `jaxkv train-draft`)."""
+    from jaxkv.model import q8
+
+    cfg = model.config
+    if isinstance(model.embed, q8.Q8Table) or (cfg.tie_word_embeddings
+                                               and not hasattr(model, "lm_head")):
+        return _target_embed(model).T
+    eye = jnp.eye(cfg.hidden_size, dtype=model.final_norm[...].dtype)
+    return np.asarray(model.lm_head(eye), np.float32)
+
+
 # ------------------------------------------------------------ the head's programs
 
 

@@ -20,6 +20,21 @@ from jaxkv.model import eagle as head_ops
 LOSS_DECAY = 0.8  # weight of chained step j: LOSS_DECAY ** j
 
 
+def init_params(cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 0) -> dict:
+    """Random head weights whose final norm and output rows start as the
+    target's own (for the draft vocabulary): the head's hidden state lives
+    in the target's residual space, and it starts from the target's
+    reading of it."""
+    from jaxkv.core.eagle import target_head
+
+    p = head_ops.random_params(cfg, seed, d2t=d2t)
+    p["final_norm"] = (np.asarray(model.final_norm[...], np.float32)
+                       + model.config.norm_offset)
+    p["lm_head"] = np.ascontiguousarray(
+        target_head(model)[:, np.arange(cfg.draft_vocab_size) + np.asarray(d2t)])
+    return p
+
+
 def chain_targets(batch, t2d, steps: int):
     """Labels [steps, B, T] in draft ids, where they count [steps, B, T],
     and the anchors whose proposals are scored [B, T]. Step j at anchor t
@@ -141,7 +156,7 @@ class Trainer:
     def save(self, force: bool = False) -> None:
         import orbax.checkpoint as ocp
 
-        if self._manager is not None:
+        if self._manager is not None and self._manager.latest_step() != self.step:
             self._manager.save(self.step, args=ocp.args.StandardSave(self.state), force=force)
             self._manager.wait_until_finished()
 

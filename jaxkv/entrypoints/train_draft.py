@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxkv.entrypoints.draft_data import answer, choose_vocab, read_prompts, target_features
-from jaxkv.entrypoints.draft_trainer import train
+from jaxkv.entrypoints.draft_trainer import init_params, train
 from jaxkv.model import eagle as head_ops
 
 log = logging.getLogger("jaxkv")
@@ -75,6 +75,7 @@ def add_command(sub) -> None:
     t.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     t.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("-v", "--verbose", action="store_true", help="log engine set-up and phases")
     t.set_defaults(func=cmd_train_draft)
 
 
@@ -109,7 +110,7 @@ def cmd_train_draft(a) -> int:
     model, tok = load_model(a.model)
     cfg = head_ops.Eagle3Config.for_target(model.config, a.draft_vocab)
     aux = cfg.aux_layers
-    engine = LLMEngine(model, tok, EngineConfig(warmup=False, max_num_seqs=16))
+    engine = LLMEngine(model, tok, EngineConfig(warmup=False, max_num_seqs=32))
     data = _dataset(engine, tok, model, prompts, aux, a, out / "data" / "train.npz")
     heldout = (_dataset(engine, tok, model, held, aux, a, out / "data" / "heldout.npz")
                if held else None)
@@ -124,8 +125,7 @@ def cmd_train_draft(a) -> int:
 
     cfg = dataclasses.replace(cfg, draft_vocab_size=len(d2t))
     embed = _target_embed(model)
-    params = head_ops.random_params(cfg, a.seed, d2t=d2t)
-    params["lm_head"] = _init_head(embed, d2t, cfg)
+    params = init_params(cfg, model, d2t, a.seed)
     tr, history = train(cfg, params, embed, data, steps=a.steps, batch_size=a.batch_size,
                         seed=a.seed, heldout=heldout, eval_every=a.eval_every,
                         ckpt_dir=out / "ckpt", save_every=a.save_every, lr=a.lr, chain=a.chain)
@@ -138,14 +138,6 @@ def cmd_train_draft(a) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "held_out"}
                      | ({"held_out_last": history[-1]} if history else {})))
     return 0
-
-
-def _init_head(embed: np.ndarray, d2t: np.ndarray, cfg) -> np.ndarray:
-    """The draft lm_head started from the target's embedding rows of the
-    draft vocabulary (scaled), which the target's tied head reads: a
-    start that already points at the right tokens."""
-    rows = np.asarray(embed, np.float32)[np.arange(cfg.draft_vocab_size) + d2t]  # [Vd, E]
-    return (rows / (np.linalg.norm(rows, axis=1, keepdims=True) + 1e-6)).T.copy()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
