@@ -80,7 +80,7 @@ def report_eagle(e: dict, k: int) -> list[str]:
              "| method | batch 1 tok/s | vs plain | mean accepted length | 16 seqs output tok/s "
              "| vs plain | identical |", "|---|---:|---:|---:|---:|---:|---|"]
     for c in b1:
-        m = e["spec"][c].get("mean_accepted_length") if c != "plain" else None
+        m = e["spec"][c].get("mean_accepted_length") if e["spec"][c].get("steps") else None
         lines.append(f"| {c} | {b1[c]['tok_s']:.1f} | {b1[c]['tok_s'] / base:.2f}x | "
                      f"{'' if m is None else f'{m:.2f}'} | {bt[c]:.1f} | {bt[c] / base16:.2f}x "
                      f"| {b1[c]['identical']} |")

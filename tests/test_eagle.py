@@ -16,6 +16,7 @@ from jaxkv.config import EngineConfig
 from jaxkv.core import eagle as engine_eagle
 from jaxkv.core.engine import LLMEngine
 from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.core.spec_decode import SpecControl
 from jaxkv.model.eagle import Eagle3Config, random_params
 from jaxkv.model.llama import Llama
 from tests.compile_count import count_compiles
@@ -183,14 +184,27 @@ def test_engine_proposals_are_the_reference_heads_on_transformers_features(tmp_p
                     if sc.spec_tokens)
 
     monkeypatch.setattr(engine_eagle.EagleProposer, "fill", recording_fill)
+    loops = []
+    follow_loop = engine_eagle.EagleProposer._follow_loop
+    monkeypatch.setattr(engine_eagle.EagleProposer, "_follow_loop",
+                        lambda self, *a: loops.append(1) or follow_loop(self, *a))
     rng = np.random.default_rng(4)
     prompts = [list(rng.integers(3, 128, n)) for n in (5, 19, 40)]
-    eng = LLMEngine(target, None, EngineConfig(
-        warmup=False, num_pages=40, page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
-        speculative_config=_spec(tmp_path / "head", k=3)))
-    ids = [eng.add_request(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
-    eng.run_to_completion()
-    assert len(seen) >= 10, seen
+    calls = []
+
+    def every_other(self, drafts, num_seqs, kind):  # the gate refusing every other step:
+        calls.append(1)                              # decode loops of several calls between
+        return len(calls) % 2 == 0
+    for gate in (None, every_other):
+        if gate is not None:
+            monkeypatch.setattr(SpecControl, "allow", gate)
+        eng = LLMEngine(target, None, EngineConfig(
+            warmup=False, num_pages=40, page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+            num_decode_steps=4, speculative_config=_spec(tmp_path / "head", k=3)))
+        for p in prompts:
+            eng.add_request(p, SamplingParams(max_tokens=16, temperature=0.0))
+        eng.run_to_completion()
+    assert len(seen) >= 10 and loops, (len(seen), len(loops))
     embed = hf.model.embed_tokens.weight.detach().double().numpy()
     checked = 0
     for toks, props in seen:
@@ -201,7 +215,6 @@ def test_engine_proposals_are_the_reference_heads_on_transformers_features(tmp_p
         assert props == ref, (len(toks), props, ref)
         checked += len(props)
     assert checked >= 25
-    del ids
 
 
 # ------------------------------------------------------------ lossless
@@ -251,7 +264,7 @@ def tiny_data(model):
 
 
 def _train(model, tiny_data, ckpt, **kw):
-    from jaxkv.core.eagle import _target_embed
+    from jaxkv.model.eagle import target_embed as _target_embed
     from jaxkv.entrypoints.draft_data import choose_vocab
     from jaxkv.entrypoints.draft_trainer import init_params, train
 
@@ -265,7 +278,7 @@ def _train(model, tiny_data, ckpt, **kw):
 
 def test_training_lowers_the_loss_raises_acceptance_and_resumes_to_the_same_state(
         model, tiny_data, tmp_path):
-    from jaxkv.core.eagle import _target_embed
+    from jaxkv.model.eagle import target_embed as _target_embed
     from jaxkv.entrypoints.draft_trainer import Trainer
 
     cfg, (tr, history) = _train(model, tiny_data, tmp_path / "a", steps=60)

@@ -43,6 +43,8 @@ log = logging.getLogger("jaxkv")
 
 
 class DraftProposer:
+    follows_loops = False  # it mirrors one row per sequence before each step
+
     def __init__(self, model, cache_config: CacheConfig, buckets: Buckets, attention,
                  num_spec: int, store=None):
         self.k = num_spec

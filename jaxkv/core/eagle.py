@@ -41,6 +41,7 @@ from jaxkv.core.scheduler_output import ScheduledSeq
 from jaxkv.core.step_plan import build_plan
 from jaxkv.model import eagle as head_ops
 from jaxkv.model.kv_cache import copy_pages, create_cache
+from jaxkv.worker import eagle_programs as programs
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.programs import COPY_WIDTH
 from jaxkv.worker.step_batch import empty, pack
@@ -70,79 +71,18 @@ def prepare_target(model, spec: SpeculativeConfig, head: Head | None = None) -> 
     return head
 
 
-def _target_embed(model) -> np.ndarray:
-    """The target's embedding table [V, E] as floats (a head without its own)."""
-    from jaxkv.model import q8
-
-    if isinstance(model.embed, q8.Q8Table):
-        return np.asarray(model.embed.rows(jnp.arange(model.config.vocab_size), jnp.float32))
-    return np.asarray(model.embed[...], np.float32)
-
-
-def target_head(model) -> np.ndarray:
-    """The target's output projection [E, V] as floats (the head's start
-    in `jaxkv train-draft`)."""
-    from jaxkv.model import q8
-
-    cfg = model.config
-    if isinstance(model.embed, q8.Q8Table) or (cfg.tie_word_embeddings
-                                               and not hasattr(model, "lm_head")):
-        return _target_embed(model).T
-    eye = jnp.eye(cfg.hidden_size, dtype=model.final_norm[...].dtype)
-    return np.asarray(model.lm_head(eye), np.float32)
-
-
-# ------------------------------------------------------------ the head's programs
-
-
-def _follow(params, embed, cache, batch, feats, next_ids, rows, *, cfg, attention,
-            all_decode, width):
-    """The head over a target step's rows; at rows [S] (each sequence's last
-    accepted row) its first proposal and hidden state, padded to `width`."""
-    pre, cache = head_ops.paged_call(cfg, params, embed, cache, batch, attention, next_ids,
-                                     feats, fuse=True, all_decode=all_decode)
-    h = pre[rows]  # [S, E]
-    tok = head_ops.to_target(params, jnp.argmax(head_ops.draft_logits(cfg, params, h), -1))
-    S = rows.shape[0]
-    first = jnp.zeros(width, jnp.int32).at[:S].set(tok.astype(jnp.int32))
-    hidden = jnp.zeros((width, h.shape[-1]), h.dtype).at[:S].set(h)
-    return cache, first, hidden
-
-
-def _propose(params, embed, cache, batch, first, hidden, index, *, cfg, attention, k,
-             page_size):
-    """k proposals [k, S] for the sequences of a one-row-each batch: the
-    first from `follow` (by `index` into its outputs), then k - 1 head
-    steps at positions after each sequence's newest token."""
-    S = batch.kv_lens.shape[0]
-    live = jnp.arange(S) < batch.num_seqs
-    i = jnp.maximum(index, 0)
-    tok, h = first[i], hidden[i]
-    out = [tok]
-    b = batch
-    for _ in range(k - 1):
-        pre, cache = head_ops.paged_call(cfg, params, embed, cache, b, attention, tok, h,
-                                         fuse=False, all_decode=True)
-        tok = head_ops.to_target(params, jnp.argmax(head_ops.draft_logits(cfg, params, pre), -1)
-                                 ).astype(jnp.int32)
-        h = pre
-        out.append(tok)
-        pos = b.positions + 1
-        page = jnp.take_along_axis(b.block_tables, (pos // page_size)[:, None], axis=1)[:, 0]
-        b = dataclasses.replace(b, positions=pos,
-                                slot_mapping=jnp.where(live, page * page_size + pos % page_size, 0),
-                                kv_lens=jnp.where(live, b.kv_lens + 1, 0))
-    return cache, jnp.stack(out)
-
-
 class EagleProposer:
     """The head's device side (parameters, its cache, its programs) and the
     host side that plans its calls. Also the engine's `draft`: it follows
-    every step and page copy the target runs."""
+    every step and page copy the target runs, decode loops of up to
+    `loop_steps` calls included."""
+
+    follows_loops = True  # the engine may run several decode steps per call
 
     def __init__(self, head: Head, embed, cache_config, buckets: Buckets, attention,
-                 num_spec: int, feature_dtype, placement=None):
+                 num_spec: int, feature_dtype, placement=None, loop_steps: int = 1):
         self.k = num_spec
+        self.loop_steps = loop_steps
         self.cfg = cfg = head.config
         self.buckets = buckets
         self.page_size = cache_config.page_size
@@ -174,10 +114,10 @@ class EagleProposer:
             placement = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         attention = dataclasses.replace(engine.attention, mesh=None, local_layers=(),
                                         ring_pages=0, score_rows=None)
-        embed = None if "embed" in head.params else _target_embed(model)
+        embed = None if "embed" in head.params else head_ops.target_embed(model)
         dtype = model.final_norm[...].dtype
         out = cls(head, embed, engine.cache_config, buckets, attention,
-                  spec.num_speculative_tokens, dtype, placement)
+                  spec.num_speculative_tokens, dtype, placement, config.num_decode_steps)
         log.info("jaxkv: EAGLE-3 head %s (features of layers %s, draft vocabulary %d), "
                  "%d proposals per step", spec.model or "given", list(head.config.aux_layers),
                  head.config.draft_vocab_size, out.k)
@@ -188,7 +128,8 @@ class EagleProposer:
     def program_keys(self) -> list:
         steps = self.buckets.programs()
         seqs = sorted({self.buckets.decode_key(s).seqs for s in self.buckets.decode_seqs})
-        return ([("follow", k) for k in steps] + [("propose", s) for s in seqs]
+        loops = [("follow_loop", s) for s in seqs] if self.loop_steps > 1 else []
+        return ([("follow", k) for k in steps] + loops + [("propose", s) for s in seqs]
                 + [("copy", COPY_WIDTH)])
 
     def _lower(self, key):
@@ -198,16 +139,30 @@ class EagleProposer:
         if key[0] == "follow":
             pk: ProgramKey = key[1]
             all_decode = {"decode": True, "both": None}.get(pk.kind, False)
-            fn = jax.jit(functools.partial(_follow, cfg=cfg, attention=att,
-                                           all_decode=all_decode, width=self.width),
-                         donate_argnums=(2,))
             T, S = pk.tokens, pk.seqs
-            return fn.trace(self.params, self.embed, self.cache, empty(pk, W, k),
-                            jax.ShapeDtypeStruct((T, E3), self.feature_dtype),
+            # A loop program's features come call by call: its first call's rows.
+            fn = jax.jit(functools.partial(
+                programs.follow_loop if pk.loops else programs.follow, cfg=cfg, attention=att,
+                all_decode=all_decode, width=self.width), donate_argnums=(2,))
+            feats = jax.ShapeDtypeStruct((self.loop_steps, T, E3) if pk.loops else (T, E3),
+                                         self.feature_dtype)
+            rows = (np.zeros(T, np.int32),) if pk.loops else ()
+            return fn.trace(self.params, self.embed, self.cache, empty(pk, W, k), feats, *rows,
                             np.zeros(T, np.int32), np.zeros(S, np.int32)).lower()
+        if key[0] == "follow_loop":  # S sequences, up to K rows each
+            S, K = key[1], self.loop_steps
+            fn = jax.jit(functools.partial(programs.follow_loop, cfg=cfg, attention=att,
+                                           all_decode=False, width=self.width),
+                         donate_argnums=(2,))
+            T0 = self.buckets.decode_key(S).tokens
+            return fn.trace(self.params, self.embed, self.cache,
+                            empty(ProgramKey("mixed", K * S, S), W, k),
+                            jax.ShapeDtypeStruct((K, T0, E3), self.feature_dtype),
+                            np.zeros(K * S, np.int32), np.zeros(K * S, np.int32),
+                            np.zeros(S, np.int32)).lower()
         if key[0] == "propose":
             S = key[1]
-            fn = jax.jit(functools.partial(_propose, cfg=cfg, attention=att, k=self.k,
+            fn = jax.jit(functools.partial(programs.propose, cfg=cfg, attention=att, k=self.k,
                                            page_size=self.page_size), donate_argnums=(2,))
             return fn.trace(self.params, self.embed, self.cache,
                             empty(self.buckets.decode_key(S), W, k),
@@ -259,6 +214,11 @@ class EagleProposer:
         read; keep each sampled sequence's first proposal for `fill`."""
         t0 = time.perf_counter()
         batch, key = pending.batch, pending.key
+        feats = pending.out.features
+        if feats.ndim == 3 and len(res.tokens) > 1:  # a decode loop of several calls
+            self._follow_loop(scheduled, key, feats, res)
+            self.seconds += time.perf_counter() - t0
+            return
         T = batch.token_ids.shape[0]
         toks = np.asarray(batch.token_ids)
         next_ids = np.zeros(T, np.int32)
@@ -282,11 +242,39 @@ class EagleProposer:
                 memo[id(seq)] = (seq, seq.num_tokens + c, s)
             row += n
         prog = self._get(("follow", key))
+        first_call = (np.arange(T, dtype=np.int32),) if feats.ndim == 3 else ()
         self.cache, first, hidden = prog(self.params, self.embed, self.cache, batch,
-                                         pending.out.features, next_ids, rows)
+                                         feats, *first_call, next_ids, rows)
         self._first = (first, hidden)
         self._memo = memo
         self.seconds += time.perf_counter() - t0
+
+    def _follow_loop(self, scheduled, key, feats, res) -> None:
+        """`follow` for a decode loop of n > 1 calls: sequence s's row i (at
+        position start + i) read the features of call i and its token."""
+        from jaxkv.worker.scoring import plan_for
+
+        n, S, W = len(res.tokens), len(scheduled), self.buckets.pages_per_seq
+        T0 = feats.shape[1]
+        plan = plan_for([(res.tokens[:, s], sc.start, np.pad(sc.seq.progress.pages[:W],
+                                                             (0, W - len(sc.seq.progress.pages[:W]))))
+                         for s, sc in enumerate(scheduled)])
+        hk = ProgramKey("mixed", self.loop_steps * key.seqs, key.seqs)
+        batch = pack(plan, hk, self.page_size, W)
+        src = np.zeros(hk.tokens, np.int32)
+        next_ids = np.zeros(hk.tokens, np.int32)
+        i = np.arange(n)
+        for s in range(S):
+            src[s * n:(s + 1) * n] = i * T0 + s
+            next_ids[s * n:(s + 1) * n] = res.tokens[:, s]
+        rows = np.zeros(key.seqs, np.int32)
+        rows[:S] = np.arange(S) * n + n - 1
+        prog = self._get(("follow_loop", key.seqs))
+        self.cache, first, hidden = prog(self.params, self.embed, self.cache, batch, feats, src,
+                                         next_ids, rows)
+        self._first = (first, hidden)
+        self._memo = {id(sc.seq): (sc.seq, sc.seq.num_tokens + n, s)
+                      for s, sc in enumerate(scheduled)}
 
     # ------------------------------------------------------------ proposing
 

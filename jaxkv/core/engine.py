@@ -105,8 +105,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.bm, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   max_num_steps=1 if self.draft or self.evictor
-                                   else config.num_decode_steps,
+                                   max_num_steps=config.num_decode_steps if not self.evictor
+                                   and (self.draft is None or self.draft.follows_loops) else 1,
                                    spec=self.spec, window=self.attention.sliding_window,
                                    num_sink_tokens=self.attention.num_sink_tokens,
                                    seats=Seats(config.max_num_seqs, ring, config.page_size,

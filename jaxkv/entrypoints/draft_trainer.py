@@ -25,7 +25,7 @@ def init_params(cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 
     target's own (for the draft vocabulary): the head's hidden state lives
     in the target's residual space, and it starts from the target's
     reading of it."""
-    from jaxkv.core.eagle import target_head
+    from jaxkv.model.eagle import target_head
 
     p = head_ops.random_params(cfg, seed, d2t=d2t)
     p["final_norm"] = (np.asarray(model.final_norm[...], np.float32)

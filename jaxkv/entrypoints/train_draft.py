@@ -59,6 +59,8 @@ def add_command(sub) -> None:
                    help="the target model: name or path (default: %(default)s)")
     t.add_argument("--data", required=True, help="prompts, JSONL: {\"prompt\": ...} or "
                    "{\"messages\": [...]} per line (the repo ships data/draft_prompts/train.jsonl)")
+    t.add_argument("--limit", type=int, default=None,
+                   help="use the first LIMIT prompts of --data only")
     t.add_argument("--held-out", default=None, help="prompts for the held-out acceptance length")
     t.add_argument("--out", required=True, help="folder for the head (and ckpt/, data/)")
     t.add_argument("--steps", type=int, default=400, help="optimizer steps (default: %(default)s)")
@@ -81,17 +83,26 @@ def add_command(sub) -> None:
 
 def _dataset(engine, tok, model, prompts, aux, args, path: Path) -> dict:
     """The prompts answered and passed through the target, kept in `path`
-    (a resumed run reads it back)."""
+    (a resumed run reads it back; one recorded for other prompts or
+    options is refused)."""
+    import hashlib
+
+    what = json.dumps([args.model, prompts, args.max_tokens, args.length, list(aux)])
+    stamp = np.frombuffer(hashlib.sha256(what.encode()).digest(), np.uint8)
     if path.is_file():
         with np.load(path) as z:
-            return {k: z[k] for k in z.files}
+            data = {k: z[k] for k in z.files}
+        if not np.array_equal(data.pop("stamp", None), stamp):
+            raise ValueError(f"{path}: recorded for other prompts or options (--model, --data, "
+                             f"--limit, --max-tokens, --length); give a fresh --out")
+        return data
     t0 = time.perf_counter()
     seqs, starts = answer(engine, tok, prompts, args.max_tokens)
     data = target_features(model, seqs, aux, args.length, starts=starts)
     log.info("jaxkv train-draft: %d sequences answered and recorded in %.0f s (%s)", len(seqs),
              time.perf_counter() - t0, path.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(str(path) + ".tmp.npz", **data)
+    np.savez(str(path) + ".tmp.npz", stamp=stamp, **data)
     os.replace(str(path) + ".tmp.npz", path)
     return data
 
@@ -100,12 +111,12 @@ def cmd_train_draft(a) -> int:
     from checkpoints.eagle3 import save_eagle3
     from checkpoints.loader import load_model
     from jaxkv.config import EngineConfig
-    from jaxkv.core.eagle import _target_embed
+    from jaxkv.model.eagle import target_embed as _target_embed
     from jaxkv.core.engine import LLMEngine
 
     t0 = time.perf_counter()
     out = Path(a.out)
-    prompts = read_prompts(a.data)
+    prompts = read_prompts(a.data)[:a.limit]
     held = read_prompts(a.held_out) if a.held_out else None
     model, tok = load_model(a.model)
     cfg = head_ops.Eagle3Config.for_target(model.config, a.draft_vocab)

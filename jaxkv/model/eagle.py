@@ -141,6 +141,28 @@ def random_params(cfg: Eagle3Config, seed: int = 0, embed: np.ndarray | None = N
     return out
 
 
+def target_embed(model) -> np.ndarray:
+    """The target's embedding table [V, E] as floats (a head without its own)."""
+    from jaxkv.model import q8
+
+    if isinstance(model.embed, q8.Q8Table):
+        return np.asarray(model.embed.rows(jnp.arange(model.config.vocab_size), jnp.float32))
+    return np.asarray(model.embed[...], np.float32)
+
+
+def target_head(model) -> np.ndarray:
+    """The target's output projection [E, V] as floats (the head's start
+    in `jaxkv train-draft`)."""
+    from jaxkv.model import q8
+
+    cfg = model.config
+    if isinstance(model.embed, q8.Q8Table) or (cfg.tie_word_embeddings
+                                               and not hasattr(model, "lm_head")):
+        return target_embed(model).T
+    eye = jnp.eye(cfg.hidden_size, dtype=model.final_norm[...].dtype)
+    return np.asarray(model.lm_head(eye), np.float32)
+
+
 # ------------------------------------------------------------ the layer's parts
 
 

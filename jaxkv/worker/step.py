@@ -48,8 +48,9 @@ class StepOutput:
     counts [S] the rows of each sequence that are its tokens (steps, or in
     a verify step its accepted proposals plus one); routed [X] the cache's
     wrapping routed counts after the step (a mixture of experts; else None);
-    features [T, n E] the model's `aux_layers` inputs at every row of the
-    last call (an EAGLE-3 head's; else None)."""
+    features the model's `aux_layers` inputs at every row (an EAGLE-3
+    head's; else None): [T, n E], or of a decode loop [K, T, n E], call by
+    call."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -180,8 +181,10 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
         return (i < num_steps) & ~jnp.all(done)
 
     def body(carry):
-        i, cache, b, done, bufs, _, _ = carry
-        logits, cache, feats = run_model(model, cache, b, attention, all_decode)
+        i, cache, b, done, bufs, _, feats = carry
+        logits, cache, f = run_model(model, cache, b, attention, all_decode)
+        if f is not None:  # each call's rows: an EAGLE-3 head follows them all
+            feats = feats.at[i].set(f)
         out = sample(logits, b.sampling, rng, b.num_output, num_top_logprobs=N)
         row = _stack(out) + (jnp.all(jnp.isfinite(logits), axis=-1),)
         bufs = tuple(buf.at[i].set(x) for buf, x in zip(bufs, row))
@@ -199,7 +202,7 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
         return i + 1, cache, b, done, bufs, logits, feats
 
     T = batch.token_ids.shape[0]
-    feats = (jnp.zeros((T, len(model.aux_layers) * model.config.hidden_size),
+    feats = (jnp.zeros((max_steps, T, len(model.aux_layers) * model.config.hidden_size),
                        model.final_norm[...].dtype) if model.aux_layers else None)
     init = (jnp.int32(0), cache, batch, ~live, bufs, jnp.zeros((S, V), jnp.float32), feats)
     n, cache, _, _, bufs, logits, feats = jax.lax.while_loop(cond, body, init)
