@@ -284,6 +284,9 @@ def test_gate_speculates_where_the_measured_costs_say_it_pays():
     assert not gate.allow([(hit, 4)], 16, "mixed")
     assert gate.allow([(miss, 4)], 16, "decode")
     assert gate.allow([(hit, 4)], 1, "mixed")
+    # measured speculating only: a plain step next, so plain is measured too
+    gate.observe("decode", True, 16, 0.300, 1, proposed=64, accepted=64)
+    assert not gate.allow([(hit, 4)], 16, "decode")
 
 
 def test_server_metrics_export_the_speculative_counters():

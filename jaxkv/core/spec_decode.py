@@ -167,7 +167,10 @@ class SpecGate:
     sequence bucket, and each sequence's acceptance rate (shrunk toward the
     engine's). A step speculates when its expected tokens per second beat
     plain decoding's; every `probe_every` refusals it speculates anyway, so
-    costs and acceptance stay current (a sequence may start copying)."""
+    costs and acceptance stay current (a sequence may start copying). In a
+    bucket not measured yet it speculates once, then runs plain once (a
+    proposer with proposals for every sequence would otherwise never let
+    plain decoding be measured)."""
 
     def __init__(self, probe_every: int = 8, smoothing: float = 0.2):
         self.probe_every = probe_every
@@ -196,7 +199,10 @@ class SpecGate:
         spec = self.seconds.get(self._key("decode", True, num_seqs))
         if kind == "mixed" and (plain is None or spec is None):
             return False
-        if plain is None or spec is None or self.refused >= self.probe_every:
+        if plain is None or spec is None:  # measure both: a speculating step, then a plain one
+            self.refused = 0
+            return spec is None
+        if self.refused >= self.probe_every:
             self.refused = 0
             return True
         gain = num_seqs + sum(self.expected_accepted(s, k) for s, k in drafts)
