@@ -43,7 +43,7 @@ from jaxkv.model import eagle as head_ops
 from jaxkv.model.kv_cache import copy_pages, create_cache
 from jaxkv.worker import eagle_programs as programs
 from jaxkv.worker.buckets import Buckets, ProgramKey
-from jaxkv.worker.programs import COPY_WIDTH
+from jaxkv.worker.programs import COPY_WIDTH, copy_chunks
 from jaxkv.worker.step_batch import empty, pack
 
 log = logging.getLogger("jaxkv")
@@ -100,7 +100,6 @@ class EagleProposer:
         # The last follow: its device outputs, and id(seq) -> (seq, length after it, index).
         self._first = None
         self._memo: dict[int, tuple[object, int, int]] = {}
-        self.seconds = 0.0  # host time spent in follow and fill (dispatch and reading)
 
     @classmethod
     def for_engine(cls, spec: SpeculativeConfig, config, engine, buckets: Buckets,
@@ -200,24 +199,17 @@ class EagleProposer:
         if not pairs:
             return
         prog = self._get(("copy", COPY_WIDTH))
-        for i in range(0, len(pairs), COPY_WIDTH):
-            chunk = list(pairs[i:i + COPY_WIDTH])
-            src = np.zeros(COPY_WIDTH, np.int32)
-            dst = np.zeros(COPY_WIDTH, np.int32)
-            src[:len(chunk)] = [p[0] for p in chunk]
-            dst[:len(chunk)] = [p[1] for p in chunk]
+        for src, dst in copy_chunks(pairs):
             self.cache = prog(self.cache, src, dst)
 
     def follow(self, scheduled, pending, res) -> None:
         """Run the head over a target step's rows (`pending.batch`, its
         features `pending.out.features`), now that its tokens `res` are
         read; keep each sampled sequence's first proposal for `fill`."""
-        t0 = time.perf_counter()
         batch, key = pending.batch, pending.key
         feats = pending.out.features
         if feats.ndim == 3 and len(res.tokens) > 1:  # a decode loop of several calls
             self._follow_loop(scheduled, key, feats, res)
-            self.seconds += time.perf_counter() - t0
             return
         T = batch.token_ids.shape[0]
         toks = np.asarray(batch.token_ids)
@@ -247,7 +239,6 @@ class EagleProposer:
                                          feats, *first_call, next_ids, rows)
         self._first = (first, hidden)
         self._memo = memo
-        self.seconds += time.perf_counter() - t0
 
     def _follow_loop(self, scheduled, key, feats, res) -> None:
         """`follow` for a decode loop of n > 1 calls: sequence s's row i (at
@@ -287,7 +278,6 @@ class EagleProposer:
         ScheduledSeq, from the head's k steps after its newest token."""
         if not scheduled:
             return
-        t0 = time.perf_counter()
         index = np.full(len(scheduled), -1, np.int32)
         for i, sc in enumerate(scheduled):
             hit = self._memo.get(id(sc.seq))
@@ -307,4 +297,3 @@ class EagleProposer:
         for i, sc in enumerate(scheduled):
             sc.spec_tokens = tokens[:sc.num_spec, i].tolist() if index[i] >= 0 else []
             sc.num_rows += len(sc.spec_tokens) - sc.num_spec
-        self.seconds += time.perf_counter() - t0

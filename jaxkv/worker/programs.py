@@ -49,6 +49,20 @@ jax.monitoring.register_event_listener(_on_event)
 
 # Copy-on-write pairs per page-copy call (padded with trash-to-trash pairs).
 COPY_WIDTH = 64
+
+
+def copy_chunks(pairs):
+    """Copy-on-write (src, dst) pairs as the page-copy program's arguments:
+    (src [COPY_WIDTH], dst [COPY_WIDTH]) per chunk, padded with trash-to-trash pairs."""
+    for i in range(0, len(pairs), COPY_WIDTH):
+        chunk = list(pairs[i:i + COPY_WIDTH])
+        src = np.zeros(COPY_WIDTH, np.int32)
+        dst = np.zeros(COPY_WIDTH, np.int32)
+        src[:len(chunk)] = [q[0] for q in chunk]
+        dst[:len(chunk)] = [q[1] for q in chunk]
+        yield src, dst
+
+
 # Pages per host-tier transfer (`jaxkv.core.kv_tiers`), padded with the trash page.
 TRANSFER_WIDTH = 32
 

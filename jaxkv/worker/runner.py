@@ -42,7 +42,7 @@ from jaxkv.model.kv_cache import KVCache
 from jaxkv.sharding import leaf_names, to_host
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.plan import ScoreResult, StepPlan, StepResult
-from jaxkv.worker.programs import COPY_WIDTH, Programs
+from jaxkv.worker.programs import COPY_WIDTH, Programs, copy_chunks
 from jaxkv.worker.step import StepOutput
 from jaxkv.worker.step_batch import (StepBatch, empty_rules, pack, pad_penalties, pad_rules)
 
@@ -282,10 +282,5 @@ class Runner:
             return
         self._mirror("copy_pages", pairs, local)
         prog = self.programs.get(("copy_local" if local else "copy", COPY_WIDTH))
-        for i in range(0, len(pairs), COPY_WIDTH):
-            chunk = list(pairs[i:i + COPY_WIDTH])
-            src = np.zeros(COPY_WIDTH, np.int32)
-            dst = np.zeros(COPY_WIDTH, np.int32)
-            src[:len(chunk)] = [p[0] for p in chunk]
-            dst[:len(chunk)] = [p[1] for p in chunk]
+        for src, dst in copy_chunks(pairs):
             self.cache = prog(self.cache, src, dst)
