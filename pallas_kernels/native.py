@@ -17,6 +17,14 @@ registers each symbol as the CPU FFI target "jaxkv_<symbol>". Where MKL or
 a compiler is missing, or the build fails, it returns False once with the
 reason in `unavailable()`, and callers keep their XLA path; so does
 JAXKV_NATIVE_CPU=0 (for A/B runs and tests of the fallback).
+
+The BLAS behind the kernels' sgemm calls (`blas.h`) is chosen per CPU when
+a library loads (`blas()`): MKL on Intel CPUs, numpy's bundled OpenBLAS
+(DYNAMIC_ARCH: its kernels picked for the CPU it runs on, Zen included) on
+every other x86 CPU, where MKL's sgemm is not tuned (measured on an AMD
+EPYC VM: prefill at 0.77-0.86x transformers with MKL); JAXKV_CPU_BLAS=mkl or
+=openblas overrides it (`scripts/bench_blas.py` measures both and XLA's own
+dots on the CPU it runs on).
 """
 
 from __future__ import annotations
@@ -58,6 +66,58 @@ def mkl_dir() -> Path | None:
     return None
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or ""."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def openblas_path() -> Path | None:
+    """numpy's bundled OpenBLAS (64-bit integers), or None."""
+    import numpy
+
+    libs = sorted((Path(numpy.__file__).parent.parent / "numpy.libs").glob(
+        "libscipy_openblas64_*.so*"))
+    return libs[0] if libs else None
+
+
+def blas() -> str:
+    """The BLAS the native kernels call in this process: "mkl" or "openblas"
+    (JAXKV_CPU_BLAS, else MKL on Intel and OpenBLAS on other CPUs, MKL
+    where numpy has no OpenBLAS)."""
+    want = os.environ.get("JAXKV_CPU_BLAS", "auto").lower()
+    if want not in ("auto", "mkl", "openblas"):
+        raise ValueError(f"JAXKV_CPU_BLAS: expected auto, mkl or openblas, got {want!r}")
+    if want == "auto":
+        want = "mkl" if cpu_vendor() == "GenuineIntel" else "openblas"
+    if want == "openblas" and openblas_path() is None:
+        if os.environ.get("JAXKV_CPU_BLAS", "auto").lower() == "openblas":
+            raise RuntimeError("JAXKV_CPU_BLAS=openblas: numpy has no bundled OpenBLAS here")
+        return "mkl"
+    return want
+
+
+_OPENBLAS: list = []  # the loaded library, kept for the process's life
+
+
+def _use_blas(lib: ctypes.CDLL) -> None:
+    """Point `lib`'s sgemm calls at the BLAS `blas()` names (MKL is linked)."""
+    if blas() != "openblas":
+        return
+    if not _OPENBLAS:
+        _OPENBLAS.append(ctypes.CDLL(str(openblas_path())))
+    ob = _OPENBLAS[0]
+    addr = [ctypes.cast(f, ctypes.c_void_p).value
+            for f in (ob.scipy_cblas_sgemm64_, ob.openblas_set_num_threads_local)]
+    lib.jaxkv_blas_use.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.jaxkv_blas_use(*addr)
+
+
 def _cache_root() -> Path:
     # The same root as jaxkv.paths.cache_dir (this package imports no jaxkv).
     return Path(os.environ.get("JAXKV_CACHE") or Path.home() / ".cache" / "jaxkv") / "native"
@@ -84,11 +144,12 @@ def _build(name: str, source: Path, mkl: Path) -> Path:
     for lib in _MKL_LIBS:  # link the versioned file itself (the wheel has no .so links)
         libs.append("-l:" + Path(sorted(glob.glob(str(mkl / f"{lib}.so*")))[-1]).name)
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-             "-fno-math-errno", "-w", f"-I{jax.ffi.include_dir()}"]
+             "-fno-math-errno", "-w", f"-I{jax.ffi.include_dir()}", f"-I{Path(__file__).parent}"]
     link = [f"-L{mkl}", f"-Wl,-rpath,{mkl}", *libs, "-lgomp", "-lpthread", "-lm", "-ldl"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([
-        source.read_text(), " ".join(flags + link), version, jax.__version__, jaxlib.__version__,
+        source.read_text(), Path(__file__).with_name("blas.h").read_text(),
+        " ".join(flags + link), version, jax.__version__, jaxlib.__version__,
         str(mkl),
         platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     out = _cache_root() / f"{name}-{key}.so"
@@ -128,6 +189,7 @@ def load(name: str, source: Path, symbols: tuple[str, ...]) -> bool:
                 import jax
 
                 lib = ctypes.cdll.LoadLibrary(str(_build(name, source, mkl)))
+                _use_blas(lib)
                 for sym in symbols:
                     jax.ffi.register_ffi_target(f"jaxkv_{sym}", jax.ffi.pycapsule(getattr(lib, sym)),
                                                 platform="cpu")

@@ -140,7 +140,7 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | tuple[str, ...] | 
                             num_layers=jx.config.num_layers, vocab_size=jx.config.vocab_size)
         res["decode"] = decode_phase(jx, hf, sizes, runs, bw, log, variants, peers)
         res["prefill"] = prefill_phase(jx, jl, hf, sizes, runs, log, peers)
-        res["e2e"] = e2e_phase(jx, sizes, runs, log)
+        res["e2e"] = e2e_phase(jx, sizes, runs, log, hf)
     res["ttft"] = ttft_summary(res)
     res["compile"] = dict(programs=sum(len(b.runner.compiled) for b in benches.values()),
                           xla_compiles=meter.compiles, cache_hits=meter.cache_hits,

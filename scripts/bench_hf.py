@@ -90,6 +90,30 @@ class HFBench:
                 tok = out.logits[:, -1].argmax(-1)
             return time.perf_counter() - t
 
+    def generate_batched(self, prompts: list[list[int]], olens: list[int]) -> dict[str, Any]:
+        """All `prompts` in one left-padded `generate` call (static batching:
+        every row decodes max(olens) tokens, greedy, the end token never
+        stops it); output tokens counted are the olens asked for, the work
+        jaxkv does for the same requests."""
+        torch = self.torch
+        torch.set_num_threads(self.threads["decode"])
+        width = max(map(len, prompts))
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        n = max(olens)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
+            wall = time.perf_counter() - t
+        if out.shape[1] != width + n:
+            raise RuntimeError(f"HF generate returned {out.shape[1] - width} tokens, asked {n}")
+        return dict(wall_s=wall, output_tokens=sum(olens),
+                    prompt_tokens=sum(map(len, prompts)), generated_tokens=n * len(prompts))
+
 
 def _hf_source(model: str) -> tuple[str, str | None]:
     """(folder, gguf file name or None) for transformers' from_pretrained."""

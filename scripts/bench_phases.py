@@ -151,7 +151,7 @@ def prefill_phase(jx: JaxkvBench, jl: JaxkvBench, hf: HFBench | None, sizes: Siz
     return out
 
 
-def e2e_phase(jx: JaxkvBench, sizes: Sizes, runs: int, log) -> dict[str, Any]:
+def e2e_phase(jx: JaxkvBench, sizes: Sizes, runs: int, log, hf=None) -> dict[str, Any]:
     plens, olens = e2e_lengths(sizes)
     reqs = [Req(p, o) for p, o in zip(make_prompts(jx.stream, plens), olens)]
     out: dict[str, Any] = dict(num_requests=len(reqs), prompt_lens=plens, output_lens=olens)
@@ -179,6 +179,17 @@ def e2e_phase(jx: JaxkvBench, sizes: Sizes, runs: int, log) -> dict[str, Any]:
         out[mode] = dict(jaxkv=e)
     out["ratio_batched_over_sequential"] = _ratio(out["batched"]["jaxkv"]["tok_per_s"],
                                                   out["sequential"]["jaxkv"]["tok_per_s"])
+    if hf is not None:  # HF's batched generate: one static batch of the same requests
+        prompts = [r.prompt for r in reqs]
+        hs = []
+        for r in range(runs):
+            hs.append(hf.generate_batched(prompts, olens))
+            log(f"bench: e2e hf batched generate run {r + 1}/{runs}: "
+                f"{hs[-1]['output_tokens'] / hs[-1]['wall_s']:.1f} output tok/s")
+        b = out["batched"]
+        b["hf"] = _entry([(x["wall_s"], x["output_tokens"]) for x in hs],
+                         generated_tokens=hs[0]["generated_tokens"], runs=runs)
+        b["ratio"] = _ratio(b["jaxkv"]["tok_per_s"], b["hf"]["tok_per_s"])
     return out
 
 

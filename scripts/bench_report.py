@@ -114,6 +114,10 @@ def format_report(res: dict[str, Any]) -> str:
                  _fmt(e2e["ratio_batched_over_sequential"], ".2f") + "x vs sequential", g, m))
     rows.append(("jaxkv", "e2e sequential (output tok/s)", f"{n} x 1",
                  _fmt(e2e["sequential"]["jaxkv"]["tok_per_s"]), "", "", ""))
+    if "hf" in e2e["batched"]:
+        rows.append(("hf", "e2e batched generate (output tok/s)", f"{n} padded",
+                     _fmt(e2e["batched"]["hf"]["tok_per_s"]),
+                     f"jaxkv {_fmt(e2e['batched']['ratio'], '.2f')}x", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -82,6 +82,10 @@ def test_figures_come_from_the_measured_runs(results):
     assert b["output_tokens"] == s["output_tokens"] == sum(e2e["output_lens"])
     assert b["prompt_tokens"] == sum(e2e["prompt_lens"])
     assert e2e["ratio_batched_over_sequential"] == pytest.approx(b["tok_per_s"] / s["tok_per_s"])
+    h = e2e["batched"]["hf"]  # HF's one padded generate of the same requests
+    assert h["tokens"] == sum(e2e["output_lens"])
+    assert h["generated_tokens"] == 5 * max(e2e["output_lens"])
+    assert e2e["batched"]["ratio"] == pytest.approx(b["tok_per_s"] / h["tok_per_s"])
     assert 0 <= b["host_overhead_s"] < max(b["runs_seconds"])
     assert (b["ttft_ms_median"] <= b["ttft_ms_p90"] <= b["ttft_ms_max"]
             <= 1e3 * max(b["runs_seconds"]))

@@ -32,14 +32,11 @@
 #include <cstring>
 #include <vector>
 
+#include "blas.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-extern "C" void cblas_sgemm(int layout, int transa, int transb, int m, int n, int k, float alpha,
-                            const float* a, int lda, const float* b, int ldb, float beta, float* c,
-                            int ldc);
-extern "C" int MKL_Set_Num_Threads_Local(int n);
 
 namespace {
 constexpr int kPart = 32;  // values widened at a time: a block, or 1/8 of a super-block
@@ -293,7 +290,7 @@ void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, 
         }
       }
     }
-    cblas_sgemm(kRowMajor, kNoTrans, kTrans, T, rows, K, 1.0f, x, K, tile.data(), K, 0.0f, y + r0,
+    jaxkv::sgemm(kRowMajor, kNoTrans, kTrans, T, rows, K, 1.0f, x, K, tile.data(), K, 0.0f, y + r0,
                 N);
   }
 }
@@ -308,7 +305,7 @@ void run(const float* x, const uint8_t* w, float* y, int T, int K, int N) {
   const int chunk = (N + pieces - 1) / pieces;
 #pragma omp parallel num_threads(threads)
   {
-    const int prev = MKL_Set_Num_Threads_Local(1);
+    const int prev = jaxkv::blas_threads_local(1);
     std::vector<float> tile;
 #pragma omp for schedule(dynamic, 1)
     for (int p = 0; p < pieces; ++p) {
@@ -319,7 +316,7 @@ void run(const float* x, const uint8_t* w, float* y, int T, int K, int N) {
       else
         many_rows<TYPE>(x, w, y, T, K, N, n0, n1, tile);
     }
-    MKL_Set_Num_Threads_Local(prev);
+    jaxkv::blas_threads_local(prev);
   }
 }
 
@@ -332,7 +329,7 @@ ffi::Error Sgemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBu
   }
   const int m = dx[0], k = dx[1], n = dw[1];
   if (m == 0 || n == 0) return ffi::Error::Success();
-  cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, x.typed_data(), k, w.typed_data(), n,
+  jaxkv::sgemm(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, x.typed_data(), k, w.typed_data(), n,
               0.0f, y->typed_data(), n);
   return ffi::Error::Success();
 }
@@ -365,16 +362,16 @@ ffi::Error GroupedSgemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::B
   const float* wp = w.typed_data();
 #pragma omp parallel num_threads(std::min(threads, pieces))
   {
-    const int prev = MKL_Set_Num_Threads_Local(1);
+    const int prev = jaxkv::blas_threads_local(1);
 #pragma omp for schedule(dynamic, 1)
     for (int p = 0; p < pieces; ++p) {
       const int g = busy[p / slices], n0 = (p % slices) * width, n = std::min(N, n0 + width) - n0;
       if (n <= 0) continue;
-      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, start[g + 1] - start[g], n, K, 1.0f,
+      jaxkv::sgemm(kRowMajor, kNoTrans, kNoTrans, start[g + 1] - start[g], n, K, 1.0f,
                   xp + int64_t(start[g]) * K, K, wp + int64_t(g) * K * N + n0, N, 0.0f,
                   yp + int64_t(start[g]) * N + n0, N);
     }
-    MKL_Set_Num_Threads_Local(prev);
+    jaxkv::blas_threads_local(prev);
   }
   return ffi::Error::Success();
 }

@@ -31,7 +31,7 @@
 // size and the arithmetic is the float32 path's.
 //
 // All tasks run in one OpenMP parallel region (dynamic schedule, costliest
-// first; as many threads as the estimated work warrants), MKL sequential
+// first; as many threads as the estimated work warrants), the BLAS sequential
 // inside each.
 
 #include <algorithm>
@@ -46,15 +46,11 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "blas.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-extern "C" {
-void cblas_sgemm(int layout, int transa, int transb, int m, int n, int k, float alpha,
-                 const float* a, int lda, const float* b, int ldb, float beta, float* c, int ldc);
-int MKL_Set_Num_Threads_Local(int nth);
-}
 
 namespace {
 
@@ -306,7 +302,7 @@ void run_task(const Task& t, const Dims& d, const float* q, const Pages& kp, con
       const int n = std::min(size, span[1] - k0);
       gather_keys(kp, table, d, t.kvh, k0, n, w.k.get());
       gather_keys(vp, table, d, t.kvh, k0, n, w.v.get());
-      cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, n, D, 1.0f, w.q.get(), D, w.k.get(), D, 0.0f,
+      jaxkv::sgemm(kRowMajor, kNoTrans, kTrans, R, n, D, 1.0f, w.q.get(), D, w.k.get(), D, 0.0f,
                   w.s.get(), w.ld_s);
       for (int r = 0; r < R; ++r) {
         const int pos = t.pos0 + r / G;
@@ -315,7 +311,7 @@ void run_task(const Task& t, const Dims& d, const float* q, const Pages& kp, con
         softmax_row(w.s.get() + int64_t(r) * w.ld_s, n, lo, hi, cap, w.m.get() + r,
                     w.l.get() + r, w.acc.get() + int64_t(r) * D, D);
       }
-      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, n, 1.0f, w.s.get(), w.ld_s, w.v.get(), D,
+      jaxkv::sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, n, 1.0f, w.s.get(), w.ld_s, w.v.get(), D,
                   1.0f, w.acc.get(), D);
     }
   }
@@ -559,7 +555,7 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
                                  std::max(1, std::min(omp_get_max_threads(), num_tasks)));
 #pragma omp parallel num_threads(threads)
   {
-    const int prev = MKL_Set_Num_Threads_Local(1);
+    const int prev = jaxkv::blas_threads_local(1);
     // Decodes need G rows of scratch and no K/V tiles.
     const bool prefills = num_tasks > num_decodes * d.KVH;
     Scratch w(prefills ? bq * d.G : d.G, prefills ? C : 0, d.D, C, fmt == Fmt::kF32 ? 0 : d.ps);
@@ -573,7 +569,7 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
         run_task(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
                  sliding_window, cap, w, o);
     }
-    MKL_Set_Num_Threads_Local(prev);
+    jaxkv::blas_threads_local(prev);
   }
   return ffi::Error::Success();
 }
