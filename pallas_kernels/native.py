@@ -103,6 +103,7 @@ def blas() -> str:
 
 
 _OPENBLAS: list = []  # the loaded library, kept for the process's life
+_POOL: list = []  # pool.cc's library: the worker threads every kernel shares (pool.h)
 
 
 def _use_blas(lib: ctypes.CDLL) -> None:
@@ -148,7 +149,8 @@ def _build(name: str, source: Path, mkl: Path) -> Path:
     link = [f"-L{mkl}", f"-Wl,-rpath,{mkl}", *libs, "-lgomp", "-lpthread", "-lm", "-ldl"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([
-        source.read_text(), Path(__file__).with_name("blas.h").read_text(),
+        source.read_text(),
+        *(Path(__file__).with_name(h).read_text() for h in ("blas.h", "pool.h")),
         " ".join(flags + link), version, jax.__version__, jaxlib.__version__,
         str(mkl),
         platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
@@ -188,6 +190,9 @@ def load(name: str, source: Path, symbols: tuple[str, ...]) -> bool:
             try:
                 import jax
 
+                if not _POOL:  # the kernels resolve its symbols: loaded first, global
+                    pool = _build("pool", Path(__file__).with_name("pool.cc"), mkl)
+                    _POOL.append(ctypes.CDLL(str(pool), mode=ctypes.RTLD_GLOBAL))
                 lib = ctypes.cdll.LoadLibrary(str(_build(name, source, mkl)))
                 _use_blas(lib)
                 for sym in symbols:

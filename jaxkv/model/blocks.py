@@ -25,6 +25,8 @@ any dtype on TPU and GPU; the tied Q8_0 embedding is `jaxkv.model.q8`)."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,8 +97,20 @@ def keep_gguf_blocks(cfg) -> bool:
     return True
 
 
-def matmul(x, raw, qtype: int):
-    """x [T, cols] float32 @ W^T, W the blocks raw [rows, ...] -> [T, rows] float32."""
+def round_x_default() -> bool:
+    """JAXKV_GGUF_ROUND_X (default 1): whether layer matmuls take the integer
+    path of `matmul` (read when a step program is traced)."""
+    return os.environ.get("JAXKV_GGUF_ROUND_X", "1") not in ("0", "false", "no", "off")
+
+
+def matmul(x, raw, qtype: int, round_x: bool | None = None):
+    """x [T, cols] float32 @ W^T, W the blocks raw [rows, ...] -> [T, rows] float32.
+    `round_x` (None: `round_x_default()`): at <= 32 rows of Q4_0 / Q4_1 /
+    Q8_0, x is rounded to int8 blocks of 32 and the products are integer
+    (`cpu_matmul.cc`, as llama.cpp's CPU path does: batch-1 decode of
+    SmolLM2 Q4_1 1.4x); False keeps x in float32 (exact to the blocks)."""
+    if round_x is None:
+        round_x = round_x_default()
     if not available():
         from pallas_kernels import native
 
@@ -104,7 +118,8 @@ def matmul(x, raw, qtype: int):
                            f"{native.unavailable('cpu_matmul')}")
     out = jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("jaxkv_block_matmul", out)(x.astype(jnp.float32), raw,
-                                                       type=np.int32(qtype))
+                                                       type=np.int32(qtype),
+                                                       round_x=np.int32(round_x))
 
 
 class BlockDense(nnx.Module):

@@ -25,14 +25,15 @@
 // through float32 tiles that stay in cache and MKL's sgemm. Every product and
 // difference above is exact in float32 or rounded once, as numpy rounds it.
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "blas.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -267,6 +268,161 @@ void few_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, i
   }
 }
 
+// The integer path of the 32-value blocks Q4_0, Q4_1 and Q8_0 at few rows
+// (a decode step): each row of x is rounded once per call to int8 in
+// blocks of 32 (d = max |x| / 127, q = x (127 / max |x|) rounded to
+// nearest even: Q8_0's rounding), and a block's product is integer
+// (uint8 x int8, 4 neighbours summed to int32: VNNI's dpbusd where the CPU
+// has it, else maddubs to int16 and madd; no term can saturate), scaled once by d_w d_x. Q4_1's min and Q4_0's -8 join through
+// d_x sum(q) (round_x = 0 keeps the float path: the tied head, where greedy
+// ties are decided). A decode step then costs a few instructions per 32 weights,
+// not a float widening of each. The rounding of x is the one error beyond
+// the float32 path's (tests/test_blocks.py checks it against a float64
+// product of the rounded rows).
+constexpr bool int_path(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+
+struct RoundedX {
+  std::vector<int8_t> q;  // [T, K]
+  std::vector<float> d;   // [T, K / 32] scale of each 32 values
+  std::vector<float> s;   // [T, K / 32] d * sum(q) of each 32 values
+};
+
+inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+inline int hsum_i32(__m256i v) {
+  __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+  return _mm_cvtsi128_si32(a);
+}
+
+void round_x(const float* x, int T, int K, RoundedX& r) {
+  const int nb = K / kPart;
+  r.q.resize(size_t(T) * K);
+  r.d.resize(size_t(T) * nb);
+  r.s.resize(size_t(T) * nb);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < int64_t(T) * nb; ++i) {
+    const float* xb = x + i * kPart;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    const float amax = _mm_cvtss_f32(a);
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j)
+      q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));  // nearest even
+    const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                              _mm256_add_epi32(q[2], q[3])));
+    // int32 -> int8 in order: the packs work per 128-bit lane, the permute restores it.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                         _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + i * kPart),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    r.d[i] = d;
+    r.s[i] = d * float(sum);
+  }
+}
+
+// uint8 u times int8 v, 4 neighbours summed, plus acc (int32 lanes).
+inline __m256i dot_u8i8(__m256i acc, __m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, v);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, v);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+
+// Rows [n0, n1) of y for T <= 8 rounded rows of x (A accumulators per row:
+// a block's fmadd waits on the one before it otherwise).
+template <int TYPE, int T>
+void few_rows_int_t(const int8_t* q, const float* dx, const float* sx, const uint8_t* w,
+                    float* y, int K, int N, int n0, int n1) {
+  constexpr int bb = block_bytes(TYPE), A = T <= 2 ? 2 : 1;
+  const int nb = K / kPart;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = w + int64_t(n) * nb * bb;
+    __m256 acc[T][A];
+    float bias[T];
+    for (int t = 0; t < T; ++t) {
+      for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+      bias[t] = 0.0f;
+    }
+    const auto block = [&](int b, auto a) {  // a: the accumulator, a compile-time index
+      const uint8_t* blk = row + b * bb;
+      const float dw = half(blk);
+      __m256i wv;
+      if constexpr (TYPE == kQ8_0) {
+        wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      } else {
+        const __m128i v = load16(blk + (TYPE == kQ4_0 ? 2 : 4));
+        const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+        wv = _mm256_set_m128i(hi, lo);  // values 0-15, then 16-31
+      }
+      const float off = TYPE == kQ4_1 ? half(blk + 2) : TYPE == kQ4_0 ? -8.0f * dw : 0.0f;
+      for (int t = 0; t < T; ++t) {
+        const __m256i xq = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(q + int64_t(t) * K + b * kPart));
+        __m256i p32;
+        if constexpr (TYPE == kQ8_0)  // |w| as uint8, w's sign moved onto x
+          p32 = dot_u8i8(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv),
+                         _mm256_sign_epi8(xq, wv));
+        else
+          p32 = dot_u8i8(_mm256_setzero_si256(), wv, xq);
+        const int64_t i = int64_t(t) * nb + b;
+        acc[t][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dw * dx[i]),
+                                    acc[t][a]);
+        if constexpr (TYPE != kQ8_0) bias[t] += off * sx[i];
+      }
+    };
+    int b = 0;
+    for (; b + A <= nb; b += A) {
+      block(b, std::integral_constant<int, 0>());
+      if constexpr (A == 2) block(b + 1, std::integral_constant<int, A - 1>());
+    }
+    for (; b < nb; ++b) block(b, std::integral_constant<int, 0>());
+    for (int t = 0; t < T; ++t) {
+      __m256 sum = acc[t][0];
+      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
+      y[int64_t(t) * N + n] = hsum(sum) + bias[t];
+    }
+  }
+}
+
+template <int TYPE>
+void few_rows_int(const RoundedX& r, const uint8_t* w, float* y, int T, int K, int N, int n0,
+                  int n1) {
+  const int nb = K / kPart;
+  const int8_t* q = r.q.data();
+  const float *dx = r.d.data(), *sx = r.s.data();
+  for (; T > 8; T -= 8, q += 8 * int64_t(K), dx += 8 * nb, sx += 8 * nb, y += 8 * int64_t(N))
+    few_rows_int_t<TYPE, 8>(q, dx, sx, w, y, K, N, n0, n1);
+  switch (T) {
+    case 1: return few_rows_int_t<TYPE, 1>(q, dx, sx, w, y, K, N, n0, n1);
+    case 2: return few_rows_int_t<TYPE, 2>(q, dx, sx, w, y, K, N, n0, n1);
+    case 3: return few_rows_int_t<TYPE, 3>(q, dx, sx, w, y, K, N, n0, n1);
+    case 4: return few_rows_int_t<TYPE, 4>(q, dx, sx, w, y, K, N, n0, n1);
+    case 5: return few_rows_int_t<TYPE, 5>(q, dx, sx, w, y, K, N, n0, n1);
+    case 6: return few_rows_int_t<TYPE, 6>(q, dx, sx, w, y, K, N, n0, n1);
+    case 7: return few_rows_int_t<TYPE, 7>(q, dx, sx, w, y, K, N, n0, n1);
+    default: return few_rows_int_t<TYPE, 8>(q, dx, sx, w, y, K, N, n0, n1);
+  }
+}
+
 // Rows [n0, n1) of y through float32 tiles of W and sgemm.
 template <int TYPE>
 void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, int n0, int n1,
@@ -296,28 +452,29 @@ void many_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, 
 }
 
 template <int TYPE>
-void run(const float* x, const uint8_t* w, float* y, int T, int K, int N) {
+void run(const float* x, const uint8_t* w, float* y, int T, int K, int N, bool round) {
   const int64_t weights = int64_t(N) * K;  // threads: one per 64K weights
-  const int threads = int(std::clamp<int64_t>(weights >> 16, 1, omp_get_max_threads()));
+  const int threads = int(std::clamp<int64_t>(weights >> 16, 1, jaxkv::pool_threads()));
   // Pieces of W rows: few rows, eight per thread (balanced), at least 8
   // rows each; many rows, one per thread (each its own large sgemms).
   const int pieces = T <= kFewRows ? std::max(1, std::min((N + 7) / 8, threads * 8)) : threads;
   const int chunk = (N + pieces - 1) / pieces;
-#pragma omp parallel num_threads(threads)
-  {
+  RoundedX rx;
+  const bool kInt = int_path(TYPE) && round;
+  if (kInt && T <= kFewRows) round_x(x, T, K, rx);
+  jaxkv::parallel_for(pieces, threads, [&](int p, int) {
+    thread_local std::vector<float> tile;
+    const int n0 = p * chunk, n1 = std::min(N, n0 + chunk);
+    if (n0 >= n1) return;
     const int prev = jaxkv::blas_threads_local(1);
-    std::vector<float> tile;
-#pragma omp for schedule(dynamic, 1)
-    for (int p = 0; p < pieces; ++p) {
-      const int n0 = p * chunk, n1 = std::min(N, n0 + chunk);
-      if (n0 >= n1) continue;
-      if (T <= kFewRows)
-        few_rows<TYPE>(x, w, y, T, K, N, n0, n1);
-      else
-        many_rows<TYPE>(x, w, y, T, K, N, n0, n1, tile);
-    }
+    if (kInt && T <= kFewRows)
+      few_rows_int<int_path(TYPE) ? TYPE : kQ8_0>(rx, w, y, T, K, N, n0, n1);
+    else if (T <= kFewRows)
+      few_rows<TYPE>(x, w, y, T, K, N, n0, n1);
+    else
+      many_rows<TYPE>(x, w, y, T, K, N, n0, n1, tile);
     jaxkv::blas_threads_local(prev);
-  }
+  });
 }
 
 // x [M, K] @ w [K, N] -> y [M, N], all row-major float32.
@@ -353,32 +510,28 @@ ffi::Error GroupedSgemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::B
   for (int g = 0; g < G; ++g)
     if (start[g + 1] > start[g]) busy.push_back(g);
   if (busy.empty() || N == 0) return ffi::Error::Success();
-  const int threads = omp_get_max_threads();
+  const int threads = jaxkv::pool_threads();
   const int slices = std::max(1, std::min((N + 63) / 64, (4 * threads + int(busy.size()) - 1) /
                                                             int(busy.size())));
   const int width = (N + slices - 1) / slices;
   const int pieces = int(busy.size()) * slices;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
-#pragma omp parallel num_threads(std::min(threads, pieces))
-  {
+  jaxkv::parallel_for(pieces, std::min(threads, pieces), [&](int p, int) {
+    const int g = busy[p / slices], n0 = (p % slices) * width, n = std::min(N, n0 + width) - n0;
+    if (n <= 0) return;
     const int prev = jaxkv::blas_threads_local(1);
-#pragma omp for schedule(dynamic, 1)
-    for (int p = 0; p < pieces; ++p) {
-      const int g = busy[p / slices], n0 = (p % slices) * width, n = std::min(N, n0 + width) - n0;
-      if (n <= 0) continue;
-      jaxkv::sgemm(kRowMajor, kNoTrans, kNoTrans, start[g + 1] - start[g], n, K, 1.0f,
-                  xp + int64_t(start[g]) * K, K, wp + int64_t(g) * K * N + n0, N, 0.0f,
-                  yp + int64_t(start[g]) * N + n0, N);
-    }
+    jaxkv::sgemm(kRowMajor, kNoTrans, kNoTrans, start[g + 1] - start[g], n, K, 1.0f,
+                 xp + int64_t(start[g]) * K, K, wp + int64_t(g) * K * N + n0, N, 0.0f,
+                 yp + int64_t(start[g]) * N + n0, N);
     jaxkv::blas_threads_local(prev);
-  }
+  });
   return ffi::Error::Success();
 }
 
 // x [T, K] float32, w [N, K / block values * block bytes] uint8 (blocks of `type`) -> y [T, N].
 ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                       ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+                       ffi::ResultBuffer<ffi::F32> y, int32_t type, int32_t round_x) {
   auto dx = x.dimensions();
   auto dw = w.dimensions();
   const int bb = block_bytes(type);
@@ -396,13 +549,13 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   switch (type) {
-    case kQ4_0: run<kQ4_0>(xp, wp, yp, T, K, N); break;
-    case kQ4_1: run<kQ4_1>(xp, wp, yp, T, K, N); break;
-    case kQ5_0: run<kQ5_0>(xp, wp, yp, T, K, N); break;
-    case kQ8_0: run<kQ8_0>(xp, wp, yp, T, K, N); break;
-    case kQ4_K: run<kQ4_K>(xp, wp, yp, T, K, N); break;
-    case kQ5_K: run<kQ5_K>(xp, wp, yp, T, K, N); break;
-    default: run<kQ6_K>(xp, wp, yp, T, K, N); break;
+    case kQ4_0: run<kQ4_0>(xp, wp, yp, T, K, N, round_x); break;
+    case kQ4_1: run<kQ4_1>(xp, wp, yp, T, K, N, round_x); break;
+    case kQ5_0: run<kQ5_0>(xp, wp, yp, T, K, N, round_x); break;
+    case kQ8_0: run<kQ8_0>(xp, wp, yp, T, K, N, round_x); break;
+    case kQ4_K: run<kQ4_K>(xp, wp, yp, T, K, N, round_x); break;
+    case kQ5_K: run<kQ5_K>(xp, wp, yp, T, K, N, round_x); break;
+    default: run<kQ6_K>(xp, wp, yp, T, K, N, round_x); break;
   }
   return ffi::Error::Success();
 }
@@ -419,7 +572,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(block_matmul, BlockMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("type"));
+                                  .Attr<int32_t>("type")
+                                  .Attr<int32_t>("round_x"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(grouped_sgemm, GroupedSgemm,
                               ffi::Ffi::Bind()

@@ -76,6 +76,6 @@ class Q8Table(nnx.Module):
     def head(self, h, native: bool):
         """h [S, E] @ table^T -> logits [S, V] float32."""
         if native:
-            return blocks.matmul(h, self.raw[...], int(Q.Q8_0))
+            return blocks.matmul(h, self.raw[...], int(Q.Q8_0), round_x=False)  # exact: ties
         return jnp.einsum("SE,VE->SV", h.astype(jnp.float32), dequantize(self.raw[...], self.cols),
                           preferred_element_type=jnp.float32)

@@ -44,9 +44,9 @@
 #include <vector>
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include "blas.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -552,25 +552,25 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
   if (num_tasks == 0) return ffi::Error::Success();
   const float cap = soft_cap > 0.0f ? soft_cap : 0.0f;
   const int threads = std::clamp(int(work_ns / kNsPerThread), 1,
-                                 std::max(1, std::min(omp_get_max_threads(), num_tasks)));
-#pragma omp parallel num_threads(threads)
-  {
+                                 std::max(1, std::min(jaxkv::pool_threads(), num_tasks)));
+  // Decodes need G rows of scratch and no K/V tiles.
+  const bool prefills = num_tasks > num_decodes * d.KVH;
+  std::vector<std::unique_ptr<Scratch>> scratch(threads);
+  jaxkv::parallel_for(num_tasks, threads, [&](int i, int thread) {
+    if (!scratch[thread])
+      scratch[thread] = std::make_unique<Scratch>(prefills ? bq * d.G : d.G, prefills ? C : 0, d.D,
+                                                  C, fmt == Fmt::kF32 ? 0 : d.ps);
+    Scratch& w = *scratch[thread];
     const int prev = jaxkv::blas_threads_local(1);
-    // Decodes need G rows of scratch and no K/V tiles.
-    const bool prefills = num_tasks > num_decodes * d.KVH;
-    Scratch w(prefills ? bq * d.G : d.G, prefills ? C : 0, d.D, C, fmt == Fmt::kF32 ? 0 : d.ps);
-#pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < num_tasks; ++i) {
-      const Task& t = tasks[i];
-      if (t.rows == 0)
-        run_decode(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
-                   sliding_window, cap, w, o);
-      else
-        run_task(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
+    const Task& t = tasks[i];
+    if (t.rows == 0)
+      run_decode(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
                  sliding_window, cap, w, o);
-    }
+    else
+      run_task(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
+               sliding_window, cap, w, o);
     jaxkv::blas_threads_local(prev);
-  }
+  });
   return ffi::Error::Success();
 }
 
