@@ -90,9 +90,10 @@ def main(argv=None) -> int:
     runs = [_profile_run(jx, reqs) for _ in range(a.runs)]
     runs.sort(key=lambda r: r["wall_s"])
     m = runs[(len(runs) - 1) // 2]
+    walls = ", ".join(f"{r['wall_s']:.2f}" for r in runs)
     print(f"{len(reqs)} requests, {sum(plens)} prompt + {sum(olens)} output tokens; "
           f"median run {m['wall_s']:.2f} s ({m['output_tokens'] / m['wall_s']:.1f} output tok/s; "
-          f"runs {', '.join(f'{r['wall_s']:.2f}' for r in runs)} s)")
+          f"runs {walls} s)")
     print("| part | calls | steps | rows (real / padded) | prefill rows | seconds | share |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, b in sorted(m["by_kind"].items()):
