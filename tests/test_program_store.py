@@ -137,3 +137,21 @@ def test_one_device_programs_of_a_many_device_process(tmp_path):
     first, second = run(), run()
     assert first["saved"] > 0 and second["loaded"] == first["saved"]
     assert second["tokens"] == first["tokens"]
+
+
+def test_the_fingerprint_names_what_changes_a_traced_step(monkeypatch):
+    """A setting read while a step is traced (JAXKV_GGUF_ROUND_X: whether GGUF
+    block matmuls round x) is part of the store's fingerprint, so a program
+    traced under one value is never loaded under the other."""
+    import jax
+
+    from jaxkv.model import blocks
+
+    if jax.default_backend() != "cpu" or not blocks.available():
+        pytest.skip("native CPU kernels unavailable")
+    prints = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("JAXKV_GGUF_ROUND_X", value)
+        prints[value] = program_store.platform_fingerprint()
+    assert prints["1"] != prints["0"]
+    assert program_store.ProgramStore("/x", prints["1"]).dir != program_store.ProgramStore("/x", prints["0"]).dir

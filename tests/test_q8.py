@@ -15,7 +15,7 @@ from jaxkv.model import blocks, q8
 pytestmark = pytest.mark.skipif(not blocks.available(), reason="native CPU kernels unavailable")
 
 
-def test_rows_and_head_read_the_blocks_as_the_gguf_library_dequantizes_them():
+def test_rows_and_head_read_the_blocks_as_the_gguf_library_dequantizes_them(monkeypatch):
     import jax
     import jax.numpy as jnp
 
@@ -27,12 +27,19 @@ def test_rows_and_head_read_the_blocks_as_the_gguf_library_dequantizes_them():
     assert table.shape == (700, 96)
     ids = jnp.asarray([0, 699, 5, 5, 321])
     np.testing.assert_array_equal(np.asarray(table.rows(ids, jnp.float32)), ref[np.asarray(ids)])
-    for rows in (1, 3, 8, 9, 33):
-        h = rng.standard_normal((rows, 96)).astype(np.float32)
-        want = h.astype(np.float64) @ ref.astype(np.float64).T
-        for native in (True, False):
-            got = jax.jit(lambda h, n=native: table.head(h, n))(jnp.asarray(h))
-            np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    from tests.test_blocks import q8_rows
+
+    for rounded in (True, False):  # JAXKV_GGUF_ROUND_X: h rounded at <= 32 rows, or exact
+        monkeypatch.setenv("JAXKV_GGUF_ROUND_X", "1" if rounded else "0")
+        for rows in (1, 3, 8, 9, 33):
+            h = rng.standard_normal((rows, 96)).astype(np.float32)
+            exact = h.astype(np.float64) @ ref.astype(np.float64).T
+            native_want = (q8_rows(h) @ ref.astype(np.float64).T
+                           if rounded and rows <= 32 else exact)
+            for native, want in ((True, native_want), (False, exact)):
+                got = jax.jit(lambda h, n=native: table.head(h, n))(jnp.asarray(h))
+                np.testing.assert_allclose(np.asarray(got), want, rtol=0,
+                                           atol=2e-5 * np.abs(want).max(), err_msg=str(rows))
     with pytest.raises(ValueError, match="Q8Blocks"):
         q8.Q8Blocks(raw[:, :40], (700, 96))
 

@@ -274,8 +274,7 @@ void few_rows(const float* x, const uint8_t* w, float* y, int T, int K, int N, i
 // nearest even: Q8_0's rounding), and a block's product is integer
 // (uint8 x int8, 4 neighbours summed to int32: VNNI's dpbusd where the CPU
 // has it, else maddubs to int16 and madd; no term can saturate), scaled once by d_w d_x. Q4_1's min and Q4_0's -8 join through
-// d_x sum(q) (round_x = 0 keeps the float path: the tied head, where greedy
-// ties are decided). A decode step then costs a few instructions per 32 weights,
+// d_x sum(q) (round_x = 0 keeps the float path: JAXKV_GGUF_ROUND_X=0). A decode step then costs a few instructions per 32 weights,
 // not a float widening of each. The rounding of x is the one error beyond
 // the float32 path's (tests/test_blocks.py checks it against a float64
 // product of the rounded rows).

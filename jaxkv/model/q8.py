@@ -5,9 +5,13 @@ the head read by the native block matmul (`jaxkv.model.blocks`).
 Why: a batch-1 decode step is bound by the bytes of weight it reads, and a
 tied embedding used as the head is the largest of them (Gemma 3 270M:
 262,144 x 640, 671 MB as float32 against 178 MB of blocks; SmolLM2: 113
-against 30). Every weight is q * d, exact in float32, so the head forms
-the products a float32 matmul of the dequantized weight forms and differs
-from it only in the order of the sums: no quality is traded.
+against 30). Every weight is q * d, exact in float32. At up to 32 rows (a
+decode step) the head takes the layers' integer path (`blocks.matmul`: h
+rounded to int8 blocks of 32, as llama.cpp rounds its activations; batch-1
+decode of SmolLM2 1.2x faster than the head's float path, which widened
+each of the 28 M weights to float32); `JAXKV_GGUF_ROUND_X=0` keeps h in
+float32 there too, and then the head forms the products a float32 matmul
+of the dequantized weight forms, differing only in the order of the sums.
 
 Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device). A
 step compiled for another platform or under a mesh dequantizes the head in
@@ -74,8 +78,9 @@ class Q8Table(nnx.Module):
         return dequantize(self.raw[...][ids], self.cols).astype(dtype)
 
     def head(self, h, native: bool):
-        """h [S, E] @ table^T -> logits [S, V] float32."""
+        """h [S, E] @ table^T -> logits [S, V] float32 (natively: h rounded
+        as `blocks.matmul` rounds it, `JAXKV_GGUF_ROUND_X`)."""
         if native:
-            return blocks.matmul(h, self.raw[...], int(Q.Q8_0), round_x=False)  # exact: ties
+            return blocks.matmul(h, self.raw[...], int(Q.Q8_0))
         return jnp.einsum("SE,VE->SV", h.astype(jnp.float32), dequantize(self.raw[...], self.cols),
                           preferred_element_type=jnp.float32)

@@ -60,10 +60,11 @@ def platform_fingerprint() -> dict:
     devices = jax.devices()
     native = None
     if devices[0].platform == "cpu":
-        from jaxkv.model import cpu_gemm
+        from jaxkv.model import blocks, cpu_gemm
         from pallas_kernels.ragged_paged_attention import cpu as rpa_cpu
 
-        native = (cpu_gemm.available(), rpa_cpu.available())
+        # and whether GGUF block matmuls round x (read when a step is traced)
+        native = (cpu_gemm.available(), rpa_cpu.available(), blocks.round_x_default())
     return dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
                 platform=devices[0].platform, device_kind=devices[0].device_kind,
                 devices=len(devices), processes=jax.process_count(),
