@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -67,6 +68,23 @@ inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
+}
+
+// The few-rows paths read W a row at a time and stream it from memory once
+// per call. Each row asks for the row kAheadRows on (JAXKV_PREFETCH_ROWS,
+// default 8; 0 turns it off). Measured A/B, SmolLM2 Q4_1 batch-1 decode: on
+// the 2-core Xeon VM 66-71 -> 98-103 tok/s (a 70 MB weight set streamed by
+// one thread: 9 -> 22 GB/s); on the 2-core EPYC VM no change (123-146 with
+// 0, 128-147 with 8), its hardware prefetcher already keeps up.
+static const int kAheadRows = [] {
+  const char* v = std::getenv("JAXKV_PREFETCH_ROWS");
+  return v ? std::max(0, std::atoi(v)) : 8;
+}();
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, int n, int n1) {
+  if (kAheadRows == 0 || n + kAheadRows >= n1) return;
+  const uint8_t* ahead = row + kAheadRows * row_bytes;
+  for (int64_t o = 0; o < row_bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
 }
 
 inline __m128i load16(const uint8_t* p) {
@@ -224,6 +242,7 @@ void few_rows_t(const float* x, const uint8_t* w, float* y, int K, int N, int n0
   const int nb = K / V;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* row = w + int64_t(n) * nb * bb;
+    prefetch_ahead(row, int64_t(nb) * bb, n, n1);
     __m256 acc[T][A];
     for (int t = 0; t < T; ++t)
       for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
@@ -354,6 +373,7 @@ void few_rows_int_t(const int8_t* q, const float* dx, const float* sx, const uin
   const int nb = K / kPart;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* row = w + int64_t(n) * nb * bb;
+    prefetch_ahead(row, int64_t(nb) * bb, n, n1);
     __m256 acc[T][A];
     float bias[T];
     for (int t = 0; t < T; ++t) {
