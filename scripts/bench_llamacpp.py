@@ -70,7 +70,13 @@ def _serve(conn, path: str, cores: int, n_ctx: int) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    while (msg := conn.recv()) is not None:
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent exited without sending None
+            return
+        if msg is None:
+            return
         conn.send(getattr(m, msg[0])(*msg[1]))
 
 
