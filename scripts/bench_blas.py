@@ -14,7 +14,9 @@ JAXKV_NATIVE_CPU=0), medians of `--runs`, GFLOP/s.
   (`cpu.dense_prefill`) or, for XLA, the jnp dense path the engine runs
   without it; counted as the causal half of 4 T^2 H D flops.
 
-The JSON holds the CPU model and vendor, the choice `native.blas()` makes
+The JSON holds the CPU model and vendor, the choices `native.blas()` (the
+BLAS of the native kernels) and `cpu_gemm.projections()` (which GEMM runs the
+float32 projections) make
 on it, and every run's value.
 """
 
@@ -97,6 +99,7 @@ def _measure(rows: list[int], runs: int) -> dict:
 
 
 def _cpu() -> dict:
+    from jaxkv.model import cpu_gemm
     from pallas_kernels import native
 
     name = ""
@@ -105,7 +108,8 @@ def _cpu() -> dict:
             name = line.split(":", 1)[1].strip()
             break
     return dict(cpu=name, vendor=native.cpu_vendor(), cores=os.cpu_count(),
-                platform=platform.platform(), auto_choice=native.blas())
+                platform=platform.platform(), auto_choice=native.blas(),
+                projections_choice=cpu_gemm.projections())
 
 
 def main(argv=None) -> int:
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
         out["backends"][name] = got
     m = out["meta"]
     print(f"{m['cpu']} ({m['vendor']}, {m['cores']} cores); jaxkv's choice here: "
-          f"{m['auto_choice']}; GFLOP/s, medians of {a.runs}")
+          f"{m['auto_choice']} (attention), {m['projections_choice']} (projections); "
+          f"GFLOP/s, medians of {a.runs}")
     print("| what | rows | " + " | ".join(BACKENDS) + " |")
     print("|---|---:|" + "---:|" * len(BACKENDS))
     for part in ("projections", "attention"):

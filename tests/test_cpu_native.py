@@ -37,12 +37,32 @@ def test_matmul_refuses_other_dtypes():
 
 
 @needs_native
-def test_used_only_for_large_cpu_steps_on_one_device():
+def test_used_only_for_large_cpu_steps_on_one_device(monkeypatch):
+    monkeypatch.setenv("JAXKV_CPU_PROJECTIONS", "blas")
     assert cpu_gemm.use_native(cpu_gemm.MIN_ROWS, None, None)
     assert cpu_gemm.use_native(4096, "cpu", None)
     assert not cpu_gemm.use_native(cpu_gemm.MIN_ROWS - 1, None, None)  # decode steps
     assert not cpu_gemm.use_native(512, "tpu", None)  # lowered for another platform
     assert not cpu_gemm.use_native(512, None, object())  # under a mesh (GSPMD)
+    monkeypatch.setenv("JAXKV_CPU_PROJECTIONS", "xla")  # XLA's dot chosen
+    assert not cpu_gemm.use_native(4096, "cpu", None)
+
+
+@pytest.mark.parametrize("vendor,want", [("GenuineIntel", "blas"), ("AuthenticAMD", "xla"),
+                                         ("", "xla")])
+def test_projection_gemm_is_chosen_per_cpu(vendor, want, monkeypatch):
+    """MKL's sgemm leads XLA's dot on Intel's CPUs, XLA's leads on AMD's
+    (`scripts/bench_blas.py`); JAXKV_CPU_PROJECTIONS overrides, a typo is
+    named."""
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.delenv("JAXKV_CPU_PROJECTIONS", raising=False)
+    assert cpu_gemm.projections() == want
+    for forced in ("blas", "xla", "XLA"):
+        monkeypatch.setenv("JAXKV_CPU_PROJECTIONS", forced)
+        assert cpu_gemm.projections() == forced.lower()
+    monkeypatch.setenv("JAXKV_CPU_PROJECTIONS", "mkl")
+    with pytest.raises(ValueError, match="JAXKV_CPU_PROJECTIONS.*'mkl'"):
+        cpu_gemm.projections()
 
 
 @needs_native
@@ -50,6 +70,7 @@ def test_used_only_for_large_cpu_steps_on_one_device():
                                        ("qwen2", dict(num_key_value_heads=2,
                                                       tie_word_embeddings=True))])
 def test_model_on_the_native_path_matches_hf(kind, over, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXKV_CPU_PROJECTIONS", "blas")  # the sgemm path on any CPU
     hf, path = make_hf_model(kind, tmp_path, **over)
     config, params = load_hf_dir(path)
     model = Llama.from_params(config, params)

@@ -13,7 +13,18 @@ SmolLM2's 120 projection matmuls (30 layers, fused QKV and gate/up) on a
 | 1024 | 149 | 199 |
 | 4096 | 145 | 188 |
 
-Used only where it pays and is safe: the step is compiled for the CPU
+That table is Intel's. On other CPUs (an AMD EPYC VM, `scripts/bench_blas.py`)
+XLA's dots lead both BLAS libraries on the projections (163 / 169 GFLOP/s at
+256 / 1024 rows against OpenBLAS's 125 / 155 and MKL's 116 / 143), so
+`projections()` picks per CPU at run time: "blas" (this custom call) on
+Intel, "xla" elsewhere; JAXKV_CPU_PROJECTIONS=blas or =xla overrides it.
+In the engine there (SmolLM2 float32 prefill, medians of 3 after a warm
+run, two A/B rounds) "xla" took 256 tokens from 471-528 to 661-684 tok/s
+and 1024 from 345-377 to 608-686. GGUF blocks keep their native matmul at
+every row count: widening each weight for XLA's dot measured slower there
+(256 tokens 402-478 against 509-526 tok/s).
+
+Used only where it pays and is safe: projections() is "blas", the step is compiled for the CPU
 (not lowered for a TPU or GPU), the model runs on one device (a custom call
 has no sharding rule for GSPMD to split), weights and activations are
 float32, and the step has at least `MIN_ROWS` rows (smaller steps keep
@@ -40,11 +51,28 @@ def available() -> bool:
                        ("sgemm", "block_matmul", "grouped_sgemm"))
 
 
+def projections() -> str:
+    """Which GEMM runs a CPU step's large float32 projections: "blas" (the
+    sgemm custom call) or "xla" (XLA's own dot): JAXKV_CPU_PROJECTIONS, else
+    "blas" on Intel CPUs and "xla" on others (read when a step is traced)."""
+    import os
+
+    from pallas_kernels import native
+
+    want = os.environ.get("JAXKV_CPU_PROJECTIONS", "auto").lower()
+    if want not in ("auto", "blas", "xla"):
+        raise ValueError(f"JAXKV_CPU_PROJECTIONS: expected auto, blas or xla, got {want!r}")
+    if want == "auto":
+        return "blas" if native.cpu_vendor() == "GenuineIntel" else "xla"
+    return want
+
+
 def use_native(num_rows: int, platform: str | None, mesh) -> bool:
     """Whether a step of `num_rows` rows, compiled for `platform` (None:
     JAX's default backend) on `mesh` (None: one device), takes this path."""
     return (num_rows >= MIN_ROWS and mesh is None
-            and (platform or jax.default_backend()) == "cpu" and available())
+            and (platform or jax.default_backend()) == "cpu" and projections() == "blas"
+            and available())
 
 
 def use_native_grouped(platform: str | None) -> bool:

@@ -63,8 +63,10 @@ def platform_fingerprint() -> dict:
         from jaxkv.model import blocks, cpu_gemm
         from pallas_kernels.ragged_paged_attention import cpu as rpa_cpu
 
-        # and whether GGUF block matmuls round x (read when a step is traced)
-        native = (cpu_gemm.available(), rpa_cpu.available(), blocks.round_x_default())
+        # whether GGUF block matmuls round x and which GEMM runs the
+        # projections (both read when a step is traced)
+        native = (cpu_gemm.available(), rpa_cpu.available(), blocks.round_x_default(),
+                  cpu_gemm.projections())
     return dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
                 platform=devices[0].platform, device_kind=devices[0].device_kind,
                 devices=len(devices), processes=jax.process_count(),
