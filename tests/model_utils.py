@@ -110,18 +110,24 @@ def save_tiny_tokenizer(path, vocab_size: int = 128):
     return path
 
 
-def greedy_runs(module, tokenizer, prompts, max_tokens: int = 8):
+def greedy_runs(module, tokenizer, prompts, max_tokens: int = 8, top: int = 0):
     """(token ids, their log-probabilities) of each prompt's greedy answer
-    from an engine on `module` (prompts run together)."""
+    from an engine on `module` (prompts run together); with `top`, also each
+    step's `top` most likely {token id: log-probability}."""
     from jaxkv.config import EngineConfig
     from jaxkv.core.engine import LLMEngine
     from jaxkv.core.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=top)
     eng = LLMEngine(module, tokenizer, EngineConfig(warmup=False, num_pages=32, max_num_seqs=4))
     ids = [eng.add_request(p, params) for p in prompts]
     fin = eng.run_to_completion()
-    return [(fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs]) for i in ids]
+    runs = [(fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs])
+            for i in ids]
+    if top:
+        return [r + ([dict(lp.top) for lp in fin[i].outputs[0].logprobs],)
+                for r, i in zip(runs, ids)]
+    return runs
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ def k_blocks(rng, qtype, rows: int, cols: int, scale: float = 1e-2) -> np.ndarra
     return raw.reshape(rows, -1)
 
 
-INT_PATH = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # at <= 32 rows: x rounded to int8, integer products
+INT_PATH = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # at <= INT_ROWS rows: x rounded to int8, integer products
 
 
 def q8_rows(x: np.ndarray) -> np.ndarray:
@@ -65,9 +65,9 @@ def test_native_block_matmul_matches_a_float64_product(qtype):
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0
     fn = jax.jit(lambda x, raw: blocks.matmul(x, raw, int(qtype)))
     raw = jnp.asarray(bw.raw)
-    for t in (1, 3, 8, 17, 32, 33, 300):  # groups of 8, ragged groups, the sgemm path
+    for t in (1, 3, 8, 17, 32, 33, 64, 65, 300):  # groups of 8, ragged, the sgemm path
         x = rng.standard_normal((t, cols)).astype(np.float32)
-        rounded = t <= 32 and qtype in INT_PATH  # x rounded to int8 blocks of 32 first
+        rounded = t <= blocks.INT_ROWS and qtype in INT_PATH  # x rounded to int8 blocks of 32 first
         want = (q8_rows(x) if rounded else x.astype(np.float64)) @ ref.T
         got = np.asarray(fn(jnp.asarray(x), raw))
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=str(t))
@@ -100,17 +100,26 @@ def test_a_block_weight_of_the_wrong_size_is_refused():
 def same_tokens_close_logprobs(runs, rounded: bool = True):
     """Greedy tokens equal, log-probabilities within the effect of the
     integer path's rounding of x to int8 blocks of 32 (Q4_0 / Q4_1 / Q8_0
-    layers and the tied Q8_0 head at <= 32 rows; the kernel itself is held
-    to a float64 product of the rounded rows above). On these random
-    64-wide models most log-probabilities move by < 0.03 (the float32 path
-    alone agreed to 1e-3) and a near-tie step by up to ~0.3."""
+    layers and the tied Q8_0 head at <= INT_ROWS rows; the kernel itself is
+    held to a float64 product of the rounded rows above). On these random
+    64-wide models (two blocks of 32 per row: the rounding is coarser than
+    in a real model's rows) most log-probabilities move by < 0.03 and a
+    near-tie step by up to ~0.5 (the float32 path alone agreed to 1e-3).
+    With `runs[False]` holding top-2 log-probabilities (`greedy_runs(top=2)`),
+    a rounded run may leave the float32 run's tokens only where the float32
+    run had a near tie (its two best within 0.1) and took the other of them;
+    the answer is compared up to there."""
     diffs = []
-    for (tb, lb), (tf, lf) in zip(runs[True], runs[False]):
-        assert tb == tf
-        diffs += list(np.abs(np.asarray(lb) - np.asarray(lf)))
+    for (tb, lb, *_), (tf, lf, *top) in zip(runs[True], runs[False]):
+        n = next((i for i, (a, b) in enumerate(zip(tb, tf)) if a != b), len(tf))
+        if n < len(tf):
+            assert rounded and top, (tb, tf)
+            best = sorted(top[0][n].items(), key=lambda kv: -kv[1])[:2]
+            assert tb[n] == best[1][0] and best[0][1] - best[1][1] < 0.1, (n, tb, tf, best)
+        diffs += list(np.abs(np.asarray(lb[:n]) - np.asarray(lf[:n])))
     if not rounded:  # JAXKV_GGUF_ROUND_X=0: x stays float32, the blocks read exactly
         assert max(diffs) < 1e-3, diffs
-    assert np.median(diffs) < 3e-2 and max(diffs) < 0.5, diffs
+    assert np.median(diffs) < 3e-2 and max(diffs) < 0.6, diffs
 
 
 @pytest.mark.parametrize("rounded", [True, False], ids=["int8-x", "float-x"])
@@ -132,7 +141,7 @@ def test_an_engine_on_gguf_blocks_gives_the_float32_engines_tokens(tmp_path, mon
         attn, block = module.layers[0].attn, module.layers[0]
         kinds = (attn.wqkv.kinds, attn.wo.kinds, block.w_gate_up.kinds) if keep else None
         assert kinds in (None, ((0, int(Q.Q8_0), int(Q.Q4_0)), (int(Q.Q4_1),), (0, int(Q.Q5_0))))
-        runs[keep] = greedy_runs(module, tok, prompts)
+        runs[keep] = greedy_runs(module, tok, prompts, top=0 if keep else 2)
     same_tokens_close_logprobs(runs, rounded)
     with pytest.raises(ValueError, match="gguf_blocks and quantize"):
         load_model(str(path), gguf_blocks=True, quantize="int8")

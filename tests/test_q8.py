@@ -29,13 +29,13 @@ def test_rows_and_head_read_the_blocks_as_the_gguf_library_dequantizes_them(monk
     np.testing.assert_array_equal(np.asarray(table.rows(ids, jnp.float32)), ref[np.asarray(ids)])
     from tests.test_blocks import q8_rows
 
-    for rounded in (True, False):  # JAXKV_GGUF_ROUND_X: h rounded at <= 32 rows, or exact
+    for rounded in (True, False):  # JAXKV_GGUF_ROUND_X: h rounded at <= INT_ROWS rows, or exact
         monkeypatch.setenv("JAXKV_GGUF_ROUND_X", "1" if rounded else "0")
-        for rows in (1, 3, 8, 9, 33):
+        for rows in (1, 3, 8, 9, 33, 64, 65):
             h = rng.standard_normal((rows, 96)).astype(np.float32)
             exact = h.astype(np.float64) @ ref.astype(np.float64).T
             native_want = (q8_rows(h) @ ref.astype(np.float64).T
-                           if rounded and rows <= 32 else exact)
+                           if rounded and rows <= blocks.INT_ROWS else exact)
             for native, want in ((True, native_want), (False, exact)):
                 got = jax.jit(lambda h, n=native: table.head(h, n))(jnp.asarray(h))
                 np.testing.assert_allclose(np.asarray(got), want, rtol=0,

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.worker.sampler import sample
+from jaxkv.worker.sampler import argmax, sample
 from jaxkv.worker.step_batch import PenaltyBatch, SamplingBatch
 
 V = 40
@@ -144,3 +144,23 @@ def test_penalties_match_numpy():
         for t, c in counts.items():
             want[s, t] -= 0.25 * c + 0.5
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_argmax_is_numpys_first_maximum():
+    """The two-reduction argmax against numpy's: ties go to the first id,
+    infinities, -inf rows and one-column rows; a row with a NaN (the engine
+    fails it) gets an id in range."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 1000)).astype(np.float32)
+    x[1, [3, 700]] = 9.0  # a tie
+    x[2, 9] = np.inf
+    x[3] = -np.inf
+    x[4, [0, 999]] = np.inf
+    x[5, 998:] = 5.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, axis=-1))
+    col = x[:, :1]
+    np.testing.assert_array_equal(np.asarray(argmax(col)), np.zeros(6, np.int64))
+    x[2, 5] = x[0, 999] = np.nan
+    got = np.asarray(jax.jit(argmax)(x))
+    assert ((0 <= got) & (got < 1000)).all()
+    np.testing.assert_array_equal(got[[1, 3, 4, 5]], np.argmax(x, axis=-1)[[1, 3, 4, 5]])

@@ -97,6 +97,12 @@ def keep_gguf_blocks(cfg) -> bool:
     return True
 
 
+# Up to this many rows Q4_0 / Q4_1 / Q8_0 matmuls take the integer path
+# (`matmul`; kIntRows of cpu_matmul.cc): a decode step, and batches up to 64
+# (1.9x the tiles and sgemm at 64 rows on the EPYC VM).
+INT_ROWS = 64
+
+
 def round_x_default() -> bool:
     """JAXKV_GGUF_ROUND_X (default 1): whether layer matmuls take the integer
     path of `matmul` (read when a step program is traced)."""
@@ -105,7 +111,7 @@ def round_x_default() -> bool:
 
 def matmul(x, raw, qtype: int, round_x: bool | None = None):
     """x [T, cols] float32 @ W^T, W the blocks raw [rows, ...] -> [T, rows] float32.
-    `round_x` (None: `round_x_default()`): at <= 32 rows of Q4_0 / Q4_1 /
+    `round_x` (None: `round_x_default()`): at <= INT_ROWS rows of Q4_0 / Q4_1 /
     Q8_0, x is rounded to int8 blocks of 32 and the products are integer
     (`cpu_matmul.cc`, as llama.cpp's CPU path does: batch-1 decode of
     SmolLM2 Q4_1 1.4x); False keeps x in float32 (exact to the blocks)."""

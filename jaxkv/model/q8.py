@@ -5,8 +5,8 @@ the head read by the native block matmul (`jaxkv.model.blocks`).
 Why: a batch-1 decode step is bound by the bytes of weight it reads, and a
 tied embedding used as the head is the largest of them (Gemma 3 270M:
 262,144 x 640, 671 MB as float32 against 178 MB of blocks; SmolLM2: 113
-against 30). Every weight is q * d, exact in float32. At up to 32 rows (a
-decode step) the head takes the layers' integer path (`blocks.matmul`: h
+against 30). Every weight is q * d, exact in float32. At up to 64 rows (a
+decode step; `blocks.INT_ROWS`) the head takes the layers' integer path (`blocks.matmul`: h
 rounded to int8 blocks of 32, as llama.cpp rounds its activations; batch-1
 decode of SmolLM2 1.2x faster than the head's float path, which widened
 each of the 28 M weights to float32); `JAXKV_GGUF_ROUND_X=0` keeps h in

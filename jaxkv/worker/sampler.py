@@ -38,6 +38,18 @@ class SampleOutput:
     top_logprobs: jax.Array
 
 
+def argmax(x):
+    """jnp.argmax over the last axis (the first of equal maxima) as two
+    plain reductions, a max and a min over the matching ids: XLA's CPU
+    backend runs argmax's paired-value reduce 5x slower (a [64, 49152]
+    batch of logits 7.1 against 1.5 ms, ~5% of a batch-64 decode step of
+    SmolLM2). A row with a NaN gets an id in range but not numpy's first
+    NaN: the engine fails such a row whatever its token (StepOutput.finite)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == m) | jnp.isnan(m), ids, x.shape[-1]), axis=-1)
+
+
 def apply_penalties(logits, sb: SamplingBatch, pen: PenaltyBatch):
     """Penalties like vLLM's: repetition divides positive / multiplies negative
     logits of tokens seen in prompt or output; presence and frequency subtract
@@ -64,17 +76,18 @@ def sample(logits, sb: SamplingBatch, rng, num_output, *, num_top_logprobs: int,
     the distribution log-probabilities are reported under."""
     logits = logits.astype(jnp.float32)
     raw = logits if raw_logits is None else raw_logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # log-probabilities as raw - logsumexp(raw), formed only where read
+    lse = jax.nn.logsumexp(raw, axis=-1)
+    greedy_ids = argmax(logits)
     ids = jax.lax.cond(
         jnp.all(sb.temperature <= 0), lambda: greedy_ids,
         lambda: jnp.where(sb.temperature <= 0, greedy_ids, _draw(logits, sb, rng, num_output)))
-    chosen = jnp.take_along_axis(raw_logprobs, ids[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0] - lse
     S, N = logits.shape[0], num_top_logprobs
 
     def top():
-        lp, tid = jax.lax.top_k(raw_logprobs, N)
-        return lp, tid.astype(jnp.int32)
+        lp, tid = jax.lax.top_k(raw, N)
+        return lp - lse[:, None], tid.astype(jnp.int32)
 
     def none():
         return jnp.zeros((S, N), jnp.float32), jnp.zeros((S, N), jnp.int32)
@@ -137,11 +150,11 @@ def _draw(logits, sb: SamplingBatch, rng, num_output):
         keep &= (before < top_p) | (rank == 0) | (top_p >= 1)
         keep &= probs >= sb.min_p[:, None] * probs[:, :1]
         noise = jnp.take_along_axis(g, sorted_ids, axis=-1)
-        choice = jnp.argmax(jnp.where(keep, sorted_logits, -jnp.inf) + noise, axis=-1)
+        choice = argmax(jnp.where(keep, sorted_logits, -jnp.inf) + noise)
         return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
 
     def plain():
-        return jnp.argmax(scaled + g, axis=-1)
+        return argmax(scaled + g)
 
     needs_sort = jnp.any(((sb.top_k > 0) & (sb.top_k < V)) | (sb.top_p < 1) | (sb.min_p > 0))
     return jax.lax.cond(needs_sort, filtered, plain).astype(jnp.int32)
