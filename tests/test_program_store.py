@@ -3,7 +3,8 @@ engine of the same model and shape loads every program without tracing
 (checked by making tracing fail) and decodes the very tokens of an engine
 that keeps nothing; a corrupt, truncated or foreign entry is ignored with a
 log line and rebuilt; a one-device program stored in a process with several
-devices loads onto its own device."""
+devices loads onto its own device; a program JAX's persistent cache served
+is never stored."""
 
 from __future__ import annotations
 
@@ -137,6 +138,59 @@ def test_one_device_programs_of_a_many_device_process(tmp_path):
     first, second = run(), run()
     assert first["saved"] > 0 and second["loaded"] == first["saved"]
     assert second["tokens"] == first["tokens"]
+
+
+TWO_ENGINES = """
+import json, sys
+import jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jaxkv.config import EngineConfig, ModelConfig
+from jaxkv.core.engine import LLMEngine
+from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.model.llama import Llama
+cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                  max_position_embeddings=256, eos_token_ids=())
+model, saved, loaded = Llama.random_init(cfg, seed=7), 0, 0
+for _ in range(int(sys.argv[2])):  # engines one after another in this process
+    eng = LLMEngine(model, None, EngineConfig(**json.loads(sys.argv[3])))
+    ids = [eng.add_request([(7 * i + j) % 97 for j in range(30)], SamplingParams(max_tokens=6))
+           for i in range(3)]
+    out = eng.run_to_completion()
+    saved += eng.runner.programs.store.saved
+    loaded += eng.runner.programs.store.loaded
+print(json.dumps(dict(tokens=[list(out[i].outputs[0].token_ids) for i in ids],
+                      saved=saved, loaded=loaded)))
+"""
+
+
+def test_programs_jax_cache_served_are_never_stored(tmp_path):
+    """A program JAX's persistent cache served does not serialize whole (its
+    fused kernels are missing when it is loaded), so the store keeps none:
+    neither at the served compile nor when JAX's in-memory cache hands the
+    same executable to a second engine of the process (no cache event then:
+    programs of a module-level function, as SnapKV's page compaction, lower
+    to the same module in every engine). The oracle: the tokens of an engine
+    that compiled everything itself."""
+    opts = json.dumps(dict(warmup=True, kv_eviction="snapkv", kv_budget=16, snapkv_window=8,
+                           **OPTS))
+
+    def run(store, engines):
+        env = dict(os.environ, JAXKV_CACHE=str(tmp_path / store))
+        out = subprocess.run([sys.executable, "-c", TWO_ENGINES, str(tmp_path / "xla"),
+                              str(engines), opts], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    fresh = run("a", 1)  # JAX's cache empty: every program compiled, and stored
+    assert fresh["saved"] > 0
+    served = run("b", 2)  # every program from JAX's cache, twice
+    assert served["saved"] == 0 and served["tokens"] == fresh["tokens"]
+    again = run("b", 1)  # nothing stored to load: JAX's cache serves them again
+    assert again["loaded"] == 0 and again["tokens"] == fresh["tokens"]
 
 
 def test_the_fingerprint_names_what_changes_a_traced_step(monkeypatch):

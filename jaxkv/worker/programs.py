@@ -38,6 +38,9 @@ from jaxkv.worker.verify import verify_step
 log = logging.getLogger("jaxkv")
 
 _HITS: set[int] = set()  # threads whose compile JAX's persistent cache served
+# ids of the runtime executables it served: JAX's in-memory cache hands the
+# same one to a later compile in this process without a cache event
+_SERVED: set[int] = set()
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -197,11 +200,16 @@ class Programs:
         """(the compiled program, whether XLA compiled it now). One that
         JAX's persistent compilation cache gave back is not stored: it does
         not serialize whole again (XLA's CPU runtime then misses its fused
-        kernels)."""
+        kernels), nor is one JAX's in-memory cache hands back a second time
+        in this process (no cache event then: `_SERVED` remembers it; an
+        id reused by a fresh executable only skips a save)."""
         me = threading.get_ident()
         _HITS.discard(me)
         prog = lowered.compile()
-        fresh = me not in _HITS
+        exe = id(prog.runtime_executable())
+        if me in _HITS:
+            _SERVED.add(exe)
+        fresh = me not in _HITS and exe not in _SERVED
         _HITS.discard(me)
         return prog, fresh
 
