@@ -174,7 +174,7 @@ def test_programs_jax_cache_served_are_never_stored(tmp_path):
     programs of a module-level function, as SnapKV's page compaction, lower
     to the same module in every engine). The oracle: the tokens of an engine
     that compiled everything itself."""
-    opts = json.dumps(dict(warmup=True, kv_eviction="snapkv", kv_budget=16, snapkv_window=8,
+    opts = json.dumps(dict(warmup=False, kv_eviction="snapkv", kv_budget=16, snapkv_window=8,
                            **OPTS))
 
     def run(store, engines):
