@@ -5,11 +5,20 @@
 # Kept out of the environment because, once importable, every JAX process on
 # a machine without a TPU probes for one (slow, and an error message each
 # time). Takes the libtpu version the installed jax's "tpu" extra pins, else
-# the newest. Never fails the caller: without libtpu those tests skip.
+# (a jax with no pin) the newest. Never fails the caller: without libtpu
+# those tests skip.
 cd "$(dirname "$0")/.."
 target=.tpu-compiler
 if [ -d "$target/libtpu" ]; then
   echo "install_tpu_compiler: $target already has libtpu"
+  exit 0
+fi
+# jax's pin is the libtpu it compiles against (a newer libtpu fails the
+# sharded compiles with internal errors): a python without jax would fall
+# back to the newest, so that is refused.
+if ! python -c "import jax" 2>/dev/null; then
+  echo "install_tpu_compiler: $(command -v python) cannot import jax; run this inside the" \
+       "project's environment (TPU compile tests will be skipped)" >&2
   exit 0
 fi
 spec=$(python - <<'PY' 2>/dev/null
