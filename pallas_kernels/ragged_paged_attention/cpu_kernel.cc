@@ -363,6 +363,61 @@ inline void for_key_runs(const Pages& pg, int64_t head, const int32_t* table, in
   }
 }
 
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+// Lanes lo and hi of two vectors side by side: each level halves the lanes
+// that still hold parts of one sum.
+inline v16 fold(v16 x, v16 y, i16 lo, i16 hi) {
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// r[c] = the sum of a[c]'s 16 lanes, for 16 vectors at once (15 folds
+// instead of 16 horizontal sums).
+inline v16 sums16(v16 a[16]) {
+  const i16 l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16 h1 = l1 + 8;
+  const i16 l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i16 h2 = l2 + 4;
+  const i16 l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i16 h3 = l3 + 2;
+  const i16 l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i16 h4 = l4 + 1;
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], l1, h1);
+  for (int i = 0; i < 4; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], l2, h2);
+  for (int i = 0; i < 2; ++i) d[i] = fold(c[2 * i], c[2 * i + 1], l3, h3);
+  return fold(d[0], d[1], l4, h4);
+}
+
+// s[c] = q . k_c for 16 key rows of NV * 16 floats.
+template <int NV>
+inline void scores16(const float* q, const float* k, float* s) {
+  v16 qv[NV], a[16];
+  for (int j = 0; j < NV; ++j) qv[j] = load16(q + 16 * j);
+  for (int c = 0; c < 16; ++c) {
+    const float* kr = k + int64_t(c) * NV * 16;
+    a[c] = qv[0] * load16(kr);
+    for (int j = 1; j < NV; ++j) a[c] += qv[j] * load16(kr + 16 * j);
+  }
+  const v16 r = sums16(a);
+  std::memcpy(s, &r, sizeof(r));
+}
+
+// acc [NV * 16] += sum_c p[c] v[c] over `run` value rows of NV * 16 floats:
+// the NV vectors of acc in registers, each key's NV FMAs independent (a key
+// loop inside each 16-float slice waits on one FMA chain: 4x slower at D 64).
+template <int NV>
+inline void accumulate_values(const float* p, const float* v, int run, float* acc) {
+  v16 a[NV];
+  for (int j = 0; j < NV; ++j) a[j] = load16(acc + 16 * j);
+  for (int c = 0; c < run; ++c) {
+    const float pc = p[c];
+    const float* vr = v + int64_t(c) * NV * 16;
+    for (int j = 0; j < NV; ++j) a[j] += pc * load16(vr + 16 * j);
+  }
+  for (int j = 0; j < NV; ++j) std::memcpy(acc + 16 * j, &a[j], sizeof(v16));
+}
+
 // One decode row (sequence t.seq's query at position kv_len - 1, row t.row0)
 // for KV head t.kvh: its G heads against the keys in the window, read in place.
 void run_decode(const Task& t, const Dims& d, const float* q, const Pages& kp, const Pages& vp,
@@ -393,7 +448,12 @@ void run_decode(const Task& t, const Dims& d, const float* q, const Pages& kp, c
       for (int g = 0; g < G; ++g) {
         const float* qg = qs + g * D;
         float* sg = w.s.get() + int64_t(g) * w.ld_s + (p - k0);
-        if (vec) {
+        if (run == 16 && (D == 64 || D == 128)) {
+          if (D == 64)
+            scores16<4>(qg, k, sg);
+          else
+            scores16<8>(qg, k, sg);
+        } else if (vec) {
           for (int c = 0; c < run; ++c) {
             const float* kr = k + int64_t(c) * D;
             v16 a = load16(qg) * load16(kr);
@@ -419,7 +479,11 @@ void run_decode(const Task& t, const Dims& d, const float* q, const Pages& kp, c
       for (int g = 0; g < G; ++g) {
         const float* pg = w.s.get() + int64_t(g) * w.ld_s + (p - k0);
         float* ag = acc + int64_t(g) * D;
-        if (vec) {
+        if (D == 64) {
+          accumulate_values<4>(pg, v, run, ag);
+        } else if (D == 128) {
+          accumulate_values<8>(pg, v, run, ag);
+        } else if (vec) {
           for (int j = 0; j < D; j += 16) {
             v16 a = load16(ag + j);
             for (int c = 0; c < run; ++c) a += pg[c] * load16(v + int64_t(c) * D + j);
