@@ -14,10 +14,9 @@ JAXKV_NATIVE_CPU=0), medians of `--runs`, GFLOP/s.
   (`cpu.dense_prefill`) or, for XLA, the jnp dense path the engine runs
   without it; counted as the causal half of 4 T^2 H D flops.
 
-The JSON holds the CPU model and vendor, the choices `native.blas()` (the
-BLAS of the native kernels) and `cpu_gemm.projections()` (which GEMM runs the
-float32 projections) make
-on it, and every run's value.
+The JSON holds the CPU model and vendor, the choices made on it by
+`native.blas()` (the BLAS of the native kernels) and `cpu_gemm.projections()`
+(which GEMM runs the float32 projections), and every run's value.
 """
 
 from __future__ import annotations

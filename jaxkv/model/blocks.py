@@ -98,8 +98,9 @@ def keep_gguf_blocks(cfg) -> bool:
 
 
 # Up to this many rows Q4_0 / Q4_1 / Q8_0 matmuls take the integer path
-# (`matmul`; kIntRows of cpu_matmul.cc): a decode step, and batches up to 64
-# (1.9x the tiles and sgemm at 64 rows on the EPYC VM).
+# (`matmul`): decode steps up to batch 64. On the EPYC VM it beat the tiles
+# and sgemm 1.7-1.9x at 33-64 rows (SmolLM2's 30 x 4 layer matmuls: 64 rows
+# 83 against 155 ms), 1.1x and even at 96 and 128 rows, slower beyond.
 INT_ROWS = 64
 
 
@@ -117,6 +118,7 @@ def matmul(x, raw, qtype: int, round_x: bool | None = None):
     SmolLM2 Q4_1 1.4x); False keeps x in float32 (exact to the blocks)."""
     if round_x is None:
         round_x = round_x_default()
+    round_x = round_x and x.shape[0] <= INT_ROWS
     if not available():
         from pallas_kernels import native
 

@@ -1,4 +1,4 @@
-"""Large float32 matmuls on CPU through MKL's sgemm (an XLA FFI custom call
+"""Large float32 matmuls on CPU through the BLAS's sgemm (an XLA FFI custom call
 of `cpu_matmul.cc`, the one library of jaxkv's CPU matmuls, built on first
 use by `pallas_kernels.native`).
 
@@ -24,8 +24,8 @@ and 1024 from 345-377 to 608-686. GGUF blocks keep their native matmul at
 every row count: widening each weight for XLA's dot measured slower there
 (256 tokens 402-478 against 509-526 tok/s).
 
-Used only where it pays and is safe: projections() is "blas", the step is compiled for the CPU
-(not lowered for a TPU or GPU), the model runs on one device (a custom call
+Used only where it pays and is safe: projections() is "blas", the step is
+compiled for the CPU (not lowered for a TPU or GPU), the model runs on one device (a custom call
 has no sharding rule for GSPMD to split), weights and activations are
 float32, and the step has at least `MIN_ROWS` rows (smaller steps keep
 XLA's dots: at 1-16 rows both read the weights at the same speed). Otherwise, or where MKL or a

@@ -45,10 +45,6 @@ constexpr int kPart = 32;  // values widened at a time: a block, or 1/8 of a sup
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8;  // ggml's type ids
 constexpr int kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int kFewRows = 32;  // up to this many rows: the register path (groups of 8)
-// and up to this many, the integer path of Q4_0 / Q4_1 / Q8_0 (blocks.INT_ROWS): at
-// 33-64 rows it beat the tiles and sgemm 1.7-1.9x on the EPYC VM (SmolLM2's layers,
-// 30 x 4 matmuls: 64 rows 83 against 155 ms), at 96 and 128 rows 1.1x and even.
-constexpr int kIntRows = 64;
 constexpr int kTile = 64;     // the fewest W rows widened at a time on the sgemm path
 constexpr int kTileFloats = 1 << 20;  // and the most floats (4 MB) of one tile
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
@@ -480,7 +476,9 @@ void run(const float* x, const uint8_t* w, float* y, int T, int K, int N, bool r
   const int threads = int(std::clamp<int64_t>(weights >> 16, 1, jaxkv::pool_threads()));
   // Pieces of W rows: few rows, eight per thread (balanced), at least 8
   // rows each; many rows, one per thread (each its own large sgemms).
-  const bool kInt = int_path(TYPE) && round && T <= kIntRows;
+  // round_x: the integer path, at any row count (blocks.matmul asks for it
+  // up to blocks.INT_ROWS rows)
+  const bool kInt = int_path(TYPE) && round;
   const int pieces = T <= kFewRows || kInt ? std::max(1, std::min((N + 7) / 8, threads * 8))
                                            : threads;
   const int chunk = (N + pieces - 1) / pieces;
