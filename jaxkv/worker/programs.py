@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -38,9 +39,10 @@ from jaxkv.worker.verify import verify_step
 log = logging.getLogger("jaxkv")
 
 _HITS: set[int] = set()  # threads whose compile JAX's persistent cache served
-# ids of the runtime executables it served: JAX's in-memory cache hands the
-# same one to a later compile in this process without a cache event
-_SERVED: set[int] = set()
+# digests of the modules it served: JAX's in-memory cache hands the same
+# executable to a later compile of that module in this process, with no
+# cache event
+_SERVED: set[bytes] = set()
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -201,15 +203,18 @@ class Programs:
         JAX's persistent compilation cache gave back is not stored: it does
         not serialize whole again (XLA's CPU runtime then misses its fused
         kernels), nor is one JAX's in-memory cache hands back a second time
-        in this process (no cache event then: `_SERVED` remembers it; an
-        id reused by a fresh executable only skips a save)."""
+        in this process (no cache event then: `_SERVED` remembers the
+        module)."""
         me = threading.get_ident()
         _HITS.discard(me)
         prog = lowered.compile()
-        exe = id(prog.runtime_executable())
-        if me in _HITS:
-            _SERVED.add(exe)
-        fresh = me not in _HITS and exe not in _SERVED
+        served = me in _HITS
+        if served or _SERVED:  # the module's text only once the cache served one
+            module = hashlib.sha256(lowered.as_text().encode()).digest()
+            if served:
+                _SERVED.add(module)
+            served = module in _SERVED
+        fresh = not served
         _HITS.discard(me)
         return prog, fresh
 
