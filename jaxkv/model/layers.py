@@ -57,18 +57,34 @@ def yarn_frequencies(inv: np.ndarray, theta: float, D: int, rs) -> np.ndarray:
     return inv / rs.factor * ramp + inv * (1 - ramp)
 
 
-def apply_rope(x, positions, inv_freq, scale: float = 1.0):
-    """x [T, N, D] rotated by positions [T] in the half-split layout (the
-    first D/2 features pair with the last D/2); `scale` multiplies cos and
-    sin (YaRN's attention factor)."""
+def rope_tables(positions, inv_freq, scale: float = 1.0):
+    """The rotation of positions [T] at `inv_freq` for `rotate_rope`, made
+    once a step for every layer: (cos, signed sin), each [T, 1, 2, D/2]
+    (cos twice; -sin for the first half, sin for the second), times `scale`
+    (YaRN's attention factor)."""
     ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    cos, sin = jnp.cos(ang)[:, None, None, :], jnp.sin(ang)[:, None, None, :]
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return jnp.concatenate([cos, cos], axis=2), jnp.concatenate([-sin, sin], axis=2)
+
+
+def rotate_rope(x, tables):
+    """x [.., T, N, D] rotated in the half-split layout (feature j pairs with
+    j + D/2): x * cos + (x's halves swapped) * signed sin, the same products
+    as [x1 cos - x2 sin, x2 cos + x1 sin]. Written as a reverse of the two
+    halves, not a concatenation of them: XLA's CPU loop over a
+    concatenation ran ~3x slower (SmolLM2's 30 layers at 512 rows,
+    35 -> 12 ms)."""
+    cos, sin = tables
+    x4 = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    out = x4 * cos + x4[..., ::-1, :] * sin
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq, scale: float = 1.0):
+    """x [.., T, N, D] rotated by positions [T] (`rotate_rope` of `rope_tables`)."""
+    return rotate_rope(x, rope_tables(positions, inv_freq, scale))
 
 
 def rms_norm(x, scale, eps, offset: float = 0.0):

@@ -27,7 +27,7 @@ from jaxkv.model import cpu_gemm, q8
 from jaxkv.model.attention import AttentionSpec, attend, local_view
 from jaxkv.model.blocks import BlockDense, BlockWeight
 from jaxkv.model.kv_cache import KVCache
-from jaxkv.model.layers import activation, apply_rope, rms_norm, rope_frequencies, soft_cap
+from jaxkv.model.layers import activation, rms_norm, rope_frequencies, rope_tables, rotate_rope, soft_cap
 from jaxkv.model.moe import MoE
 from jaxkv.model.params import check_params
 from jaxkv.model.quant import Dense, rotate_blocks
@@ -184,12 +184,12 @@ class Llama(nnx.Module):
         lora = getattr(self, "lora", None)  # adapters in slots (jaxkv.model.lora)
         rows = None if lora is None else lora.rows(batch.lora_slot, x.dtype, mesh, attention.platform)
         feats = {}
+        tables = {}  # (local, scale) -> rope_tables, computed once a step
         for i, layer in enumerate(self.layers):
             if features and i in self.aux_layers:
                 feats[i] = x
             h = rms_norm(x, layer.attn_norm[...], eps, off)
             a = layer.attn
-            inv_freq = (self.inv_freq_local if cfg.local_rope(i) else self.inv_freq)[...]
             qkv = a.wqkv(h, native)  # [T, G (Hl + 2 Kl) D]
             if rows is not None:
                 qkv = qkv + lora("qkv", i, h, rows, G)
@@ -202,8 +202,11 @@ class Llama(nnx.Module):
             if cfg.qk_norm:
                 q = rms_norm(q, a.q_norm[...], eps, off)
                 k = rms_norm(k, a.k_norm[...], eps, off)
-            q = apply_rope(q, batch.positions, inv_freq, cfg.rope_scale(i))
-            k = apply_rope(k, batch.positions, inv_freq, cfg.rope_scale(i))
+            key = (cfg.local_rope(i), cfg.rope_scale(i))
+            if key not in tables:
+                inv_freq = (self.inv_freq_local if key[0] else self.inv_freq)[...]
+                tables[key] = rope_tables(batch.positions, inv_freq, key[1])
+            q, k = rotate_rope(q, tables[key]), rotate_rope(k, tables[key])
             if rotate:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
             window = cfg.layer_window(i)
