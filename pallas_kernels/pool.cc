@@ -16,9 +16,10 @@
 
 namespace {
 
-// A worker spins this long after a region before it sleeps: longer than
-// the gaps between one step's kernel calls, short against an idle engine.
-constexpr auto kSpin = std::chrono::microseconds(2000);
+// A worker spins this long after a region before it sleeps (unless the
+// region asked for less): longer than the gaps between one batch-1 step's
+// kernel calls, short against an idle engine.
+constexpr int kSpinUs = 2000;
 
 struct Pool {
   int workers = 0;
@@ -26,6 +27,7 @@ struct Pool {
   std::atomic<uint64_t> epoch{0};
   std::atomic<int> next{0}, done{0};
   int num_tasks = 0;
+  std::atomic<int> spin_us{kSpinUs};  // the last region's
   void (*fn)(void*, int, int) = nullptr;
   void* ctx = nullptr;
   std::mutex mu;
@@ -49,7 +51,8 @@ struct Pool {
   void loop(int thread) {
     uint64_t seen = 0;
     for (;;) {
-      const auto until = std::chrono::steady_clock::now() + kSpin;
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::microseconds(spin_us.load(std::memory_order_relaxed));
       for (int i = 0; epoch.load(std::memory_order_acquire) == seen; ++i) {
         _mm_pause();
         if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) {
@@ -66,9 +69,10 @@ struct Pool {
     }
   }
 
-  void run(int n, void (*f)(void*, int, int), void* c) {
+  void run(int n, void (*f)(void*, int, int), void* c, int spin) {
     std::lock_guard<std::mutex> guard(region);
     num_tasks = n, fn = f, ctx = c;
+    spin_us.store(spin < 0 ? kSpinUs : spin, std::memory_order_relaxed);
     next.store(0, std::memory_order_relaxed);
     done.store(0, std::memory_order_relaxed);
     epoch.fetch_add(1, std::memory_order_acq_rel);
@@ -89,8 +93,8 @@ Pool& pool() {
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) void jaxkv_pool_run(
-    int num_tasks, void (*fn)(void*, int, int), void* ctx) {
-  pool().run(num_tasks, fn, ctx);
+    int num_tasks, void (*fn)(void*, int, int), void* ctx, int spin_us) {
+  pool().run(num_tasks, fn, ctx, spin_us);
 }
 
 extern "C" __attribute__((visibility("default"))) int jaxkv_pool_threads() {

@@ -59,10 +59,18 @@ constexpr int kTargetRows = 192;  // R = G * BQ aimed at (BQ a multiple of 16)
 constexpr int kKeyChunk = 512;    // keys per online-softmax step (at most)
 // Threads: one per this much estimated work (ns single-threaded; a prefill
 // task runs at ~60 flop/ns in MKL, a decode at ~14, bound by reading K/V).
-// A small call (a batch-16 decode at ~100-token contexts is ~0.25 ms) runs on
-// the calling thread alone: the parallel region's join would wait for every
-// helper, and on a busy machine a descheduled helper costs a time slice.
-constexpr double kNsPerThread = 1.0e6;
+// A small call (a batch-8 decode at ~100-token contexts, ~0.15 ms) runs on
+// the calling thread alone: waking a helper and joining it cost more there
+// (0.19-0.21 ms with two). From batch 16 two threads halve a decode's time
+// (SmolLM2's heads, 30 layers' pages, which come from memory: batch 16
+// 0.36 -> 0.19 ms, batch 64 at 128-token contexts 1.9 -> 0.9 ms a layer).
+constexpr double kNsPerThread = 0.2e6;
+// The pool's workers wait this long for the next region before they sleep
+// (not the pool's 2 ms): the calls of a step are a layer's matmuls apart,
+// and a spinning worker takes a core from XLA's threads running them (in a
+// batch-64 decode step spinning for 2 ms made the matmuls slower and the
+// step no faster).
+constexpr int kSpinUs = 50;
 constexpr int kDecodeWeight = 4;  // a decode key costs ~4 prefill row-keys
 
 // e^x for x <= 88.3 (Cephes expf: reduction by ln 2, degree-6 polynomial,
@@ -343,16 +351,31 @@ inline float hsum16(v16 x) {
 #endif
 }
 
+// Asks the cache for rows [row, row + n) of `pg`. A page is a few KB in one
+// piece, but a sequence's next page lies anywhere in the pool, so the
+// hardware prefetcher starts cold at every page; at serving batch sizes the
+// pages of all layers are far larger than the caches and come from memory.
+inline void prefetch_rows(const Pages& pg, int64_t row, int n) {
+  const char* p = reinterpret_cast<const char*>(pg.data + row * pg.row_bytes);
+  for (int64_t o = 0, bytes = n * pg.row_bytes; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 // Walks the keys [k0, k1) of one sequence / KV head page by page, calling
 // f(first key index, its float32 rows [run, D], run length): float32 pages
-// in place, others dequantized into `tile` [page_size, D].
+// in place, others dequantized into `tile` [page_size, D]. The next page's
+// rows are prefetched before f runs on this one, and with `also` (the V
+// pages, while the K pages are walked) this page's rows of `also`.
 template <typename F>
 inline void for_key_runs(const Pages& pg, int64_t head, const int32_t* table, int ps, int D,
-                         int k0, int k1, float* tile, F&& f) {
+                         int k0, int k1, float* tile, F&& f, const Pages* also = nullptr) {
   for (int p = k0; p < k1;) {
     const int slot = p % ps;
     const int run = std::min(ps - slot, k1 - p);
     const int64_t row = head + static_cast<int64_t>(table[p / ps]) * ps + slot;
+    if (p + run < k1)
+      prefetch_rows(pg, head + static_cast<int64_t>(table[(p + run) / ps]) * ps,
+                    std::min(ps, k1 - p - run));
+    if (also != nullptr) prefetch_rows(*also, row, run);
     if (pg.fmt == Fmt::kF32) {
       f(p, reinterpret_cast<const float*>(pg.data) + row * D, run);
     } else {
@@ -469,7 +492,7 @@ void run_decode(const Task& t, const Dims& d, const float* q, const Pages& kp, c
           }
         }
       }
-    });
+    }, &vp);
     for (int g = 0; g < G; ++g)
       softmax_row(w.s.get() + int64_t(g) * w.ld_s, n, 0, n, cap, w.m.get() + g, w.l.get() + g,
                   acc + int64_t(g) * D, D);
@@ -634,7 +657,7 @@ ffi::Error Attend(const char* name, bool decodes, ffi::Buffer<ffi::F32> q,
       run_task(t, d, q.typed_data(), kp, vp, bt, sinks.typed_data(), C, sm_scale,
                sliding_window, cap, w, o);
     jaxkv::blas_threads_local(prev);
-  });
+  }, kSpinUs);
   return ffi::Error::Success();
 }
 
