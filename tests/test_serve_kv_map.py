@@ -36,7 +36,7 @@ def test_kv_page_draws_the_running_requests(tmp_path):
     real = eng.runner.dispatch
 
     def slow(*a, **k):  # keep the requests running while the page is read
-        time.sleep(0.05)
+        time.sleep(0.15)  # 0.05 let one of 1500 tokens finish under a loaded suite's Chromium
         return real(*a, **k)
 
     eng.runner.dispatch = slow
