@@ -20,18 +20,86 @@ from jaxkv.model import eagle as head_ops
 LOSS_DECAY = 0.8  # weight of chained step j: LOSS_DECAY ** j
 
 
-def init_params(cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 0) -> dict:
+def init_params(cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 0,
+                data: dict | None = None) -> dict:
     """Random head weights whose final norm and output rows start as the
     target's own (for the draft vocabulary): the head's hidden state lives
     in the target's residual space, and it starts from the target's
-    reading of it."""
-    from jaxkv.model.eagle import target_head
+    reading of it. With recorded `data`, its attention also starts as a
+    copier (`induction_init`)."""
+    from jaxkv.model.eagle import target_embed, target_head
 
     p = head_ops.random_params(cfg, seed, d2t=d2t)
     p["final_norm"] = (np.asarray(model.final_norm[...], np.float32)
                        + model.config.norm_offset)
     p["lm_head"] = np.ascontiguousarray(
         target_head(model)[:, np.arange(cfg.draft_vocab_size) + np.asarray(d2t)])
+    if data is not None:
+        p = induction_init(cfg, p, target_embed(model), data, seed)
+    return p
+
+
+def token_probe(feats: np.ndarray, tokens: np.ndarray, embed: np.ndarray,
+                ridge: float = 1e-3) -> np.ndarray:
+    """A ridge-regression map [Et, E] from the target's lowest feature layer
+    at a row to the (RMS-normalized) embedding of that row's token: the
+    token a key position holds, which the target's features carry but not
+    along the embedding's own direction."""
+    f = np.asarray(feats, np.float64)
+    e = np.asarray(embed[tokens], np.float64)
+    e /= np.sqrt((e * e).mean(-1, keepdims=True)) + 1e-12
+    gram = f.T @ f
+    gram += ridge * np.trace(gram) / len(gram) * np.eye(len(gram))
+    return np.linalg.solve(gram, f.T @ e).astype(np.float32)
+
+
+def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data: dict,
+                   seed: int = 0, *, q_gain: float = 2.0, v_gain: float = 30.0,
+                   probe_gain: float = 3.0, rows: int = 40_000) -> dict:
+    """Start the head's attention as a copier (in the spirit of n-gram
+    lookup): a query reading token x (the token it was given) attends to
+    the earlier positions that hold x and writes the token that followed
+    there into the residual, where the output rows (the target's) read it.
+    A random head does not find this circuit in a short run on little
+    data; started with it, the head learns around it.
+
+    - fc: zero, but for `token_probe` of the lowest feature layer into a
+      subspace R (so a key position's hidden state names its token);
+    - q / k: the token embedding (q) and the hidden state (k), both
+      through R, on the lowest-frequency rotary pairs of each head (near
+      position-free over thousands of rows);
+    - v / wo: the token embedding through another subspace and back.
+    Other weights keep their random start (wo's other heads at zero)."""
+    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    Et, G, half = cfg.target_hidden_size, H // K, D // 2
+    n = max(1, (3 * half) // 8)  # the lowest-frequency rotary pairs used
+    dims = np.r_[np.arange(half - n, half), np.arange(D - n, D)]
+    rng = np.random.default_rng([seed, 31])
+    R = np.linalg.qr(rng.standard_normal((E, K * len(dims))))[0].astype(np.float32)
+    Rv = np.linalg.qr(rng.standard_normal((E, K * D)))[0][:, :K * D].astype(np.float32)
+    m = np.asarray(data["mask"], bool)
+    feats = np.asarray(data["feats"])[m][:rows, :Et]
+    probe = token_probe(feats, np.asarray(data["tokens"])[m][:rows], embed)
+    p = dict(p)
+    fc = np.zeros((3 * Et, E), np.float32)
+    fc[:Et] = probe_gain * probe @ R @ R.T
+    p["fc"] = fc
+    wqkv = np.array(p["wqkv"], np.float32)
+    wo = np.zeros((H * D, E), np.float32)
+    for g in range(K):
+        Rg = R[:, g * len(dims):(g + 1) * len(dims)]
+        kc = H * D + g * D + dims
+        wqkv[:, kc] = 0.0
+        wqkv[E:, kc] = q_gain * Rg  # keys: the hidden state's token
+        for j in range(G):
+            qc = (g * G + j) * D + dims
+            wqkv[:, qc] = 0.0
+            wqkv[:E, qc] = q_gain * Rg  # queries: the given token
+        vc = (H + K) * D + g * D + np.arange(D)
+        wqkv[:, vc] = 0.0
+        wqkv[:E, vc] = Rv[:, g * D:(g + 1) * D]  # values: the token after the key's
+        wo[g * G * D:(g * G + 1) * D] = v_gain * Rv[:, g * D:(g + 1) * D].T
+    p["wqkv"], p["wo"] = wqkv, wo
     return p
 
 

@@ -9,7 +9,10 @@ self-distillation, with optax, checkpointed with orbax.
 2. One pass of the target over each prompt + answer records what the head
    reads (the features of its three layers, `Llama.aux_layers`) and what
    it must predict (the target's greedy token at every position).
-3. The head trains on the engine's own unrolled computation
+3. The head starts as a copier (`draft_trainer.induction_init`: its
+   attention looks up where the given token occurred before and writes
+   what followed, as n-gram lookup does) and trains on the engine's own
+   unrolled computation
    (`jaxkv.model.eagle.unrolled_logits`, EAGLE-3's training-time test):
    cross-entropy of each of k chained steps against the target's token,
    weighted 0.8**j, under AdamW with warm-up and cosine decay and gradient
@@ -74,6 +77,9 @@ def add_command(sub) -> None:
                    help="longest answer generated per prompt (default: %(default)s)")
     t.add_argument("--length", type=int, default=256,
                    help="rows per training sequence, prompt + answer (default: %(default)s)")
+    t.add_argument("--init", choices=("copy", "random"), default="copy",
+                   help="the head's start: its attention a copier of earlier continuations "
+                        "(induction_init), or random (default: %(default)s)")
     t.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     t.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     t.add_argument("--seed", type=int, default=0)
@@ -121,7 +127,7 @@ def cmd_train_draft(a) -> int:
     model, tok = load_model(a.model)
     cfg = head_ops.Eagle3Config.for_target(model.config, a.draft_vocab)
     aux = cfg.aux_layers
-    engine = LLMEngine(model, tok, EngineConfig(warmup=False, max_num_seqs=32))
+    engine = LLMEngine(model, tok, EngineConfig(warmup=False, max_num_seqs=128))
     data = _dataset(engine, tok, model, prompts, aux, a, out / "data" / "train.npz")
     heldout = (_dataset(engine, tok, model, held, aux, a, out / "data" / "heldout.npz")
                if held else None)
@@ -136,7 +142,7 @@ def cmd_train_draft(a) -> int:
 
     cfg = dataclasses.replace(cfg, draft_vocab_size=len(d2t))
     embed = _target_embed(model)
-    params = init_params(cfg, model, d2t, a.seed)
+    params = init_params(cfg, model, d2t, a.seed, data=data if a.init == "copy" else None)
     tr, history = train(cfg, params, embed, data, steps=a.steps, batch_size=a.batch_size,
                         seed=a.seed, heldout=heldout, eval_every=a.eval_every,
                         ckpt_dir=out / "ckpt", save_every=a.save_every, lr=a.lr, chain=a.chain)
