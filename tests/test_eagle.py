@@ -305,6 +305,35 @@ def test_training_lowers_the_loss_raises_acceptance_and_resumes_to_the_same_stat
     assert eng.speculative_metrics()["accepted"] > 10, eng.speculative_metrics()
 
 
+def test_copy_init_head_proposes_what_followed_before():
+    """induction_init: before any training, in text that repeats itself,
+    the head proposes the tokens that followed the earlier occurrence (the
+    oracle is the text: its own next tokens are the labels), through a
+    tiny target with tied embeddings (as SmolLM2's); a random head
+    proposes none. The lowest feature layer here is the embedding (a
+    random target's layer 1 keeps too little of its token for the token
+    probe, which reads SmolLM2's layer 2 at 93%)."""
+    import dataclasses
+
+    from jaxkv.model.eagle import target_embed as _target_embed
+    from jaxkv.entrypoints.draft_data import target_features
+    from jaxkv.entrypoints.draft_trainer import Trainer, init_params
+
+    model = Llama.random_init(dataclasses.replace(CFG, tie_word_embeddings=True), seed=1)
+    rng = np.random.default_rng(7)
+    seqs = [list(rng.choice(CFG.vocab_size, 24, replace=False)) * 2 for _ in range(24)]
+    cfg = Eagle3Config.for_target(CFG, aux_layers=(0, 1, 2))
+    data = target_features(model, seqs, cfg.aux_layers, 48, starts=[24] * 24)
+    data["labels"] = np.roll(data["tokens"], -1, axis=1)  # the text's own next token
+    d2t = np.zeros(CFG.vocab_size, np.int32)
+    accept = {}
+    for init in ("random", "copy"):
+        params = init_params(cfg, model, d2t, data=data if init == "copy" else None)
+        accept[init] = Trainer(cfg, params, _target_embed(model), steps=1,
+                               chain=3).evaluate(data)["accept"]
+    assert accept["random"] < 1.2 and accept["copy"] > 1.9, accept  # of at most 4
+
+
 def _fresh(model, tiny_data):
     from jaxkv.entrypoints.draft_data import choose_vocab
     from jaxkv.entrypoints.draft_trainer import init_params

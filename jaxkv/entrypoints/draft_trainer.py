@@ -68,7 +68,10 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
     - q / k: the token embedding (q) and the hidden state (k), both
       through R, on the lowest-frequency rotary pairs of each head (near
       position-free over thousands of rows);
-    - v / wo: the token embedding through another subspace and back.
+    - v / wo: the token embedding through another subspace and back,
+      then to the direction the output rows read as that token (a least-
+      squares map from embeddings to output rows over the draft
+      vocabulary: about the identity where the target ties them).
     Other weights keep their random start (wo's other heads at zero)."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     Et, G, half = cfg.target_hidden_size, H // K, D // 2
@@ -80,6 +83,12 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
     m = np.asarray(data["mask"], bool)
     feats = np.asarray(data["feats"])[m][:rows, :Et]
     probe = token_probe(feats, np.asarray(data["tokens"])[m][:rows], embed)
+    vocab = np.arange(cfg.draft_vocab_size) + np.asarray(p["d2t"])
+    rms = lambda x: x / (np.sqrt((x * x).mean(-1, keepdims=True)) + 1e-12)  # noqa: E731
+    e_in = rms(np.asarray(embed, np.float64)[vocab])
+    e_out = rms(np.asarray(p["lm_head"], np.float64).T)
+    gram = e_in.T @ e_in
+    to_out = np.linalg.solve(gram + 1e-3 * np.trace(gram) / E * np.eye(E), e_in.T @ e_out)
     p = dict(p)
     fc = np.zeros((3 * Et, E), np.float32)
     fc[:Et] = probe_gain * probe @ R @ R.T
@@ -98,7 +107,7 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
         vc = (H + K) * D + g * D + np.arange(D)
         wqkv[:, vc] = 0.0
         wqkv[:E, vc] = Rv[:, g * D:(g + 1) * D]  # values: the token after the key's
-        wo[g * G * D:(g * G + 1) * D] = v_gain * Rv[:, g * D:(g + 1) * D].T
+        wo[g * G * D:(g * G + 1) * D] = v_gain * Rv[:, g * D:(g + 1) * D].T @ to_out
     p["wqkv"], p["wo"] = wqkv, wo
     return p
 
