@@ -78,8 +78,14 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
     n = max(1, (3 * half) // 8)  # the lowest-frequency rotary pairs used
     dims = np.r_[np.arange(half - n, half), np.arange(D - n, D)]
     rng = np.random.default_rng([seed, 31])
-    R = np.linalg.qr(rng.standard_normal((E, K * len(dims))))[0].astype(np.float32)
-    Rv = np.linalg.qr(rng.standard_normal((E, K * D)))[0][:, :K * D].astype(np.float32)
+
+    def basis(per_head: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Orthonormal columns [E, <= E], and `per_head` of them for each
+        KV head (reused in turn where the heads need more than E)."""
+        q = np.linalg.qr(rng.standard_normal((E, min(K * per_head, E))))[0].astype(np.float32)
+        return q, [q[:, (g * per_head + np.arange(per_head)) % q.shape[1]] for g in range(K)]
+
+    (R, Rs), (_, Rvs) = basis(len(dims)), basis(D)
     m = np.asarray(data["mask"], bool)
     feats = np.asarray(data["feats"])[m][:rows, :Et]
     probe = token_probe(feats, np.asarray(data["tokens"])[m][:rows], embed)
@@ -95,8 +101,7 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
     p["fc"] = fc
     wqkv = np.array(p["wqkv"], np.float32)
     wo = np.zeros((H * D, E), np.float32)
-    for g in range(K):
-        Rg = R[:, g * len(dims):(g + 1) * len(dims)]
+    for g, (Rg, Rv) in enumerate(zip(Rs, Rvs)):
         kc = H * D + g * D + dims
         wqkv[:, kc] = 0.0
         wqkv[E:, kc] = q_gain * Rg  # keys: the hidden state's token
@@ -106,8 +111,8 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
             wqkv[:E, qc] = q_gain * Rg  # queries: the given token
         vc = (H + K) * D + g * D + np.arange(D)
         wqkv[:, vc] = 0.0
-        wqkv[:E, vc] = Rv[:, g * D:(g + 1) * D]  # values: the token after the key's
-        wo[g * G * D:(g * G + 1) * D] = v_gain * Rv[:, g * D:(g + 1) * D].T @ to_out
+        wqkv[:E, vc] = Rv  # values: the token after the key's
+        wo[g * G * D:(g * G + 1) * D] = v_gain * Rv.T @ to_out
     p["wqkv"], p["wo"] = wqkv, wo
     return p
 
