@@ -39,18 +39,27 @@ def init_params(cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 
     return p
 
 
-def token_probe(feats: np.ndarray, tokens: np.ndarray, embed: np.ndarray,
-                ridge: float = 1e-3) -> np.ndarray:
+def _rms_rows(x) -> np.ndarray:
+    """Rows scaled to root-mean-square 1 (float64)."""
+    x = np.asarray(x, np.float64)
+    return x / (np.sqrt((x * x).mean(-1, keepdims=True)) + 1e-12)
+
+
+def _ridge(x, y, ridge: float = 1e-3) -> np.ndarray:
+    """The least-squares map W with x @ W ~ y, ridge-regularized relative
+    to x's mean square (float64 in, float32 out)."""
+    x = np.asarray(x, np.float64)
+    gram = x.T @ x
+    gram += ridge * np.trace(gram) / len(gram) * np.eye(len(gram))
+    return np.linalg.solve(gram, x.T @ y).astype(np.float32)
+
+
+def token_probe(feats: np.ndarray, tokens: np.ndarray, embed: np.ndarray) -> np.ndarray:
     """A ridge-regression map [Et, E] from the target's lowest feature layer
     at a row to the (RMS-normalized) embedding of that row's token: the
     token a key position holds, which the target's features carry but not
     along the embedding's own direction."""
-    f = np.asarray(feats, np.float64)
-    e = np.asarray(embed[tokens], np.float64)
-    e /= np.sqrt((e * e).mean(-1, keepdims=True)) + 1e-12
-    gram = f.T @ f
-    gram += ridge * np.trace(gram) / len(gram) * np.eye(len(gram))
-    return np.linalg.solve(gram, f.T @ e).astype(np.float32)
+    return _ridge(feats, _rms_rows(embed[tokens]))
 
 
 def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data: dict,
@@ -90,11 +99,7 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
     feats = np.asarray(data["feats"])[m][:rows, :Et]
     probe = token_probe(feats, np.asarray(data["tokens"])[m][:rows], embed)
     vocab = np.arange(cfg.draft_vocab_size) + np.asarray(p["d2t"])
-    rms = lambda x: x / (np.sqrt((x * x).mean(-1, keepdims=True)) + 1e-12)  # noqa: E731
-    e_in = rms(np.asarray(embed, np.float64)[vocab])
-    e_out = rms(np.asarray(p["lm_head"], np.float64).T)
-    gram = e_in.T @ e_in
-    to_out = np.linalg.solve(gram + 1e-3 * np.trace(gram) / E * np.eye(E), e_in.T @ e_out)
+    to_out = _ridge(_rms_rows(embed[vocab]), _rms_rows(np.asarray(p["lm_head"]).T))
     p = dict(p)
     fc = np.zeros((3 * Et, E), np.float32)
     fc[:Et] = probe_gain * probe @ R @ R.T
