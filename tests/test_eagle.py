@@ -305,6 +305,21 @@ def test_training_lowers_the_loss_raises_acceptance_and_resumes_to_the_same_stat
     assert eng.speculative_metrics()["accepted"] > 10, eng.speculative_metrics()
 
 
+def test_frozen_output_rows_stay_and_a_resume_with_other_options_is_refused(
+        model, tiny_data, tmp_path):
+    """`freeze` (what `jaxkv train-draft` does to the output rows unless
+    --train-output): those stay the target's, bit for bit, while the rest
+    trains; a checkpoint of one choice is not resumed under the other."""
+    fresh = _fresh(model, tiny_data)
+    _, (tr, _) = _train(model, tiny_data, tmp_path / "c", steps=4, freeze=("lm_head",))
+    got = tr.params()
+    tr.close()
+    np.testing.assert_array_equal(got["lm_head"], fresh["lm_head"])
+    assert not np.allclose(got["fc"], fresh["fc"])
+    with pytest.raises(ValueError, match="lm_head.*give a fresh --out"):
+        _train(model, tiny_data, tmp_path / "c", steps=8)
+
+
 def test_copy_init_head_proposes_what_followed_before():
     """induction_init: before any training, in text that repeats itself,
     the head proposes the tokens that followed the earlier occurrence (the

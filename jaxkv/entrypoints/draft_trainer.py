@@ -174,27 +174,27 @@ def _batches(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
 
 def _take(data: dict, idx) -> dict:
     out = {k: jnp.asarray(data[k][idx]) for k in ("feats", "tokens", "labels", "mask")}
-    start = data.get("start")
-    out["start"] = jnp.asarray(start[idx] if start is not None
-                               else np.zeros(len(idx), np.int32))
+    out["start"] = jnp.asarray(data["start"][idx] if "start" in data else np.zeros(len(idx), np.int32))
     return out
 
 
 class Trainer:
     """The optimizer, the jitted step and evaluation, and the orbax
-    checkpoints of one training run."""
+    checkpoints of one training run. `freeze`: parameters kept as given
+    (`jaxkv train-draft` keeps the output rows, the target's own)."""
 
     def __init__(self, cfg: head_ops.Eagle3Config, params: dict, embed, *, steps: int,
                  lr: float = 1e-3, warmup: int | None = None, clip: float = 0.5,
                  weight_decay: float = 0.0, chain: int = 4, ckpt_dir: str | os.PathLike | None = None,
-                 save_every: int = 50):
+                 save_every: int = 50, freeze: tuple[str, ...] = ()):
         import optax
 
         self.cfg = cfg
         self.chain = chain
         self.steps = steps
-        trainable = {k: jnp.asarray(v) for k, v in params.items() if k not in ("d2t", "embed")}
-        self.frozen = {"params": {"d2t": jnp.asarray(params["d2t"])},
+        fixed = ("d2t", "embed", *freeze)
+        trainable = {k: jnp.asarray(v) for k, v in params.items() if k not in fixed}
+        self.frozen = {"params": {k: jnp.asarray(params[k]) for k in ("d2t", *freeze)},
                        "embed": jnp.asarray(params["embed"] if "embed" in params else embed),
                        "t2d": jnp.asarray(draft_index(np.asarray(params["d2t"]), cfg.vocab_size))}
         warmup = max(1, steps // 20) if warmup is None else warmup
@@ -236,8 +236,18 @@ class Trainer:
         if self._manager is None or self._manager.latest_step() is None:
             return False
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, self.state)
-        self.state = self._manager.restore(self._manager.latest_step(),
-                                           args=ocp.args.StandardRestore(abstract))
+        try:
+            state = self._manager.restore(self._manager.latest_step(),
+                                          args=ocp.args.StandardRestore(abstract))
+        except (ValueError, KeyError, TypeError):
+            state = None
+        if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(self.state):
+            self.close()
+            raise ValueError(f"{self._manager.directory}: the checkpoint does not hold this run's "
+                             f"trained parameters ({', '.join(sorted(self.state['params']))}): "
+                             f"written with other options (--train-output, --draft-vocab, the "
+                             f"model); give a fresh --out")
+        self.state = state
         return True
 
     def save(self, force: bool = False) -> None:
@@ -270,7 +280,7 @@ class Trainer:
 
     def params(self) -> dict:
         return {**{k: np.asarray(v) for k, v in self.state["params"].items()},
-                "d2t": np.asarray(self.frozen["params"]["d2t"])}
+                **{k: np.asarray(v) for k, v in self.frozen["params"].items()}}
 
     def close(self) -> None:
         if self._manager is not None:
