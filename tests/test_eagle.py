@@ -4,7 +4,8 @@ hidden states; speculation with a random or a trained head is lossless
 (greedy and seeded, under chunked prefill, prefix hits and preemption);
 heads of the Hugging Face layout load and a mismatched one is refused by
 name; nothing compiles after warm-up; training lowers the loss, raises the
-held-out acceptance, and a stopped run resumes to the same state."""
+held-out acceptance (as the engine then measures it on those prompts), and a
+stopped run resumes to the same state."""
 
 import json
 
@@ -303,6 +304,19 @@ def test_training_lowers_the_loss_raises_acceptance_and_resumes_to_the_same_stat
     _same(out, plain)
     _pressure(eng)
     assert eng.speculative_metrics()["accepted"] > 10, eng.speculative_metrics()
+    # the held-out figure training reports is the one the engine measures
+    # answering those prompts (its mean over every position reads higher)
+    from jaxkv.entrypoints.draft_data import answer
+
+    held = tiny_data[2]
+    prompts = [[int(x) for x in t[:s]] for t, s in zip(held["tokens"], held["start"])]
+    eng = LLMEngine(model, None, EngineConfig(
+        warmup=False, num_pages=200, page_size=8, max_num_seqs=16, max_num_batched_tokens=64,
+        speculative_config=_spec(tmp_path / "head")))
+    seqs, _ = answer(eng, None, prompts, 40)
+    assert seqs == [[int(x) for x in t[:s + 40]] for t, s in zip(held["tokens"], held["start"])]
+    got = eng.speculative_metrics()["mean_accepted_length"]
+    assert abs(end["per_step"] - got) < 0.005 and got < end["accept"], (end, got)
 
 
 def test_frozen_output_rows_stay_and_a_resume_with_other_options_is_refused(

@@ -132,3 +132,42 @@ def draft_index(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
     return t2d
 
 
+def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """The sequence indices of training step `step` (a fixed function of
+    the step: a resumed run sees the same batches)."""
+    epoch, pos = divmod(step * batch_size, n)
+    idx = []
+    while len(idx) < batch_size:
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        part = order[pos:pos + batch_size - len(idx)]
+        idx.extend(part.tolist())
+        epoch, pos = epoch + 1, 0
+    return np.asarray(idx)
+
+
+def take(data: dict, idx) -> dict:
+    """The sequences `idx` of `data` as one batch on the device."""
+    out = {k: jnp.asarray(data[k][idx]) for k in ("feats", "tokens", "labels", "mask")}
+    out["start"] = jnp.asarray(data["start"][idx] if "start" in data else np.zeros(len(idx), np.int32))
+    return out
+
+
+def per_step_length(lengths: np.ndarray) -> tuple[int, int]:
+    """(accepted proposals, drafting steps) of greedy decoding as the
+    engine runs it, from each anchor's accepted length (`lengths` [B, T],
+    0 where no anchor): a step from anchor t (its features the last the
+    target computed, token t + 1 known) gains L = lengths[t] tokens, at
+    most those left, and the next step's anchor is t + L; with one token
+    left the engine proposes nothing. Long runs are stepped over, so this
+    is below the mean over all anchors (the engine's mean accepted length
+    is 1 + accepted / drafts)."""
+    accepted = drafts = 0
+    for row in np.asarray(lengths):
+        at = np.flatnonzero(row)
+        if not len(at):
+            continue
+        t, end = int(at[0]), int(at[-1]) + 1  # end: the last token's row
+        while end - t - 1 >= 2:
+            n = min(int(row[t]), end - t - 1)
+            accepted, drafts, t = accepted + n - 1, drafts + 1, t + n
+    return accepted, drafts

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.entrypoints.draft_data import draft_index
+from jaxkv.entrypoints.draft_data import batch_indices, draft_index, per_step_length, take
 from jaxkv.model import eagle as head_ops
 
 LOSS_DECAY = 0.8  # weight of chained step j: LOSS_DECAY ** j
@@ -140,8 +140,9 @@ def chain_targets(batch, t2d, steps: int):
 
 
 def loss_and_metrics(trainable, frozen, batch, cfg, steps: int):
-    """(weighted cross-entropy, {"loss", "accept"}): `accept` is the mean
-    accepted length of k = `steps` greedy proposals over the anchors."""
+    """(weighted cross-entropy, {"loss", "accept", "lengths"}): `accept`
+    is the mean accepted length of k = `steps` greedy proposals over the
+    anchors, `lengths` each anchor's (`per_step_length` walks them)."""
     params = {**trainable, **frozen["params"]}
     feats = batch["feats"].astype(params["fc"].dtype)
     logits = head_ops.unrolled_logits(cfg, params, frozen["embed"], feats, batch["tokens"],
@@ -156,26 +157,8 @@ def loss_and_metrics(trainable, frozen, batch, cfg, steps: int):
     hit = (jnp.argmax(logits, -1) == labels) & ok  # a label outside the vocabulary: a miss
     run = jnp.cumprod(hit.astype(jnp.int32), axis=0)  # accepted while every earlier one was
     accept = 1 + (run * anchors[None]).sum() / jnp.maximum(anchors.sum(), 1)
-    return loss, {"loss": loss, "accept": accept}
-
-
-def _batches(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-    """The sequence indices of training step `step` (a fixed function of
-    the step: a resumed run sees the same batches)."""
-    epoch, pos = divmod(step * batch_size, n)
-    idx = []
-    while len(idx) < batch_size:
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        take = order[pos:pos + batch_size - len(idx)]
-        idx.extend(take.tolist())
-        epoch, pos = epoch + 1, 0
-    return np.asarray(idx)
-
-
-def _take(data: dict, idx) -> dict:
-    out = {k: jnp.asarray(data[k][idx]) for k in ("feats", "tokens", "labels", "mask")}
-    out["start"] = jnp.asarray(data["start"][idx] if "start" in data else np.zeros(len(idx), np.int32))
-    return out
+    lengths = jnp.where(anchors, 1 + run.sum(0), 0)  # [B, T]: each anchor's, 0 elsewhere
+    return loss, {"loss": loss, "accept": accept, "lengths": lengths}
 
 
 class Trainer:
@@ -264,19 +247,23 @@ class Trainer:
         return metrics
 
     def evaluate(self, data: dict, batch_size: int = 8) -> dict:
-        """Mean loss and accepted length over `data` (weighted by anchors)."""
+        """Mean loss and accepted length over `data` (weighted by anchors),
+        and `per_step`: the mean accepted length greedy decoding would
+        measure in the engine (`per_step_length`)."""
         tot = {"loss": 0.0, "accept": 0.0}
-        n = 0
+        n = accepted = drafts = 0
         N = len(data["tokens"])
         for i in range(0, N, batch_size):
             idx = np.arange(i, min(i + batch_size, N))
             idx = np.concatenate([idx, np.full(batch_size - len(idx), idx[-1])])
-            b = _take(data, idx)
+            b = take(data, idx)
             w = float(np.asarray(b["mask"])[:len(idx)].sum())
             m = self._eval(self.state["params"], b)
             tot = {k: tot[k] + w * float(m[k]) for k in tot}
-            n += w
-        return {k: v / max(n, 1) for k, v in tot.items()}
+            a, d = per_step_length(np.asarray(m["lengths"])[:min(batch_size, N - i)])
+            n, accepted, drafts = n + w, accepted + a, drafts + d
+        return {**{k: v / max(n, 1) for k, v in tot.items()},
+                "per_step": 1 + accepted / max(drafts, 1)}
 
     def params(self) -> dict:
         return {**{k: np.asarray(v) for k, v in self.state["params"].items()},
@@ -304,12 +291,12 @@ def train(cfg: head_ops.Eagle3Config, params: dict, embed, data: dict, *, steps:
                dynamic_ncols=True, disable=not progress)
     last = stop_after if stop_after is not None else steps
     while tr.step < min(steps, last):
-        metrics = tr.train_step(_take(data, _batches(N, batch_size, tr.step, seed)))
+        metrics = tr.train_step(take(data, batch_indices(N, batch_size, tr.step, seed)))
         post = {"loss": f"{float(metrics['loss']):.3f}", "accept": f"{float(metrics['accept']):.2f}"}
         if heldout is not None and (tr.step % eval_every == 0 or tr.step == steps):
             ev = tr.evaluate(heldout, batch_size)
             history.append({"step": tr.step, **ev})
-            post["held-out accept"] = f"{ev['accept']:.2f}"
+            post["held-out per step"] = f"{ev['per_step']:.2f}"
         bar.set_postfix(post, refresh=False)
         bar.update(1)
     bar.close()

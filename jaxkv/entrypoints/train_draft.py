@@ -25,10 +25,13 @@ self-distillation, with optax, checkpointed with orbax.
    "eagle3", "model": DIR}` loads.
 
 The progress bar shows the loss and, every `--eval-every` steps, the mean
-accepted length on the held-out prompts: for each position, 1 + the number
-of chained proposals that equal the target's greedy tokens before the
-first that does not, which is what greedy speculative decoding with k
-proposals gains per step.
+accepted length on the held-out prompts as the engine measures it: greedy
+decoding with k proposals a step, each step 1 + the number of chained
+proposals that equal the target's greedy tokens before the first that
+does not, the next step starting where that one ended
+(`draft_data.per_step_length`). The history in DIR/train_summary.json
+also keeps the mean over every position (`accept`), which counts the
+stretches a step would jump over once per position and so reads higher.
 """
 
 from __future__ import annotations
