@@ -1,0 +1,110 @@
+"""Would a token tree pay where the engine's EAGLE-3 chain does not? An
+offline estimate on a head trained by `jaxkv train-draft`, over the
+held-out answers it recorded (HEAD/data/heldout.npz).
+
+    python scripts/eagle_tree_estimate.py HEAD [--model smollm2-135m-instruct]
+        [--max-tokens 192] [--json out.json]
+
+A tree is given by its branching per depth: (1, 1, 1, 1) is the chain of
+k = 4 the engine runs, (2, 1, 1, 1) two chains from the head's two best
+first tokens, (2, 2, 1, 1) four, and so on; it has sum over depths of
+the product of the branchings so far proposal rows. Depth j of a step
+accepts when the target's greedy token there is among the head's top b_j
+at that depth, reading the sequence's own earlier tokens (along the
+accepted path those are what the tree holds), and every shallower depth
+accepted. Steps walk the answers as the engine does
+(`draft_data.per_step_length`: each step starts where the last ended), so
+the chain's figure is the one the engine measures. The verify cost of a
+tree's rows is the engine's to measure (`scripts/bench_spec.py --eagle
+HEAD --k R` gives a step of 1 + R rows); this script gives the accepted
+length each shape would have to pay for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = [(1,), (1, 1), (1, 1, 1), (1, 1, 1, 1), (1,) * 6, (1,) * 8, (2, 1, 1, 1),
+          (3, 1, 1, 1), (4, 1, 1, 1), (2, 2, 1, 1), (2, 2, 2, 1), (4, 2, 1, 1)]
+
+
+def ranks(head: str, target: str, max_tokens: int, depth: int):
+    """[B, T, depth] rank of the target's token among the head's draft
+    logits at each anchor and depth (a large number where it cannot be
+    proposed), and [B, T] the anchors."""
+    import jax
+    import jax.numpy as jnp
+
+    from checkpoints.eagle3 import load_eagle3
+    from checkpoints.loader import load_model
+    from jaxkv.entrypoints.draft_data import draft_index, take
+    from jaxkv.entrypoints.draft_trainer import chain_targets
+    from jaxkv.model import eagle as head_ops
+
+    model, _ = load_model(target)
+    cfg, params = load_eagle3(head, model.config)
+    with np.load(Path(head) / "data" / "heldout.npz") as z:
+        data = {k: z[k] for k in z.files if k != "stamp"}
+    T = data["mask"].shape[1]
+    data["mask"] = data["mask"] & (np.arange(T)[None] < data["start"][:, None] + max_tokens)
+    embed = jnp.asarray(params["embed"] if "embed" in params else head_ops.target_embed(model))
+    t2d = jnp.asarray(draft_index(np.asarray(params["d2t"]), cfg.vocab_size))
+    p = {k: jnp.asarray(v) for k, v in params.items()}
+
+    @jax.jit
+    def one(b):
+        logits = head_ops.unrolled_logits(cfg, p, embed, b["feats"], b["tokens"], b["mask"], depth)
+        lab, ok, anchors = chain_targets(b, t2d, depth)
+        mine = jnp.take_along_axis(logits, jnp.maximum(lab, 0)[..., None], axis=-1)
+        r = (logits > mine).sum(-1)
+        return jnp.where(ok & b["mask"][None], r, 1 << 20).transpose(1, 2, 0), anchors
+
+    out, anc = [], []
+    for i in range(len(data["tokens"])):
+        r, a = one(take(data, np.asarray([i])))
+        out.append(np.asarray(r[0]))
+        anc.append(np.asarray(a[0]))
+    return out, anc
+
+
+def estimate(rank_rows, anchor_rows, shape) -> dict:
+    from jaxkv.entrypoints.draft_data import per_step_length
+
+    lengths = []
+    for r, a in zip(rank_rows, anchor_rows):
+        hit = r[:, :len(shape)] < np.asarray(shape)[None]
+        run = np.cumprod(hit, axis=1).sum(1)
+        lengths.append(np.where(a, 1 + run, 0))
+    width = max(len(x) for x in lengths)
+    acc, drafts = per_step_length(np.stack([np.pad(x, (0, width - len(x))) for x in lengths]))
+    return {"shape": list(shape), "rows": int(sum(np.prod(shape[:j + 1]) for j in range(len(shape)))),
+            "mean_accepted_length": 1 + acc / max(drafts, 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("head")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the head's target")
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    rank_rows, anchor_rows = ranks(a.head, a.model, a.max_tokens, max(len(s) for s in SHAPES))
+    res = [estimate(rank_rows, anchor_rows, s) for s in SHAPES]
+    print("| branching per depth | proposal rows | mean accepted length |\n|---|---:|---:|")
+    for r in res:
+        print(f"| {tuple(r['shape'])} | {r['rows']} | {r['mean_accepted_length']:.2f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"head": a.head, "max_tokens": a.max_tokens,
+                                            "shapes": res}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
