@@ -17,7 +17,9 @@ accepted. Steps walk the answers as the engine does
 the chain's figure is the one the engine measures. The verify cost of a
 tree's rows is the engine's to measure (`scripts/bench_spec.py --eagle
 HEAD --k R` gives a step of 1 + R rows); this script gives the accepted
-length each shape would have to pay for.
+length each shape would have to pay for. Last, a hybrid of the same rows
+as the chain: prompt lookup's tokens where it finds a match, else the
+head's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ SHAPES = [(1,), (1, 1), (1, 1, 1), (1, 1, 1, 1), (1,) * 6, (1,) * 8, (2, 1, 1, 1
 def ranks(head: str, target: str, max_tokens: int, depth: int):
     """[B, T, depth] rank of the target's token among the head's draft
     logits at each anchor and depth (a large number where it cannot be
-    proposed), and [B, T] the anchors."""
+    proposed), [B, T] the anchors, and the recorded data (cut to
+    `max_tokens` of answer)."""
     import jax
     import jax.numpy as jnp
 
@@ -71,7 +74,7 @@ def ranks(head: str, target: str, max_tokens: int, depth: int):
         r, a = one(take(data, np.asarray([i])))
         out.append(np.asarray(r[0]))
         anc.append(np.asarray(a[0]))
-    return out, anc
+    return out, anc, data
 
 
 def estimate(rank_rows, anchor_rows, shape) -> dict:
@@ -88,6 +91,31 @@ def estimate(rank_rows, anchor_rows, shape) -> dict:
             "mean_accepted_length": 1 + acc / max(drafts, 1)}
 
 
+def with_lookup(rank_rows, anchor_rows, data, k: int = 4, n_max: int = 4, n_min: int = 2) -> dict:
+    """The chain of k, except where prompt lookup (n = n_max..n_min) finds
+    a match: there its k tokens (a hybrid proposer; k rows either way)."""
+    from jaxkv.core.spec_decode import ngram_lookup
+    from jaxkv.entrypoints.draft_data import per_step_length
+
+    lengths, matched = [], []
+    for i, (r, a) in enumerate(zip(rank_rows, anchor_rows)):
+        toks, end = data["tokens"][i], int(data["mask"][i].sum())
+        row = np.where(a, 1 + np.cumprod(r[:, :k] < 1, axis=1).sum(1), 0)
+        for t in np.flatnonzero(a):
+            prop = ngram_lookup(np.asarray(toks[:t + 2]), k, n_max, n_min)
+            matched.append(bool(prop))
+            if prop:
+                n = 0
+                while n < len(prop) and t + 2 + n < end and toks[t + 2 + n] == prop[n]:
+                    n += 1
+                row[t] = 1 + n
+        lengths.append(row)
+    acc, drafts = per_step_length(np.stack(lengths))
+    return {"shape": f"prompt lookup (n = {n_max}..{n_min}) where it matches, else chain of {k}",
+            "rows": k, "mean_accepted_length": 1 + acc / max(drafts, 1),
+            "lookup_matches": float(np.mean(matched))}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("head")
@@ -95,11 +123,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    rank_rows, anchor_rows = ranks(a.head, a.model, a.max_tokens, max(len(s) for s in SHAPES))
+    rank_rows, anchor_rows, data = ranks(a.head, a.model, a.max_tokens, max(len(s) for s in SHAPES))
     res = [estimate(rank_rows, anchor_rows, s) for s in SHAPES]
+    res.append(with_lookup(rank_rows, anchor_rows, data))
     print("| branching per depth | proposal rows | mean accepted length |\n|---|---:|---:|")
     for r in res:
-        print(f"| {tuple(r['shape'])} | {r['rows']} | {r['mean_accepted_length']:.2f} |")
+        shape = r["shape"] if isinstance(r["shape"], str) else tuple(r["shape"])
+        print(f"| {shape} | {r['rows']} | {r['mean_accepted_length']:.2f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"head": a.head, "max_tokens": a.max_tokens,
                                             "shapes": res}, indent=1) + "\n")
