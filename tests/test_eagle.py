@@ -230,6 +230,30 @@ def test_random_head_is_lossless_under_pressure(model, random_head):
     assert eng.speculative_metrics()["proposed"] > 100
 
 
+def test_requests_ending_inside_a_decode_loop_at_a_page_end(model, random_head):
+    """With the adaptive gate (the default) refusing a random head, decodes
+    run in loops of 8 calls that the head follows; a request whose
+    max_tokens ends inside a loop holds pages for its own rows only. With
+    every max_tokens from 4 to 11 one of them ends on a page's last slot:
+    the run completes, with plain decoding's tokens."""
+    rng = np.random.default_rng(0)
+    reqs = [([int(x) for x in rng.integers(0, CFG.vocab_size, 10)], m) for m in range(4, 12)]
+    reqs.append(([int(x) for x in rng.integers(0, CFG.vocab_size, 9)], 40))
+
+    def go(spec):
+        eng = LLMEngine(model, None, EngineConfig(
+            warmup=False, num_pages=64, page_size=8, max_num_seqs=9, max_num_batched_tokens=64,
+            speculative_config=spec))
+        ids = [eng.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0.0,
+                                                                      max_tokens=m))
+               for p, m in reqs]
+        out = eng.run_to_completion()
+        return [out[i].outputs[0].token_ids for i in ids]
+
+    spec = dict(_spec(random_head), adaptive=True)
+    assert go(spec) == go(None)
+
+
 def test_after_warm_up_requests_with_an_eagle_head_compile_nothing(model, random_head):
     eng = LLMEngine(model, None, EngineConfig(num_pages=32, page_size=8, max_num_seqs=8,
                                               max_num_batched_tokens=32,

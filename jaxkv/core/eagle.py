@@ -242,24 +242,30 @@ class EagleProposer:
 
     def _follow_loop(self, scheduled, key, feats, res) -> None:
         """`follow` for a decode loop of n > 1 calls: sequence s's row i (at
-        position start + i) read the features of call i and its token."""
+        position start + i) read the features of call i and its token. A
+        sequence that stopped inside the loop (its max_tokens) holds pages
+        for its own rows only: its rows end there."""
         from jaxkv.worker.scoring import plan_for
 
         n, S, W = len(res.tokens), len(scheduled), self.buckets.pages_per_seq
         T0 = feats.shape[1]
-        plan = plan_for([(res.tokens[:, s], sc.start, np.pad(sc.seq.progress.pages[:W],
-                                                             (0, W - len(sc.seq.progress.pages[:W]))))
+        pages = [np.asarray(sc.seq.progress.pages[:W], np.int32) for sc in scheduled]
+        m = [max(1, min(n, int(np.count_nonzero(p)) * self.page_size - sc.start))
+             for p, sc in zip(pages, scheduled)]  # page 0: none held
+        plan = plan_for([(res.tokens[:m[s], s], sc.start, np.pad(pages[s], (0, W - len(pages[s]))))
                          for s, sc in enumerate(scheduled)])
         hk = ProgramKey("mixed", self.loop_steps * key.seqs, key.seqs)
         batch = pack(plan, hk, self.page_size, W)
         src = np.zeros(hk.tokens, np.int32)
         next_ids = np.zeros(hk.tokens, np.int32)
-        i = np.arange(n)
-        for s in range(S):
-            src[s * n:(s + 1) * n] = i * T0 + s
-            next_ids[s * n:(s + 1) * n] = res.tokens[:, s]
         rows = np.zeros(key.seqs, np.int32)
-        rows[:S] = np.arange(S) * n + n - 1
+        row = 0
+        for s in range(S):
+            i = np.arange(m[s])
+            src[row:row + m[s]] = i * T0 + s
+            next_ids[row:row + m[s]] = res.tokens[:m[s], s]
+            row += m[s]
+            rows[s] = row - 1
         prog = self._get(("follow_loop", key.seqs))
         self.cache, first, hidden = prog(self.params, self.embed, self.cache, batch, feats, src,
                                          next_ids, rows)
