@@ -34,9 +34,12 @@ def bench_eagle(module, tok, a, make_engine, run, chat_ids) -> dict:
                                "adaptive": False}}
     engines = {c: make_engine(module, tok, s) for c, s in specs.items()}
     prompts = [chat_ids(tok, t) for t in held_out_prompts(a.eagle_prompts)]
-    for eng in engines.values():  # compile what the timed runs use
-        run(eng, prompts[:1], 16)
-        run(eng, prompts, 16)
+    many = (prompts * 16)[:16]
+    for eng in engines.values():  # compile what the timed runs use (16 sequences: every
+        run(eng, prompts[:1], 16)  # bucket they pass through as they finish)
+        run(eng, many, a.max_tokens)
+    compiled = {c: eng._num_programs() for c, eng in engines.items()}
+    before = {c: eng.speculative_metrics() for c, eng in engines.items()}
     rates = {c: [[] for _ in prompts] for c in engines}
     tokens = {c: [None] * len(prompts) for c in engines}
     spec = {c: {} for c in engines}
@@ -49,14 +52,17 @@ def bench_eagle(module, tok, a, make_engine, run, chat_ids) -> dict:
         print("  eagle3 batch 1: " + ", ".join(
             f"{c} {statistics.median([x[-1] for x in rates[c]]):.1f}" for c in engines),
             file=sys.stderr, flush=True)
-    for c, eng in engines.items():
-        spec[c] = eng.speculative_metrics()
-    many = (prompts * 16)[:16]
+    for c, eng in engines.items():  # the batch-1 runs' own figures
+        spec[c] = since(before[c], eng.speculative_metrics())
     batched = {c: [] for c in engines}
     for _ in range(a.runs):
         for c, eng in engines.items():
             batched[c].append(run(eng, many, a.max_tokens)["output_tok_s"])
-    out = {"prompts": len(prompts), "batch1": {}, "batched": {}, "spec": spec}
+    # programs compiled inside the timed runs (the adaptive gate may choose a shape the
+    # warm-up did not): their seconds are in that run's figure
+    out = {"prompts": len(prompts), "batch1": {}, "batched": {}, "spec": spec,
+           "compiled_while_timed": {c: eng._num_programs() - compiled[c]
+                                    for c, eng in engines.items()}}
     for c in engines:
         per_prompt = [statistics.median(x) for x in rates[c]]
         out["batch1"][c] = dict(tok_s=statistics.median(per_prompt),
@@ -73,6 +79,18 @@ def bench_eagle(module, tok, a, make_engine, run, chat_ids) -> dict:
     return out
 
 
+def since(before: dict, after: dict) -> dict:
+    """Speculation figures of the runs between two `speculative_metrics()`."""
+    if not after:
+        return {}
+    d = {k: after[k] - before.get(k, 0) for k in ("steps", "drafts", "proposed", "accepted",
+                                                  "propose_seconds")}
+    d["acceptance_rate"] = d["accepted"] / d["proposed"] if d["proposed"] else 0.0
+    d["mean_accepted_length"] = 1 + d["accepted"] / d["drafts"] if d["drafts"] else 0.0
+    d["propose_share"] = after.get("propose_share", 0.0)
+    return d
+
+
 def report_eagle(e: dict, k: int) -> list[str]:
     b1, bt = e["batch1"], e["batched"]
     base, base16 = b1["plain"]["tok_s"], bt["plain"]
@@ -84,6 +102,10 @@ def report_eagle(e: dict, k: int) -> list[str]:
         lines.append(f"| {c} | {b1[c]['tok_s']:.1f} | {b1[c]['tok_s'] / base:.2f}x | "
                      f"{'' if m is None else f'{m:.2f}'} | {bt[c]:.1f} | {bt[c] / base16:.2f}x "
                      f"| {b1[c]['identical']} |")
+    late = {c: n for c, n in e.get("compiled_while_timed", {}).items() if n}
+    if late:
+        lines += ["", "programs compiled inside timed runs (their time is in the figures): "
+                  + ", ".join(f"{c} {n}" for c, n in late.items())]
     c = e["costs"]
     lines += ["", f"step costs: plain {c['plain_ms_per_token']:.1f} ms per token; a verify step "
                   f"of the head {c['verify_step_ms']:.1f} ms (head calls "

@@ -222,8 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
-    p.add_argument("--quantize", default=None, choices=("int8", "w8a8"),
-                   help="weights as the engine's --quantize")
+    p.add_argument("--quantize", default=None, choices=("int8", "w8a8", "gguf-blocks"),
+                   help="weights as the engine's --quantize (gguf-blocks: a GGUF's weights kept "
+                        "in their blocks, as --gguf-blocks)")
     p.add_argument("--draft-sweep", action="store_true")
     p.add_argument("--draft-layers", type=int, nargs="+", default=[1, 4, 8, 30])
     p.add_argument("--eagle", default=None, metavar="HEAD_DIR",
@@ -239,7 +240,8 @@ def main(argv=None) -> int:
     from jaxkv.paths import enable_compilation_cache
 
     enable_compilation_cache()
-    module, tok = load_model(a.model, quantize=a.quantize)
+    blocks = a.quantize == "gguf-blocks"
+    module, tok = load_model(a.model, quantize=None if blocks else a.quantize, gguf_blocks=blocks)
     res = dict(date=time.strftime("%Y-%m-%d"), cpu=_cpu_name(), cores=_num_cores(), k=a.k,
                runs=a.runs, max_tokens=a.max_tokens, model=a.model, quantize=a.quantize)
     if a.eagle:  # first: the head's figures are what this run is for
