@@ -35,8 +35,9 @@ def bench_eagle(module, tok, a, make_engine, run, chat_ids) -> dict:
     engines = {c: make_engine(module, tok, s) for c, s in specs.items()}
     prompts = [chat_ids(tok, t) for t in held_out_prompts(a.eagle_prompts)]
     many = (prompts * 16)[:16]
-    for eng in engines.values():  # compile what the timed runs use (16 sequences: every
-        run(eng, prompts[:1], 16)  # bucket they pass through as they finish)
+    for eng in engines.values():  # compile what the timed runs use: one untimed pass of
+        for p in prompts:  # each (the 16 sequences pass through every bucket as they finish)
+            run(eng, [p], a.max_tokens)
         run(eng, many, a.max_tokens)
     compiled = {c: eng._num_programs() for c, eng in engines.items()}
     before = {c: eng.speculative_metrics() for c, eng in engines.items()}
