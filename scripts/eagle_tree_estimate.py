@@ -69,39 +69,35 @@ def ranks(head: str, target: str, max_tokens: int, depth: int):
         r = (logits > mine).sum(-1)
         return jnp.where(ok & b["mask"][None], r, 1 << 20).transpose(1, 2, 0), anchors
 
-    out, anc = [], []
-    for i in range(len(data["tokens"])):
-        r, a = one(take(data, np.asarray([i])))
-        out.append(np.asarray(r[0]))
-        anc.append(np.asarray(a[0]))
-    return out, anc, data
+    rows = [one(take(data, np.asarray([i]))) for i in range(len(data["tokens"]))]
+    return (np.stack([np.asarray(r[0]) for r, _ in rows]),
+            np.stack([np.asarray(a[0]) for _, a in rows]), data)
 
 
-def estimate(rank_rows, anchor_rows, shape) -> dict:
+def tree_lengths(ranks_, anchors, shape) -> np.ndarray:
+    """[B, T] each anchor's accepted length under `shape` (0 elsewhere)."""
+    hit = ranks_[..., :len(shape)] < np.asarray(shape)
+    return np.where(anchors, 1 + np.cumprod(hit, axis=-1).sum(-1), 0)
+
+
+def estimate(ranks_, anchors, shape) -> dict:
     from jaxkv.entrypoints.draft_data import per_step_length
 
-    lengths = []
-    for r, a in zip(rank_rows, anchor_rows):
-        hit = r[:, :len(shape)] < np.asarray(shape)[None]
-        run = np.cumprod(hit, axis=1).sum(1)
-        lengths.append(np.where(a, 1 + run, 0))
-    width = max(len(x) for x in lengths)
-    acc, drafts = per_step_length(np.stack([np.pad(x, (0, width - len(x))) for x in lengths]))
+    acc, drafts = per_step_length(tree_lengths(ranks_, anchors, shape))
     return {"shape": list(shape), "rows": int(sum(np.prod(shape[:j + 1]) for j in range(len(shape)))),
             "mean_accepted_length": 1 + acc / max(drafts, 1)}
 
 
-def with_lookup(rank_rows, anchor_rows, data, k: int = 4, n_max: int = 4, n_min: int = 2) -> dict:
+def with_lookup(ranks_, anchors, data, k: int = 4, n_max: int = 4, n_min: int = 2) -> dict:
     """The chain of k, except where prompt lookup (n = n_max..n_min) finds
     a match: there its k tokens (a hybrid proposer; k rows either way)."""
     from jaxkv.core.spec_decode import ngram_lookup
     from jaxkv.entrypoints.draft_data import per_step_length
 
-    lengths, matched = [], []
-    for i, (r, a) in enumerate(zip(rank_rows, anchor_rows)):
+    lengths, matched = tree_lengths(ranks_, anchors, (1,) * k), []
+    for i, row in enumerate(lengths):
         toks, end = data["tokens"][i], int(data["mask"][i].sum())
-        row = np.where(a, 1 + np.cumprod(r[:, :k] < 1, axis=1).sum(1), 0)
-        for t in np.flatnonzero(a):
+        for t in np.flatnonzero(anchors[i]):
             prop = ngram_lookup(np.asarray(toks[:t + 2]), k, n_max, n_min)
             matched.append(bool(prop))
             if prop:
@@ -109,8 +105,7 @@ def with_lookup(rank_rows, anchor_rows, data, k: int = 4, n_max: int = 4, n_min:
                 while n < len(prop) and t + 2 + n < end and toks[t + 2 + n] == prop[n]:
                     n += 1
                 row[t] = 1 + n
-        lengths.append(row)
-    acc, drafts = per_step_length(np.stack(lengths))
+    acc, drafts = per_step_length(lengths)
     return {"shape": f"prompt lookup (n = {n_max}..{n_min}) where it matches, else chain of {k}",
             "rows": k, "mean_accepted_length": 1 + acc / max(drafts, 1),
             "lookup_matches": float(np.mean(matched))}
@@ -123,9 +118,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    rank_rows, anchor_rows, data = ranks(a.head, a.model, a.max_tokens, max(len(s) for s in SHAPES))
-    res = [estimate(rank_rows, anchor_rows, s) for s in SHAPES]
-    res.append(with_lookup(rank_rows, anchor_rows, data))
+    ranks_, anchors, data = ranks(a.head, a.model, a.max_tokens, max(len(s) for s in SHAPES))
+    res = [estimate(ranks_, anchors, s) for s in SHAPES]
+    res.append(with_lookup(ranks_, anchors, data))
     print("| branching per depth | proposal rows | mean accepted length |\n|---|---:|---:|")
     for r in res:
         shape = r["shape"] if isinstance(r["shape"], str) else tuple(r["shape"])

@@ -201,6 +201,7 @@ class Trainer:
         def train_step(state, batch):
             grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
             (_, metrics), grads = grad_fn(state["params"], frozen, batch, cfg, chain)
+            metrics = {k: metrics[k] for k in ("loss", "accept")}  # not the eval's lengths
             updates, new_opt = opt.update(grads, state["opt"], state["params"])
             return {"params": optax.apply_updates(state["params"], updates), "opt": new_opt,
                     "step": state["step"] + 1}, metrics
