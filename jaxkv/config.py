@@ -144,6 +144,9 @@ class EngineConfig:
     max_loras: int = _opt(1, "LoRA adapters held on the device at once (distinct adapters in "
                              "one step)")
     max_lora_rank: int = _opt(16, "the highest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = _opt(
+        None, "LoRA adapters whose factors are kept in host memory (least recently used "
+              "dropped and read again from the folder when named; default max_loras)")
     speculative_config: dict | None = _opt(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
               '4} (prompt lookup; "prompt_lookup_max" / "prompt_lookup_min" the n-gram '
@@ -184,7 +187,7 @@ class EngineConfig:
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
         for name in ("num_pages", "kv_cache_memory", "max_model_len", "num_processes",
-                     "kv_offload_memory", "kv_offload_disk"):
+                     "kv_offload_memory", "kv_offload_disk", "max_cpu_loras"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name}: must be a positive integer or None, got {v!r}")

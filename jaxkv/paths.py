@@ -1,17 +1,47 @@
 """Where jaxkv keeps its files: ``$JAXKV_CACHE`` (default ``~/.cache/jaxkv``)
 holds downloads (``downloads/``), converted models (``models/``), compiled
 step programs (``programs/``, `jaxkv.worker.program_store`), native CPU
-kernels (``native/``) and JAX's persistent compilation cache (``xla/``)."""
+kernels (``native/``) and JAX's persistent compilation cache (``xla/``).
+
+The last three hold code this process will run, so they are used only when
+private to the user (`private_cache`; `pallas_kernels.private_dirs` says
+what counts)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger("jaxkv")
+_WARNED: set[str] = set()
 
 
 def cache_dir() -> Path:
     """``$JAXKV_CACHE``, default ``~/.cache/jaxkv``."""
     return Path(os.environ.get("JAXKV_CACHE") or Path.home() / ".cache" / "jaxkv")
+
+
+def private_cache(sub: str, instead: str) -> Path | None:
+    """``cache_dir() / sub``, made if absent, when no other user can write
+    it; else None, with a warning (once) naming the folder, why, and what
+    happens `instead`."""
+    from pallas_kernels import private_dirs
+
+    path = cache_dir() / sub
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        why = f"{path} cannot be made ({e.strerror or e})"
+    else:  # the cache folder itself too: a shared cache is refused, sticky or not
+        why = private_dirs.problem(path) or private_dirs.problem(path.parent)
+    if why is None:
+        return path
+    if sub not in _WARNED:
+        _WARNED.add(sub)
+        log.warning("jaxkv: not using the cache folder %s: %s; %s (make it private, e.g. "
+                    "chmod 700, or set JAXKV_CACHE to a folder of your own)", path, why, instead)
+    return None
 
 
 def uses_program_store(engine_options: dict) -> bool:
@@ -35,7 +65,8 @@ def enable_compilation_cache() -> None:
 
     if jax.config.jax_compilation_cache_dir:
         return
-    path = cache_dir() / "xla"
-    path.mkdir(parents=True, exist_ok=True)
+    path = private_cache("xla", "JAX's compilation cache stays off")
+    if path is None:
+        return
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

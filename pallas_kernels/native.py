@@ -41,6 +41,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pallas_kernels import private_dirs
+
 _LOCK = threading.Lock()
 _LOADED: dict[str, bool] = {}
 _REASONS: dict[str, str] = {}
@@ -119,9 +121,33 @@ def _use_blas(lib: ctypes.CDLL) -> None:
     lib.jaxkv_blas_use(*addr)
 
 
+_PRIVATE: list[Path] = []  # this process's own folder, when the cache's is not private
+
+
 def _cache_root() -> Path:
-    # The same root as jaxkv.paths.cache_dir (this package imports no jaxkv).
-    return Path(os.environ.get("JAXKV_CACHE") or Path.home() / ".cache" / "jaxkv") / "native"
+    """``$JAXKV_CACHE/native`` (the root of jaxkv.paths.cache_dir; this
+    package imports no jaxkv) when no other user can write it, else a
+    temporary folder of this process's own (a library there is loaded as
+    code: see `private_dirs`)."""
+    root = Path(os.environ.get("JAXKV_CACHE") or Path.home() / ".cache" / "jaxkv") / "native"
+    if _PRIVATE:
+        return _PRIVATE[0]
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        why = private_dirs.problem(root) or private_dirs.problem(root.parent)
+    except OSError as e:
+        why = f"{root} cannot be made ({e.strerror or e})"
+    if why is None:
+        return root
+    import atexit
+    import warnings
+
+    _PRIVATE.append(Path(tempfile.mkdtemp(prefix="jaxkv-native-")))
+    atexit.register(shutil.rmtree, _PRIVATE[0], True)
+    warnings.warn(f"jaxkv: not using the native kernel folder {root}: {why}; building in "
+                  f"{_PRIVATE[0]} for this process (make it private, e.g. chmod 700, or set "
+                  "JAXKV_CACHE to a folder of your own)", RuntimeWarning, stacklevel=4)
+    return _PRIVATE[0]
 
 
 def _cpu_flags() -> str:
@@ -156,7 +182,10 @@ def _build(name: str, source: Path, mkl: Path) -> Path:
         platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     out = _cache_root() / f"{name}-{key}.so"
     if out.exists():
-        return out
+        bad = private_dirs.private_file(out)
+        if bad is None:
+            return out
+        raise RuntimeError(f"refusing to load {out}: {bad}")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)

@@ -2,7 +2,7 @@
 checkpoint loaders: a careless user's and an attacker's input beside
 ordinary requests. A benchmark, not a test (a few minutes on 2 cores).
 
-    python scripts/probe.py [--parts offline,batch,http,checkpoints] [--json OUT]
+    python scripts/probe.py [--parts offline,batch,http,checkpoints,files] [--json OUT]
 
 Each probe ends in one outcome (scripts/probe_common.py): served (an
 ordinary request answered as its lone run answers), named (a bad input
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from probe_common import Tally, make_tiny_model, timed  # noqa: E402
 
-PARTS = ("offline", "batch", "http", "checkpoints")
+PARTS = ("offline", "batch", "http", "checkpoints", "files")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="jaxkv-probe-") as tmp:
         root = Path(tmp)
-        model = make_tiny_model(root / "model") if set(parts) & {"offline", "batch", "http"} else None
+        model = (make_tiny_model(root / "model") if set(parts) & {"offline", "batch", "http", "files"}
+                 else None)
         for part in parts:
             with timed(tally, part):
                 if part == "offline":
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif part == "http":
                     from probe_http import run
                     run(tally, root / "http", model)
+                elif part == "files":
+                    from probe_files import run
+                    run(tally, root / "files", model)
                 else:
                     from probe_checkpoints import run
                     run(tally, root / "checkpoints")

@@ -1,5 +1,7 @@
-"""The HTTP part of the adversarial probe (scripts/probe.py): a `jaxkv serve` subprocess fed ~130
-hostile or careless requests over plain HTTP, through its public interface only.
+"""The HTTP part of the adversarial probe (scripts/probe.py): a `jaxkv serve` subprocess fed ~190
+hostile or careless requests over plain HTTP, through its public interface only (the cases of
+scripts/probe_http_cases.py, then scripts/probe_http_hostile.py's: adapters, bounded fields, `$ref`
+schemas, grammars, the Host header, silent and slow connections).
 
 While the probes go out (four at a time), a greedy streaming chat (the bystander) runs throughout,
 restarted as it ends; each answer must equal a lone non-streaming run made before the probes.
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from probe_common import Tally, timed
 from probe_http_cases import BYSTANDER, CH, KEY, MAX_BYTES, plan_probes
+from probe_http_hostile import invalid_calls, plan_hostile, sockets
 
 PART = "http"
 TIMEOUT = 30.0
@@ -87,12 +90,15 @@ class Client:
 
 
 def texts(resp) -> list[str] | None:
-    """The choices' texts of a completion / chat answer (or tokenize's tokens as one string)."""
+    """The choices' texts of a completion / chat answer (a chat choice's tool calls as their JSON;
+    tokenize's tokens as one string)."""
     if isinstance(resp, dict) and ("tokens" in resp or "prompt" in resp):
         return [json.dumps(resp.get("tokens", resp.get("prompt")))]
     if not isinstance(ch := resp.get("choices") if isinstance(resp, dict) else None, list):
         return None
-    return [c.get("text") if "text" in c else (c.get("message") or {}).get("content") for c in ch]
+    return [c.get("text") if "text" in c else json.dumps((c.get("message") or {}).get("tool_calls"))
+            if (c.get("message") or {}).get("tool_calls") else (c.get("message") or {}).get("content")
+            for c in ch]
 
 
 def judge(status, resp, words, expect: str, lone=None) -> tuple[str, str]:
@@ -121,6 +127,13 @@ def send(client: Client, probe, lone: dict) -> tuple[str, str]:
         if path == "/metrics" and expect == "ok":  # Prometheus text
             status, resp = client.call(method, path, **kw)
             return ("served" if status == 200 and b"# TYPE" in resp else "crashes"), f"{status}: {resp[:200]!r}"
+        if method in ("SILENT", "SLOWHEAD", "SLOWBODY"):
+            return sockets(client.port, method)
+        if case.startswith("tools: forced"):
+            status, resp = client.call(method, path, body, **kw)
+            outcome, detail = judge(status, resp, words, expect, lone.get(case))
+            why = invalid_calls(body, resp) if outcome == "served" else None
+            return ("wrong", f"arguments break the schema: {why}") if why else (outcome, detail)
         if method == "STREAM":
             got = client.stream(path, body)
             return ("served", got) if [got] == lone[case] else ("wrong", f"lone {lone[case]!r} vs {got!r}")
@@ -170,7 +183,8 @@ def rss(pid: int) -> int:
 
 
 def run(tally: Tally, root: Path, model: Path, *, probes: int = 130) -> None:
-    """The http part: serve `model`, probe it (at most `probes` requests), shut it down."""
+    """The http part: serve `model`, probe it (at most `probes` requests of the first table, then
+    probe_http_hostile's), shut it down."""
     with timed(tally, PART):
         _run(tally, Path(root), Path(model), probes)
 
@@ -181,9 +195,15 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(root / "serve.log", "wb")  # noqa: SIM115 - closed in the finally
+    from checkpoints import load_config
+
+    loras = root / "loras"
+    hostile = plan_hostile(loras, load_config(model))
     cmd = [sys.executable, "-m", "jaxkv", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--api-key", KEY, "--no-warmup", "--max-num-seqs", "8", "--num-pages", "256", "--page-size", "16",
-           "--max-request-bytes", str(MAX_BYTES), "--shutdown-timeout", "20"]
+           "--max-request-bytes", str(MAX_BYTES), "--shutdown-timeout", "20", "--enable-lora",
+           "--max-lora-rank", "8", "--enable-runtime-lora-loading", "--lora-root", str(loras),
+           "--header-timeout", "2", "--body-timeout", "2"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     client, stop = Client(port), threading.Event()
     try:
@@ -196,7 +216,7 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
             tally.add(PART, "crashes" if proc.poll() is not None else "hangs", "start",
                       f"rc {proc.poll()}; see {root / 'serve.log'}")
             return
-        plan = plan_probes(vocab_size(client))[:limit]
+        plan = plan_probes(vocab_size(client))[:limit] + hostile
         lone: dict[str, list] = {}
         for case, method, path, body, _, _, expect in plan:  # lone runs of the controls, one at a time
             if expect != "err" and method in ("POST", "STREAM"):

@@ -26,16 +26,19 @@ def free_port() -> int:
 
 
 class ThreadServer:
-    """uvicorn serving `app` from a thread; `stop()` ends it."""
+    """uvicorn serving `app` from a thread, as `jaxkv serve` configures it
+(`config`: `connections.uvicorn_config`'s options); `stop()` ends it."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
         import uvicorn
+
+        from jaxkv.entrypoints.openai.connections import uvicorn_config
 
         self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
         self.thread.start()

@@ -2,8 +2,11 @@
 greedy tokens with the host tier, swap-style preemption and the disk tier
 against lone uncached runs of each prompt (synchronous and overlapped
 steps); a restarted engine served from the disk tier; corrupt, truncated
-and foreign page files skipped; tenants' salts kept apart on every tier;
-each tier within its bound; what the tier does not serve refused by name."""
+and foreign page files skipped; a FIFO, a link to /dev/zero, a huge file
+and a forged page in the disk tier's folder skipped, logged and removed;
+two engines on one folder within one budget; tenants' salts kept apart on
+every tier; each tier within its bound; what the tier does not serve
+refused by name."""
 
 import dataclasses
 import logging
@@ -133,7 +136,7 @@ def test_a_restarted_engine_is_served_from_the_disk_tier(model, lone, tmp_path, 
     st = eng.tier.stats
     assert st.disk_hit_pages == 0 and st.disk_skipped >= 3, st
     msgs = " ".join(r.getMessage() for r in caplog.records)
-    for why in ("checksum mismatch", "bytes, a page file has", "another model or layout"):
+    for why in ("MAC does not match", "bytes, a page file has", "another model or layout"):
         assert why in msgs
     eng.shutdown()
 
@@ -223,3 +226,66 @@ def test_a_restarted_server_serves_its_first_repeated_prompt_from_disk(model, lo
                           + '{model_name="tiny",tier="disk"}')
         assert (hits == 0) if first else (hits >= 8 * ((len(prompt) - 1) // 8)), hits
     assert answers[0] == answers[1] == lone(prompt, 5)
+
+
+def test_the_disk_tier_trusts_no_file_in_its_folder(tmp_path, caplog):
+    """Only a regular file of a page's size whose MAC is the folder key's is
+    served: a FIFO (never waited on), a link to /dev/zero, a 2 GB sparse
+    file and a page forged with an unkeyed checksum are each skipped with
+    a log line and removed; the key is the user's alone."""
+    import hashlib
+    import os
+    import time
+
+    from jaxkv.core.kv_disk import KEY_FILE, DiskTier
+
+    layout = [((2, 8, 4), "float32")]
+    page = [np.arange(64, dtype=np.float32).reshape(2, 8, 4)]
+    disk = DiskTier(tmp_path, "fp", layout, max_bytes=64 * 1024)
+    assert (tmp_path / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    for h in hashes:
+        assert disk.write(h, page)
+    path = [disk._path(h.hex()) for h in hashes]
+    path[1].unlink()
+    os.mkfifo(path[1])
+    path[2].unlink()
+    path[2].symlink_to("/dev/zero")
+    with open(path[3], "r+b") as f:
+        f.truncate(2 << 30)
+    raw = bytearray(path[4].read_bytes())
+    raw[-100] ^= 1  # the forger's page, its checksum recomputed without the key
+    raw[-32:] = hashlib.blake2b(bytes(raw[:-32]), digest_size=32).digest()
+    path[4].write_bytes(bytes(raw))
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        got = [disk.read(h) for h in hashes]
+    assert time.perf_counter() - t0 < 2
+    assert np.array_equal(got[0][0], page[0]) and got[1:] == [None] * 4
+    msgs = " ".join(r.getMessage() for r in caplog.records)
+    for why in ("not a regular file", "unreadable", "bytes, a page file has",
+                "MAC does not match"):
+        assert why in msgs, why
+    assert not any(p.exists() or p.is_symlink() for p in path[1:])
+    (tmp_path / KEY_FILE).chmod(0o644)
+    with pytest.raises(ValueError, match="no one else may read"):
+        DiskTier(tmp_path, "fp", layout, max_bytes=64 * 1024)
+
+
+def test_two_engines_on_one_folder_share_one_budget(tmp_path):
+    """Two tiers of different models on one folder: the folder's page bytes
+    stay within the one budget, each tier's oldest files going first."""
+    from jaxkv.core import kv_disk
+
+    layout = [((2, 8, 4), "float32")]
+    page = [np.zeros((2, 8, 4), np.float32)]
+    size = kv_disk.DiskTier(tmp_path / "sizing", "fpA", layout, max_bytes=1 << 20).file_bytes
+    budget = 6 * size
+    a = kv_disk.DiskTier(tmp_path, "fpA", layout, max_bytes=budget)
+    b = kv_disk.DiskTier(tmp_path, "fpB", layout, max_bytes=budget)
+    for i in range(10):
+        assert a.write(bytes([i]) * 16, page) and b.write(bytes([100 + i]) * 16, page)
+        on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*" + kv_disk.SUFFIX))
+        assert on_disk <= budget, (i, on_disk)
+    assert 0 < len(a) and 0 < len(b) and len(a) + len(b) <= 6
+    assert bytes([9]) * 16 in a and bytes([109]) * 16 in b  # the newest stay

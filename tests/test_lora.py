@@ -21,6 +21,8 @@ import pytest
 from tests.compile_count import count_compiles
 from tests.model_utils import make_hf_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
 pytestmark = pytest.mark.xdist_group("lora")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,35 +195,72 @@ def _folder(tmp, name, config: dict, tensors: dict | None = None):
 
 
 def test_bad_adapters_are_refused_by_name_and_the_rest_served(llama, tmp_path):
+    """Every hostile folder of scripts/probe_adapters.py (and the plain
+    mistakes) errors its own prompt only, naming the problem, quickly; the
+    prompts beside them are served as peft serves them."""
+    import time
+
+    from checkpoints import load_config
     from jaxkv.core.lora import LoRARequest
+    from probe_adapters import hostile_adapters
 
     path, folders, want, _ = llama
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
     f32 = lambda *s: np.ones(s, np.float32)  # noqa: E731
     lora = dict(peft_type="LORA", r=4, lora_alpha=8, target_modules=["q_proj"])
-    bad = {
-        "rank 16 exceeds max_lora_rank 8": _folder(
-            tmp_path, "rank", lora, {key.format("A"): f32(16, 64), key.format("B"): f32(64, 16)}),
-        "do not fit the base projection": _folder(
-            tmp_path, "shape", lora, {key.format("A"): f32(4, 32), key.format("B"): f32(64, 4)}),
-        "unknown target modules ['embed_tokens']": _folder(
-            tmp_path, "target", dict(lora, target_modules=["q_proj", "embed_tokens"]), {}),
-        "adapter_model.safetensors not found": _folder(tmp_path, "nofile", lora),
-        "adapter_config.json not found": tmp_path / "missing",
-        "modules_to_save": _folder(tmp_path, "save", dict(lora, modules_to_save=["lm_head"])),
-    }
+    bad = [
+        ("rank 16 exceeds max_lora_rank 8", _folder(
+            tmp_path, "rank", lora, {key.format("A"): f32(16, 64), key.format("B"): f32(64, 16)})),
+        ("fit the base projection", _folder(
+            tmp_path, "shape", lora, {key.format("A"): f32(4, 32), key.format("B"): f32(64, 4)})),
+        ("unknown target modules ['embed_tokens']", _folder(
+            tmp_path, "target", dict(lora, target_modules=["q_proj", "embed_tokens"]), {})),
+        ("adapter_model.safetensors not found", _folder(tmp_path, "nofile", lora)),
+        ("adapter_config.json not found", tmp_path / "missing"),
+        ("modules_to_save", _folder(tmp_path, "save", dict(lora, modules_to_save=["lm_head"]))),
+    ] + [(words, d) for d, words in hostile_adapters(tmp_path / "hostile",
+                                                     load_config(path)).values()]
     eng = engine(path)
-    jobs = [(PROMPTS[0], LoRARequest(f"bad{i}", 10 + i, str(d))) for i, d in enumerate(bad.values())]
+    jobs = [(PROMPTS[0], LoRARequest(f"bad{i}", 10 + i, str(d))) for i, (_, d) in enumerate(bad)]
     jobs += [(PROMPTS[1], req(folders, 1)), (PROMPTS[2], "never-loaded"), (PROMPTS[3], None)]
+    t0 = time.perf_counter()
     outs = run(eng, jobs)
-    for o, why in zip(outs, bad):
-        assert o.outputs[0].finish_reason == "error" and why in o.error, (why, o.error)
+    assert time.perf_counter() - t0 < 30  # no backtracking pattern, no gigabyte read
+    for o, (why, d) in zip(outs, bad):
+        assert o.outputs[0].finish_reason == "error" and why in o.error, (d, why, o.error)
     assert "unknown adapter 'never-loaded'" in outs[-2].error
     assert list(outs[-3].outputs[0].token_ids) == want[(1, 1)]
     assert list(outs[-1].outputs[0].token_ids) == want[(3, -1)]
     off = engine(path, enable_lora=False)
     o = run(off, [(PROMPTS[0], req(folders, 0))])[0]
     assert o.outputs[0].finish_reason == "error" and "enable_lora" in o.error
+
+
+def test_host_copies_are_bounded_at_their_own_rank_and_freed_on_unload(llama, tmp_path):
+    """`max_cpu_loras` adapters' factors held at their own rank (no view of
+    a max-rank array); an adapter dropped from the host cache is read again
+    when named and gives the same tokens; unloading frees its factors."""
+    from jaxkv.core.lora import LoRARequest
+
+    path, folders, want, _ = llama
+    eng = engine(path, max_loras=1, max_cpu_loras=2)
+    loras = eng.loras
+    reqs = [LoRARequest(f"a{j}", j + 1, str(folders[j])) for j in range(len(folders))]
+    for r in reqs:
+        loras.resolve(r)
+    assert len(loras._held) == 2 and loras.stats["folder_reads"] == len(reqs)
+    for name in loras._held:
+        w = loras.known[name].weights
+        assert all(x.base is None for x in (*w.a.values(), *w.b.values()))
+        assert all(x.shape[-1] == w.rank for x in w.a.values())
+    cold = [n for n in loras.known if loras.known[n].weights is None]
+    assert cold == ["a0", "a1"]
+    out = run(eng, [(PROMPTS[0], "a0"), (PROMPTS[1], "a1")])
+    assert [list(o.outputs[0].token_ids) for o in out] == [want[(0, 0)], want[(1, 1)]]
+    assert loras.stats["folder_reads"] == len(reqs) + 2  # each read again once
+    for r in reqs:
+        assert loras.remove(r.lora_name)
+    assert loras.held_bytes() == 0 and not loras.known
 
 
 TP_WORKER = """

@@ -209,3 +209,53 @@ def test_the_fingerprint_names_what_changes_a_traced_step(monkeypatch):
         prints[value] = program_store.platform_fingerprint()
     assert prints["1"] != prints["0"]
     assert program_store.ProgramStore("/x", prints["1"]).dir != program_store.ProgramStore("/x", prints["0"]).dir
+
+
+class _Planted:
+    """Unpickling it writes a marker file: what an attacker's entry would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_planted_entry_is_never_unpickled(tmp_path, monkeypatch, caplog):
+    """A pickle planted where the store looks is never run: in a shared
+    cache folder (mode 1777) the store is not used at all (a warning names
+    the folder); in a private one an entry without this user's MAC, its
+    checksum recomputed as an attacker would, is refused before unpickling."""
+    import hashlib
+    import pickle
+
+    marker = tmp_path / "ran"
+    payload = pickle.dumps((_Planted(marker), None, None, [0]))
+    unkeyed = (program_store.MAGIC + program_store.VERSION.to_bytes(4, "little")
+               + hashlib.sha256(payload).digest() + payload)
+    private = tmp_path / "private"
+    monkeypatch.setenv("JAXKV_CACHE", str(private))
+    monkeypatch.setenv("JAXKV_KEY_FILE", str(tmp_path / "config" / "cache.key"))
+    program_store.secret_key.cache_clear()
+    store = program_store.ProgramStore.for_engine(EngineConfig(**OPTS))
+    store.dir.mkdir(parents=True)
+    store.path("step").write_bytes(unkeyed)
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        assert store.load("step") is None
+    assert "not unpickled" in caplog.text and not marker.exists()
+    assert not store.path("step").exists()  # removed, to be compiled anew
+    assert oct((tmp_path / "config" / "cache.key").stat().st_mode & 0o777) == "0o600"
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setenv("JAXKV_CACHE", str(shared))
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        assert program_store.ProgramStore.for_engine(EngineConfig(**OPTS)) is None
+    assert f"not using the cache folder {shared / 'programs'}" in caplog.text
+    assert "writable by other users" in caplog.text
+    from pallas_kernels import private_dirs
+
+    assert "writable by other users (mode 1777)" in private_dirs.problem(shared)
+    assert private_dirs.problem(private) is None
+    program_store.secret_key.cache_clear()

@@ -79,7 +79,8 @@ def server(tiny):
     a = cli.build_parser().parse_args(
         ["serve", "--model", str(root / "base"), "--served-model-name", "tiny", *ENGINE,
          "--lora-modules", f"a1={root / 'a1'}"])
-    srv = ThreadServer(build_app(cli._make_engine(a), a.served_model_name))
+    srv = ThreadServer(build_app(cli._make_engine(a), a.served_model_name,
+                                 enable_runtime_lora_loading=True))
     yield srv
     srv.stop()
 

@@ -18,7 +18,7 @@ from typing import Annotated, Literal  # noqa: F401 - the agent's tool signature
 import jsonschema
 import openai
 import pytest
-from pydantic import Field  # noqa: F401 - as above
+from pydantic import BaseModel, Field
 
 from jaxkv.entrypoints.openai import tools as T
 from jaxkv.entrypoints.openai.tool_stream import StreamParser
@@ -213,6 +213,85 @@ def test_the_openai_agents_sdk_runs_its_loop_against_the_server(server):
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
     assert len(seen) == 1 and seen[0][0] in ("Paris", "Tokyo") and 1 <= seen[0][1] <= 7
     assert result.final_output == f"sunny in {seen[0][0]} for {seen[0][1]} days"
+
+
+class _Item(BaseModel):
+    name: Literal["tea", "cake"]
+    qty: Annotated[int, Field(ge=1, le=9)]
+
+
+class _Order(BaseModel):
+    items: Annotated[list[_Item], Field(min_length=1, max_length=2)]
+    gift: _Item | None = None
+
+
+def test_pydantic_defs_schemas_are_forced_and_their_arguments_validate(server, client):
+    """The Agents SDK's Pydantic schemas keep their `$defs` (the forced
+    call's grammar resolves them against the tool's own schema, not the
+    call wrapper): its Runner gets a call its own model parses, and the
+    arguments validate against the schema it sent; a schema that refers to
+    itself ("$ref": "#") gives arguments of that schema."""
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from agents.function_schema import function_schema
+
+    set_tracing_disabled(True)
+    seen = []
+
+    def place_order(order: _Order) -> str:
+        """Place an order."""
+        seen.append(order)
+        return "placed"
+
+    schema = function_schema(place_order).params_json_schema
+    assert "$defs" in json.dumps(schema)
+    aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    agent = Agent(name="shop", instructions="Order with the tools.",
+                  tools=[function_tool(place_order)],
+                  model=OpenAIChatCompletionsModel(model="tiny", openai_client=aclient),
+                  model_settings=ModelSettings(tool_choice="place_order", temperature=0,
+                                               max_tokens=96),
+                  tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(Runner.run(agent, "Two teas, please.", max_turns=3))
+    assert result.final_output == "placed" and len(seen) == 1
+    r = client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=96, temperature=0, tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "place_order", "parameters": schema}}])
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), schema)
+    chain = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["v", "next"], "additionalProperties": False}
+    done = 0
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=80, temperature=1.0, seed=seed,
+            tools=[{"type": "function", "function": {"name": "chain", "parameters": chain}}],
+            tool_choice={"type": "function", "function": {"name": "chain"}})
+        if r.choices[0].finish_reason == "length":  # nested past the budget
+            continue
+        jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments),
+                            chain)
+        done += 1
+    assert done
+
+
+def test_grammars_are_bounded_and_a_deep_one_never_ends_the_server(server, client):
+    """A Lark grammar over the size bound is a 400 naming it; a chain of
+    3,000 rules (which overflows an ordinary thread's stack in the grammar
+    compiler) is compiled on a large stack: served or refused by name, and
+    the server goes on."""
+    big = 'start: "a"\n' + "// pad\n" * 20_000
+    status, body = post(server.port, "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "max_tokens": 2, "structured_outputs": {"grammar": big}})
+    assert status == 400 and "at most" in body["error"]["message"], body
+    chain = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000)) + '\nr3000: "b"'
+    status, body = post(server.port, "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "max_tokens": 2, "structured_outputs": {"grammar": chain}})
+    assert status == 200 or (status == 400 and "structured_outputs" in body["error"]["message"])
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
 
 
 def test_thinking_goes_to_reasoning_content_streamed_or_not(client):

@@ -91,7 +91,7 @@ class LLMEngine:
         if self.follower is None and kv_scales is None:  # fp8: on a fixed text (mirrored)
             calibrate_kv_scales(self.runner, tokenizer, self.model_config.vocab_size, config, ring)
         self.loras = (LoRAAdapters(base, config.max_loras, config.max_lora_rank,
-                                   self.runner.set_lora, self.sharding)
+                                   self.runner.set_lora, self.sharding, config.max_cpu_loras)
                       if config.enable_lora else None)
         # A draft model keeps its own cache in step, so it sees every step.
         proposer, self.draft = make_proposer(config, self, buckets, draft_model, store, head,

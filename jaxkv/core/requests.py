@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.reprs import short
 
 
 def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
@@ -16,7 +17,7 @@ def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[i
         if "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
             if not isinstance(prompt, (list, tuple, np.ndarray)):
-                raise ValueError(f"prompt_token_ids: must be a list of integers, got {prompt!r}")
+                raise ValueError(f"prompt_token_ids: must be a list of integers, got {short(prompt)}")
         elif "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
@@ -33,7 +34,7 @@ def parse_prompt(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[i
                              f"{e.start})") from None
         ids = tokenizer.encode(prompt)
         if not len(ids):  # e.g. only spaces, with a tokenizer that adds no BOS
-            raise ValueError(f"prompt: {prompt[:40]!r} is no token at all for this tokenizer")
+            raise ValueError(f"prompt: {short(prompt[:40])} is no token at all for this tokenizer")
         return prompt, ids
     if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
         raise ValueError(f"prompt_token_ids: must be one list of integers, got shape {prompt.shape}")

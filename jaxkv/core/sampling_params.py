@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+from jaxkv.reprs import short
+
 
 def _opt(default, help: str, **meta):
     """A field with its help text (the CLI builds its options from these)."""
@@ -66,11 +68,11 @@ class SamplingParams:
                     integer and not isinstance(v, int)) or (
                     isinstance(v, float) and not math.isfinite(v)):
                 raise ValueError(f"{name}: must be a finite {'integer' if integer else 'number'}, "
-                                 f"got {v!r}")
+                                 f"got {short(v)}")
             if lo is not None and (v <= lo if lo_open else v < lo):
-                raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {v!r}")
+                raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {short(v)}")
             if hi is not None and v > hi:
-                raise ValueError(f"{name}: must be <= {hi}, got {v!r}")
+                raise ValueError(f"{name}: must be <= {hi}, got {short(v)}")
 
         num("max_tokens", 1, integer=True)
         num("temperature", 0.0)
@@ -84,27 +86,27 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+            raise ValueError(f"seed: must be an integer, got {short(self.seed)}")
         if self.logprobs is not None:
             num("logprobs", 0, self.MAX_LOGPROBS, integer=True)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name}: must be true or false, got {short(getattr(self, name))}")
         if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):
-            raise ValueError(f"stop: must be a string or a list of strings, got {self.stop!r}")
+            raise ValueError(f"stop: must be a string or a list of strings, got {short(self.stop)}")
         for s in self.stop_list:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: stop strings must be non-empty strings, got {s!r}")
+                raise ValueError(f"stop: stop strings must be non-empty strings, got {short(s)}")
             if not is_unicode(s):
-                raise ValueError(f"stop: {s!r} is not valid Unicode text (a lone surrogate)")
+                raise ValueError(f"stop: {short(s)} is not valid Unicode text (a lone surrogate)")
         self._validate_rules(vocab_size)
         if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
             raise ValueError(f"stop_token_ids: must be a list of token ids, "
-                             f"got {self.stop_token_ids!r}")
+                             f"got {short(self.stop_token_ids)}")
         for t in self.stop_token_ids or ():
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (
                     vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"stop_token_ids: {t!r} is not a token id of this model")
+                raise ValueError(f"stop_token_ids: {short(t)} is not a token id of this model")
 
     def _validate_rules(self, vocab_size: int | None) -> None:
         """n, structured outputs, allowed / bad tokens, logit bias, prompt
@@ -114,12 +116,12 @@ class SamplingParams:
                 vocab_size is None or t < vocab_size)
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
-            raise ValueError(f"n: must be an integer in [1, {self.MAX_N}], got {self.n!r}")
+            raise ValueError(f"n: must be an integer in [1, {self.MAX_N}], got {short(self.n)}")
         if self.prompt_logprobs is not None and (
                 isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
                 or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs: must be an integer in [0, {self.MAX_LOGPROBS}], "
-                             f"got {self.prompt_logprobs!r}")
+                             f"got {short(self.prompt_logprobs)}")
         so = self.structured_outputs
         if so is not None:
             from jaxkv.core.structured import check_spec
@@ -128,13 +130,13 @@ class SamplingParams:
         if ids is not None:
             if not isinstance(ids, (list, tuple)) or not ids or not all(map(token_id, ids)):
                 raise ValueError(f"allowed_token_ids: must be a non-empty list of token ids of "
-                                 f"this model, got {_short(ids)}")
+                                 f"this model, got {short(ids)}")
         words = self.bad_words
         if words is not None:
             if not isinstance(words, (list, tuple)) or not all(
                     isinstance(w, str) and w and is_unicode(w) for w in words):
                 raise ValueError(f"bad_words: must be a list of non-empty strings, "
-                                 f"got {_short(words)}")
+                                 f"got {short(words)}")
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict) or len(bias) > self.MAX_LOGIT_BIAS:
@@ -143,11 +145,11 @@ class SamplingParams:
             for k, v in bias.items():
                 t = int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() else k
                 if not token_id(t):
-                    raise ValueError(f"logit_bias: {k!r} is not a token id of this model")
+                    raise ValueError(f"logit_bias: {short(k)} is not a token id of this model")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                         -100 <= v <= 100):
-                    raise ValueError(f"logit_bias: the bias of {k!r} must be a number in "
-                                     f"[-100, 100], got {v!r}")
+                    raise ValueError(f"logit_bias: the bias of {short(k)} must be a number in "
+                                     f"[-100, 100], got {short(v)}")
 
     @property
     def logit_bias_pairs(self) -> list[tuple[int, float]]:
@@ -171,11 +173,6 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def is_unicode(text: str) -> bool:

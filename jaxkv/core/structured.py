@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,6 +29,15 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_CHOICES = 10_000  # a choice list compiles to one regex: fast at this size
 MAX_CHOICE_CHARS = 1_000_000
 PROBE_TOKENS = 8  # tokens a new grammar is walked at intake (errors show there, not mid-answer)
+# A grammar, regex or JSON schema a client writes: llguidance compiles it
+# recursively, and a long chain of rules (a 45 KB Lark grammar of 3,000
+# rules) overflows a thread's 8 MB stack and ends the process. So sources
+# are bounded, compiled on a thread with a large stack, given a time bound,
+# and refused when one token's mask costs more than a step can afford.
+MAX_GRAMMAR_CHARS = 128 * 1024
+COMPILE_STACK_BYTES = 512 << 20  # address space only: pages are touched as the recursion needs
+COMPILE_SECONDS = 10.0
+MAX_MASK_SECONDS = 0.05  # a token's mask, at intake's probe
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
@@ -59,9 +69,16 @@ def check_spec(spec: Any) -> None:
                     from None
         if not isinstance(v, (dict, bool)):
             raise ValueError("structured_outputs: json must be a JSON schema object")
+        n = len(json.dumps(v))
+        if n > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs: json schema of {n} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are compiled")
     elif kind in ("regex", "grammar"):
         if not isinstance(v, str) or not v:
             raise ValueError(f"structured_outputs: {kind} must be a non-empty string")
+        if len(v) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs: {kind} of {len(v)} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are compiled")
     elif kind == "choice":
         if not isinstance(v, (list, tuple)) or not v or not all(
                 isinstance(c, str) and c for c in v):
@@ -143,10 +160,14 @@ class Grammars:
                 return m.deep_copy()
         # Compiled outside the lock: a large grammar in a server's handler
         # thread never stalls the engine thread's lookups.
-        m = LLMatcher(lltok, src, log_level=0)
-        if m.is_error():
-            raise ValueError(f"structured_outputs: {grammar_error(m)}")
-        self._probe(m.deep_copy())
+        def compile_and_probe():
+            m = LLMatcher(lltok, src, log_level=0)
+            if m.is_error():
+                raise ValueError(f"structured_outputs: {grammar_error(m)}")
+            self._probe(m.deep_copy())
+            return m
+
+        m = on_large_stack(compile_and_probe, COMPILE_SECONDS)
         with self._lock:
             self._cache[src] = m
             if len(self._cache) > self._size:
@@ -162,7 +183,11 @@ class Grammars:
 
         mask = allocate_token_bitmask(1, self.vocab_size)
         for _ in range(PROBE_TOKENS):
+            t0 = time.perf_counter()
             fill_next_token_bitmask(m, mask, 0)
+            if time.perf_counter() - t0 > MAX_MASK_SECONDS:
+                raise ValueError(f"structured_outputs: the grammar is too complex (one token's "
+                                 f"mask took over {MAX_MASK_SECONDS * 1000:.0f} ms)")
             words = np.flatnonzero(mask[0])
             if not m.is_error() and len(words) and not m.is_stopped():
                 w = int(words[0])
@@ -173,6 +198,37 @@ class Grammars:
                 raise ValueError(f"structured_outputs: the grammar is too complex or invalid "
                                  f"({grammar_error(m)})")
             return
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def on_large_stack(fn, timeout: float):
+    """fn() on a new thread whose stack is `COMPILE_STACK_BYTES`; its result
+    or exception. ValueError when it runs past `timeout` seconds (the
+    thread finishes on its own; its result is dropped)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["err"] = e
+
+    with _STACK_LOCK:
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            t = threading.Thread(target=run, name="jaxkv-grammar", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join(timeout)
+    if t.is_alive():
+        raise ValueError(f"structured_outputs: the grammar is too complex (compiling it took "
+                         f"over {timeout:g} s)")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def mask_width(vocab_size: int) -> int:

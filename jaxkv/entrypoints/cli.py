@@ -23,8 +23,9 @@ import sys
 
 from checkpoints.known_models import DEFAULT_MODEL
 from jaxkv.entrypoints.cli_options import (add_lora_modules, add_options, lora_requests,
-                                           parse_size, values)
+                                           values)
 from jaxkv.entrypoints.estimate import add_estimate_command
+from jaxkv.entrypoints.serve_options import add_serve_options, serve_kwargs
 
 
 ENGINE, SAMPLING = "engine_", "sampling_"
@@ -180,16 +181,16 @@ def cmd_batch(a) -> int:
 
 
 def cmd_serve(a) -> int:
+    from jaxkv.entrypoints.openai.guard import check_api_key
     from jaxkv.entrypoints.openai.server import serve
 
+    try:
+        check_api_key(a.api_key)  # before minutes of loading
+    except ValueError as e:
+        raise ValueError(f"--api-key: {str(e).split(': ', 1)[1]}") from None
     engine = _make_engine(a)
     names = a.served_model_name or [a.model]
-    return serve(engine, names, host=a.host, port=a.port,
-                 max_queued_requests=a.max_queued_requests or None,
-                 shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
-                 api_key=a.api_key, enable_kv_map=a.enable_kv_map,
-                 tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
-                 log_level="info" if a.verbose else "warning")
+    return serve(engine, names, **serve_kwargs(a))
 
 
 def cmd_convert(a) -> int:
@@ -235,31 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/v1/responses, /tokenize, /detokenize, with --enable-lora "
                                    "/v1/load_lora_adapter, /v1/unload_lora_adapter; GET "
                                    "/v1/models, /health, /metrics.")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
-                                                       "%(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    s.add_argument("--served-model-name", action="append", default=None,
-                   help="name clients pass as `model` (repeatable; default: --model)")
-    s.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests waiting for admission before new ones get 429 "
-                        "(0: no bound; default: %(default)s)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for requests in flight before aborting them "
-                        "(default: %(default)s)")
-    s.add_argument("--max-request-bytes", type=parse_size, default=16 * 2**20,
-                   help="largest request body accepted; a larger one is answered 413 "
-                        "(default: %(default)s)")
-    s.add_argument("--api-key", default=None,
-                   help="every endpoint but /health needs 'Authorization: Bearer KEY' (401 "
-                        "otherwise); default: $JAXKV_API_KEY if set, else no key")
-    s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                   help="how tool calls are read from answers (default: by the model's chat "
-                        "template: llama3_json where it speaks Llama 3's, else hermes)")
-    s.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
-                   help="put the <think>...</think> part of answers in reasoning_content")
-    s.add_argument("--enable-kv-map", action="store_true",
-                   help="serve the live KV page map (GET / and /v1/kv_map): it shows every "
-                        "running request's length and timing to whoever may read it")
+    add_serve_options(s)
     _engine_args(s)
     add_lora_modules(s)
     s.set_defaults(func=cmd_serve)

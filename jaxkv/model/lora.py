@@ -1,6 +1,6 @@
-"""LoRA adapters in the step: PEFT folders read into per-layer low-rank
-factors, and the fixed-shape stack of `max_loras` device slots every step
-reads.
+"""LoRA adapters in the step: the fixed-shape stack of `max_loras` device
+slots every step reads (PEFT folders are read into per-layer low-rank
+factors by `checkpoints.peft_adapter`).
 
 A PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`) holds,
 for each targeted projection of each layer, lora_A [r, N_in] and lora_B
@@ -33,16 +33,10 @@ their base weight (`jaxkv.sharding.ShardingPlan.param_spec`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import re
-
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxkv.config import ModelConfig
@@ -53,7 +47,6 @@ HF_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
 MLP_TARGETS = ("gate", "up", "down")
 # Targets that read one input, whose shrink is one matmul.
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -65,113 +58,6 @@ def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     if not any(config.layer_sparse(i) for i in range(config.num_layers)):
         shapes.update(gate=(E, F), up=(E, F), down=(F, E))
     return shapes
-
-
-@dataclasses.dataclass
-class LoRAWeights:
-    """One adapter read for `config`: per target, a [L, N_in, r] and b
-    [L, r, N_out] float32 (scale folded into b; zeros for layers it does not
-    touch), r its rank."""
-
-    path: str
-    rank: int
-    a: dict
-    b: dict
-
-
-def read_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAWeights:
-    """The PEFT adapter in folder `path` for a base model of `config`.
-    ValueError naming the problem: a missing file, a rank above `max_rank`,
-    a target jaxkv does not apply (embeddings, lm_head, experts, modules_to_
-    save, DoRA, biases), or a factor whose shape does not fit the base."""
-    from safetensors.numpy import load_file
-
-    cfg_path = os.path.join(str(path), "adapter_config.json")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"lora: {cfg_path} not found (a PEFT adapter folder holds "
-                         "adapter_config.json and adapter_model.safetensors)")
-    with open(cfg_path) as f:
-        ac = json.load(f)
-    if ac.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"lora: {path}: peft_type {ac.get('peft_type')!r}, only LORA is served")
-    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
-        if ac.get(key) is bad:
-            raise ValueError(f"lora: {path}: {key} is not supported")
-    if ac.get("modules_to_save"):
-        raise ValueError(f"lora: {path}: modules_to_save {ac['modules_to_save']} (whole "
-                         "trained modules) are not supported, only low-rank targets")
-    if ac.get("bias", "none") != "none":
-        raise ValueError(f"lora: {path}: bias {ac['bias']!r} is not supported (only 'none')")
-    targets = ac.get("target_modules") or []
-    if isinstance(targets, str):
-        targets = [] if targets == "all-linear" else [targets]
-    unknown = sorted({str(t).split(".")[-1] for t in targets} - set(HF_TARGETS))
-    if unknown:
-        raise ValueError(f"lora: {path}: unknown target modules {unknown} (jaxkv applies "
-                         f"LoRA to {sorted(HF_TARGETS)})")
-    st = os.path.join(str(path), "adapter_model.safetensors")
-    if not os.path.isfile(st):
-        raise ValueError(f"lora: {st} not found")
-    tensors = load_file(st)
-    shapes = target_shapes(config)
-    L = config.num_layers
-    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for name, w in tensors.items():
-        m = _KEY.search(name)
-        if m is None or m.group(2) not in HF_TARGETS:
-            raise ValueError(f"lora: {path}: tensor {name!r} targets a module jaxkv does not "
-                             f"apply LoRA to (only {sorted(HF_TARGETS)} of the decoder layers)")
-        layer, t = int(m.group(1)), HF_TARGETS[m.group(2)]
-        if layer >= L:
-            raise ValueError(f"lora: {path}: {name!r} is for layer {layer}, the model has {L}")
-        if t not in shapes:
-            raise ValueError(f"lora: {path}: {name!r}: this model's MLPs include mixtures of "
-                             "experts; jaxkv applies LoRA to its attention only")
-        found.setdefault((layer, t), {})[m.group(3)] = np.asarray(w, np.float32)
-    if not found:
-        raise ValueError(f"lora: {path}: no LoRA factors in {st}")
-    rank = 0
-    a = {t: None for t in shapes}
-    b = dict(a)
-    for (layer, t), ab in sorted(found.items()):
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"lora: {path}: layer {layer} {t}: lora_A and lora_B must both be "
-                             "present")
-        A, B = ab["A"], ab["B"]
-        n_in, n_out = shapes[t]
-        r = A.shape[0]
-        if A.ndim != 2 or B.ndim != 2 or A.shape[1] != n_in or B.shape != (n_out, r):
-            raise ValueError(f"lora: {path}: layer {layer} {t}: lora_A {list(A.shape)} and "
-                             f"lora_B {list(B.shape)} do not fit the base projection "
-                             f"[{n_in} in, {n_out} out] (expected [r, {n_in}] and [{n_out}, r])")
-        if r > max_rank:
-            raise ValueError(f"lora: {path}: rank {r} exceeds max_lora_rank {max_rank}")
-        rank = max(rank, r)
-        alpha = _pattern(ac.get("alpha_pattern"), layer, t, ac.get("lora_alpha", r))
-        scale = alpha / (math.sqrt(r) if ac.get("use_rslora") else r)
-        if a[t] is None:
-            a[t] = np.zeros((L, n_in, max_rank), np.float32)
-            b[t] = np.zeros((L, max_rank, n_out), np.float32)
-        a[t][layer, :, :r] = A.T
-        b[t][layer, :r] = B.T * scale
-    a = {t: x[:, :, :rank] for t, x in a.items() if x is not None}
-    b = {t: x[:, :rank] for t, x in b.items() if x is not None}
-    return LoRAWeights(str(path), rank, a, b)
-
-
-def _pattern(patterns, layer: int, t: str, default):
-    """A PEFT alpha pattern's value for target t of `layer` (its keys name
-    modules in full, by a dotted suffix, or by a regex), else `default`."""
-    module = next(k for k, v in HF_TARGETS.items() if v == t)
-    full = f"model.layers.{layer}.{'mlp' if t in MLP_TARGETS else 'self_attn'}.{module}"
-    for key, v in (patterns or {}).items():
-        try:
-            hit = full == key or full.endswith("." + key) or re.fullmatch(key, full)
-        except re.error:  # not a regex: a name only
-            hit = False
-        if hit:
-            return v
-    return default
 
 
 def stack_shapes(config: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple]:

@@ -3,8 +3,8 @@ compiles: `$JAXKV_CACHE/programs/<fingerprint>/<program>.bin`.
 
 A program is stored after its first compile as XLA's own serialized
 executable (`jax.experimental.serialize_executable`) with its argument and
-result tree structures, behind a header (magic, format version, SHA-256 of
-the payload). The fingerprint names everything the compiled code depends
+result tree structures, behind a header (magic, format version, and an
+HMAC-SHA256 of the payload under this user's secret key). The fingerprint names everything the compiled code depends
 on besides the program's key: the model's graph (architecture, config,
 quantization) and every argument's shape, dtype and sharding, the bucket
 shapes and attention choice, the JAX and jaxlib versions, the platform and
@@ -16,23 +16,75 @@ log line, removed, and compiled anew.
 JAX's persistent compilation cache (`jax_compilation_cache_dir`, also on)
 skips XLA's compile but not JAX's tracing and lowering of the program;
 this store skips both.
+
+Trust: a stored program is code (a pickle, and machine code on CPU), so the
+store reads only what this user wrote. Its folder must be private
+(`pallas_kernels.private_dirs`: owned by the user, writable by no one
+else; otherwise programs compile in memory, with a warning naming the
+folder), and every entry must carry the MAC of the user's key, a random
+secret kept outside the cache (`key_path`, mode 0600), checked before a
+byte is unpickled. An entry without it is removed and compiled anew.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import logging
 import os
 import pickle
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from pallas_kernels import private_dirs
+
 log = logging.getLogger("jaxkv")
 
 MAGIC = b"JAXKVPRG"
-VERSION = 2
+VERSION = 3
+KEY_BYTES = 32
+
+
+def key_path() -> Path:
+    """This user's secret for the program store, outside the cache:
+    $JAXKV_KEY_FILE, else $XDG_CONFIG_HOME/jaxkv/cache.key (default
+    ~/.config/jaxkv/cache.key)."""
+    if os.environ.get("JAXKV_KEY_FILE"):
+        return Path(os.environ["JAXKV_KEY_FILE"])
+    config = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(config) / "jaxkv" / "cache.key"
+
+
+@functools.lru_cache(maxsize=None)
+def secret_key(path: Path | None = None) -> bytes:
+    """The key at `path` (default `key_path()`), made on first use: random,
+    in a file only this user may read or write. ValueError naming the file
+    when it cannot be made or is not private."""
+    path = path or key_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(KEY_BYTES))
+        bad = private_dirs.private_file(path)
+        st = os.stat(path)
+        if bad is None and stat.S_IMODE(st.st_mode) & 0o077:
+            bad = f"{path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        if bad:
+            raise ValueError(bad)
+        key = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be made or read ({e.strerror or e})") from None
+    if len(key) < 16:
+        raise ValueError(f"{path}: holds {len(key)} bytes, not a key")
+    return key
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,9 +156,19 @@ class ProgramStore:
         if (not config.program_cache or jax.process_count() > 1
                 or config.tensor_parallel_size > 1):
             return None
-        from jaxkv.paths import cache_dir
+        from jaxkv.paths import private_cache
 
-        return cls(cache_dir() / "programs", platform_fingerprint())
+        root = private_cache("programs", "compiled step programs are neither read nor kept "
+                                         "there; they compile in memory")
+        if root is None:
+            return None
+        try:
+            secret_key()
+        except ValueError as e:
+            log.warning("jaxkv: the program store's key %s; compiled step programs are neither "
+                        "read nor kept (they compile in memory)", e)
+            return None
+        return cls(root, platform_fingerprint())
 
     def with_parts(self, **parts: Any) -> "ProgramStore":
         """A store whose fingerprint also names `parts` (each hashed by its
@@ -122,8 +184,13 @@ class ProgramStore:
         then the entry is removed and the caller compiles it)."""
         path = self.path(key)
         try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                raise ValueError("not a regular file")
             data = path.read_bytes()
-        except OSError:
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("jaxkv: stored program %s is unreadable (%s); compiling it again", path, e)
             return None
         try:
             payload = _unwrap(data)
@@ -171,8 +238,12 @@ class ProgramStore:
                 self._warned = True
 
 
+def _mac(payload: bytes) -> bytes:
+    return hmac.new(secret_key(), payload, hashlib.sha256).digest()
+
+
 def _wrap(payload: bytes) -> bytes:
-    return MAGIC + VERSION.to_bytes(4, "little") + hashlib.sha256(payload).digest() + payload
+    return MAGIC + VERSION.to_bytes(4, "little") + _mac(payload) + payload
 
 
 def _unwrap(data: bytes) -> bytes:
@@ -183,6 +254,7 @@ def _unwrap(data: bytes) -> bytes:
     if version != VERSION:
         raise ValueError(f"format version {version}, expected {VERSION}")
     digest, payload = data[len(MAGIC) + 4:head], data[head:]
-    if hashlib.sha256(payload).digest() != digest:
-        raise ValueError("checksum mismatch")
+    if not hmac.compare_digest(_mac(payload), digest):
+        raise ValueError("its MAC is not this user's key's (written by someone else, or "
+                         "corrupt); not unpickled")
     return payload

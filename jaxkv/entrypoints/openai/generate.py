@@ -21,7 +21,7 @@ from jaxkv.entrypoints.openai.engine_loop import QueueFull, ShuttingDown
 from jaxkv.entrypoints.openai.prepare import Context, Item, chat_items, completion_items
 from jaxkv.entrypoints.openai.protocol import APIError
 from jaxkv.entrypoints.openai.reasoning import Reasoning
-from jaxkv.entrypoints.openai.responses import now, sse, usage
+from jaxkv.entrypoints.openai.responses import json_bytes, now, sse, usage
 
 log = logging.getLogger("jaxkv.serve")
 
@@ -49,7 +49,7 @@ def submit_items(ctx: Context, items: list[Item], body: dict, q: asyncio.Queue) 
         for i, it in enumerate(items):
             streams.append(ctx.loop.submit({"prompt_token_ids": it.ids}, it.params, out=q,
                                            index=i, cache_salt=body.get("cache_salt"),
-                                           lora_request=it.lora))
+                                           lora_request=it.adapter or it.lora))
     except (QueueFull, ShuttingDown) as e:
         for s in streams:
             ctx.loop.abort(s.request_id)
@@ -71,6 +71,13 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
     finals = await _collect(ctx, request, q, streams)
     if finals is None:  # the client went away; its requests are aborted
         return Response(status_code=499)
+    # Formatting (logprobs of every token) and writing the JSON grow with
+    # the answer: a worker thread's work, not the event loop's.
+    return await asyncio.to_thread(_answer, ctx, rid, body, items, finals, chat, echo)
+
+
+def _answer(ctx: Context, rid: str, body: dict, items: list[Item], finals, chat: bool,
+            echo: bool) -> Response:
     fmt, choices, with_ids = ctx.fmt.named(items[0].lora), [], _with_ids(ctx, body)
     for i, (it, out) in enumerate(zip(items, finals)):
         if any(c.finish_reason == "error" for c in out.outputs):
@@ -107,7 +114,7 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
     if any(it.params.prompt_logprobs is not None for it in items):
         resp["prompt_logprobs"] = [fmt.prompt_logprobs(o.prompt_logprobs) for o in finals] \
             if len(finals) > 1 else fmt.prompt_logprobs(finals[0].prompt_logprobs)
-    return resp
+    return Response(json_bytes(resp), media_type="application/json")
 
 
 async def _collect(ctx: Context, request: Request, q: asyncio.Queue, streams):

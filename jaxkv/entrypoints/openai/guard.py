@@ -1,13 +1,18 @@
-"""What stands between a client and the handlers: the API key, the bound on
-a request body, reading and parsing the body without holding up the event
-loop, and every failure answered as OpenAI's error JSON.
+"""What stands between a client and the handlers: the Host header, the API
+key, the bound on a request body and the time it may take to arrive,
+reading and parsing the body without holding up the event loop, and every
+failure answered as OpenAI's error JSON.
 
 `Guard` is plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which
-buffers streams and hides disconnects): with an API key it answers 401 to
-any path but /health and the page's HTML unless the request carries
-`Authorization: Bearer <key>`; it answers 413 to a Content-Length over the
-bound before a byte of the body is read. A body sent without a length
-(chunked) is counted as it is read (`read_json`).
+buffers streams and hides disconnects): with `allowed_hosts` it answers 400
+to a request whose Host header names another host (a web page whose
+domain was rebound to 127.0.0.1 cannot reach a server on localhost); with
+an API key it answers 401 to any path but /health and the page's HTML
+unless the request carries `Authorization: Bearer <key>`; it answers 413 to
+a Content-Length over the bound before a byte of the body is read. A body
+sent without a length (chunked) is counted as it is read, and one that
+takes longer than the body timeout gets 408 (`read_json`). Slow request
+heads and the connection bound are `connections`'.
 """
 
 from __future__ import annotations
@@ -37,14 +42,43 @@ def unauthorized() -> APIError:
                     "(--api-key)", None, 401, "AuthenticationError")
 
 
-class Guard:
-    """ASGI middleware: the API key, and the body bound on Content-Length."""
+def check_api_key(api_key: str | None) -> str | None:
+    """The key, or None for none; an empty one (an unset shell variable
+    in `--api-key $KEY`) is a ValueError, never "no key"."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key: empty (an unset variable?); give a key, or leave the option "
+                         "out to serve without one")
+    return api_key
 
-    def __init__(self, app, *, api_key: str | None, max_request_bytes: int, metrics):
+
+def default_allowed_hosts(bind: str) -> list[str] | None:
+    """The Host names a server bound to `bind` answers by default: that
+    address and localhost's names; None (any) for a wildcard bind."""
+    if bind in ("0.0.0.0", "::", ""):
+        return None
+    return sorted({bind, "localhost", "127.0.0.1", "::1"})
+
+
+def _host_name(value: bytes) -> str:
+    """A Host header's host, without its port (IPv6 in brackets too)."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+class Guard:
+    """ASGI middleware: the Host header, the API key, and the body bound on
+    Content-Length."""
+
+    def __init__(self, app, *, api_key: str | None, max_request_bytes: int, metrics,
+                 allowed_hosts: list[str] | None = None):
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.key = check_api_key(api_key).encode() if api_key is not None else None
         self.limit = max_request_bytes
         self.metrics = metrics
+        hosts = [h.lower().strip("[]") for h in allowed_hosts or ()]
+        self.hosts = None if allowed_hosts is None or "*" in hosts else set(hosts)
 
     def _authorized(self, headers: dict) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
@@ -55,6 +89,11 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        if self.hosts is not None and _host_name(headers.get(b"host", b"")) not in self.hosts:
+            self.metrics.error("invalid_request")
+            return await _send(send, APIError(
+                "Host: this server answers requests for "
+                f"{', '.join(sorted(self.hosts))} only (--allowed-hosts)", None, 400))
         if self.key is not None and scope["path"] not in OPEN_PATHS \
                 and not self._authorized(headers):
             return await _send(send, unauthorized(), {"www-authenticate": "Bearer"})
@@ -74,18 +113,27 @@ async def _send(send, e: APIError, headers: dict | None = None) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def read_json(request: Request, limit: int):
-    """The body parsed as JSON; 413 once more than `limit` bytes came, a
-    named 400 if it is not JSON. The parse runs in a worker thread."""
-    parts, size = [], 0
-    try:
+async def read_json(request: Request, limit: int, timeout: float | None = None):
+    """The body parsed as JSON; 413 once more than `limit` bytes came, 408
+    when it has not all come within `timeout` seconds, a named 400 if it is
+    not JSON. The parse runs in a worker thread."""
+    parts: list[bytes] = []
+
+    async def receive():
+        size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
             parts.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), timeout)
     except ClientDisconnect:
         raise APIError("request body: the client left before sending all of it", None) from None
+    except asyncio.TimeoutError:
+        raise APIError(f"request body: did not arrive within {timeout:g} s", None, 408,
+                       "RequestTimeoutError") from None
     return await asyncio.to_thread(parse_json, b"".join(parts))
 
 

@@ -5,21 +5,39 @@
 
 A request whose `model` names a known adapter runs with it
 (`prepare.Context.adapter`); /v1/models lists each adapter with its
-`parent` (the served model) and `root` (its folder). Loading reads and
-checks the PEFT folder on the engine thread (`EngineLoop.call`), between
-two steps, and gives the adapter the next id never used in this server;
-a bad folder is a 400 naming the problem, a name already loaded a 400,
-unloading an unknown name a 404. Requests running with an adapter being
-unloaded finish with it. Without LoRA both endpoints answer 404.
+`parent` (the served model) and `root` (its folder).
+
+Loading at run time reads any folder the server can read, so it is off
+unless the operator turns it on (`--enable-runtime-lora-loading` or
+JAXKV_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's switch), and with `--lora-root`
+it only reads folders under those roots (links resolved first). Off, both
+endpoints answer 404 naming the switch. A folder is read and checked in a
+worker thread (never on the event loop or the engine thread, so streams and
+/health go on), and the adapter gets the next id never used in this
+server; a bad folder is a 400 naming the problem, a name already loaded a
+400, unloading an unknown name a 404. Requests running with an adapter
+being unloaded finish with it. Without LoRA both endpoints answer 404.
 """
 
 from __future__ import annotations
+
+import asyncio
+import itertools
+import os
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
 from jaxkv.core.lora import LoRARequest
 from jaxkv.entrypoints.openai.protocol import APIError
+from jaxkv.reprs import short
+
+RUNTIME_ENV = "JAXKV_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_loading_allowed(flag: bool) -> bool:
+    """The switch: the option, or the environment variable set to 1/true."""
+    return flag or os.environ.get(RUNTIME_ENV, "").lower() in ("1", "true", "yes", "on")
 
 
 def model_cards(ctx) -> list[dict]:
@@ -34,12 +52,12 @@ def model_cards(ctx) -> list[dict]:
             for name in sorted(known) if name not in ctx.served]
 
 
-def _field(body, name: str) -> str:
+def _field(body, name: str, limit: int = 4096) -> str:
     if not isinstance(body, dict):
         raise APIError("request body: must be a JSON object")
     v = body.get(name)
-    if not isinstance(v, str) or not v:
-        raise APIError(f"{name}: must be a non-empty string, got {v!r}", name)
+    if not isinstance(v, str) or not v or len(v) > limit or "\0" in v:
+        raise APIError(f"{name}: must be a non-empty string of at most {limit} characters", name)
     return v
 
 
@@ -49,45 +67,77 @@ def _lora_on(ctx) -> None:
                        "NotFoundError")
 
 
-def install(app, ctx, read_body) -> None:
-    """Add the two endpoints to `app`; `read_body(request)` reads a JSON body."""
-    used = [0]  # the highest adapter id this server gave or saw
+def confined(path: str, roots: list[str]) -> str:
+    """`path` resolved (links followed); an APIError unless it lies under
+    one of `roots` (none given: anywhere)."""
+    real = os.path.realpath(path)
+    if roots and not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise APIError("lora_path: outside the folders this server loads adapters from "
+                       "(--lora-root)", "lora_path", 403, "PermissionDeniedError")
+    return real
+
+
+def install(app, ctx, read_body, *, runtime: bool = False, roots: list[str] | None = None) -> None:
+    """Add the two endpoints to `app`; `read_body(request)` reads a JSON
+    body. `runtime`: loading and unloading allowed; `roots`: the folders
+    adapters may come from."""
+    roots = [os.path.realpath(r) for r in roots or []]
+    loras = ctx.engine.loras
+    first = 1 + max([0, *(a.request.lora_int_id for a in (loras.known.values() if loras else ()))])
+    ids = itertools.count(first)  # ids never reused, also after an unload
+
+    def allowed() -> None:
+        _lora_on(ctx)
+        if not runtime:
+            raise APIError("loading and unloading LoRA adapters at run time is off on this "
+                           "server (start it with --enable-runtime-lora-loading or "
+                           f"{RUNTIME_ENV}=1)", None, 404, "NotFoundError")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        _lora_on(ctx)
+        allowed()
         body = await read_body(request)
-        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        name, path = _field(body, "lora_name", 256), _field(body, "lora_path")
         if name in ctx.served:
-            raise APIError(f"lora_name: {name!r} is the served model's name; choose another",
+            raise APIError(f"lora_name: {short(name)} is the served model's name; choose another",
                            "lora_name")
+        if name in ctx.engine.loras.known:
+            raise APIError(f"lora_name: the LoRA adapter {short(name)} has already been loaded; "
+                           "unload it first", "lora_name")
+        confined(path, roots)
 
-        def load(engine):  # on the engine thread
-            loras = engine.loras
-            if name in loras.known:
-                raise APIError(f"lora_name: the LoRA adapter {name!r} has already been loaded "
-                               f"(from {loras.known[name].request.lora_path!r}); unload it first",
-                               "lora_name")
-            lid = max([used[0], *(a.request.lora_int_id for a in loras.known.values())]) + 1
+        def load():  # a worker thread: reads, checks, then registers under the adapters' lock
             try:
-                loras.resolve(LoRARequest(name, lid, path))
+                ctx.engine.loras.resolve(LoRARequest(name, next(ids), path))
             except ValueError as e:
-                raise APIError(str(e), "lora_path") from None
-            used[0] = lid
+                msg = str(e)
+                if "loaded already" in msg:
+                    msg = (f"lora_name: the LoRA adapter {short(name)} has already been loaded; "
+                           "unload it first")
+                raise APIError(msg, "lora_name" if msg.startswith("lora_name") else "lora_path"
+                               ) from None
 
-        await ctx.loop.call(load)
+        await asyncio.to_thread(load)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        _lora_on(ctx)
-        name = _field(await read_body(request), "lora_name")
-
-        def unload(engine):  # on the engine thread
-            if not engine.loras.remove(name):
-                raise APIError(f"lora_name: the LoRA adapter {name!r} is not loaded (loaded: "
-                               f"{', '.join(engine.loras.names()) or 'none'})", "lora_name", 404,
-                               "NotFoundError")
-
-        await ctx.loop.call(unload)
+        allowed()
+        name = _field(await read_body(request), "lora_name", 256)
+        if not ctx.engine.loras.remove(name):
+            raise APIError(f"lora_name: the LoRA adapter {short(name)} is not loaded", "lora_name",
+                           404, "NotFoundError")
+        await asyncio.to_thread(release_memory)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the system (glibc keeps it otherwise, and a
+    server that loads and unloads adapters would grow)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -56,6 +56,17 @@ class Context:
         model = body.get("model")
         return None if model is None or model in self.served else model
 
+    def resolve(self, name: str | None):
+        """The `jaxkv.core.lora.Adapter` of adapter `name` with its factors
+        (read again from its folder here, in the handler's worker thread,
+        when the host cache dropped them; never on the engine thread)."""
+        if name is None:
+            return None
+        try:
+            return self.engine.loras.resolve(name)
+        except ValueError as e:
+            raise APIError(f"model: {str(e)[:300]}", "model", 404, "NotFoundError") from None
+
 
 @dataclasses.dataclass
 class Item:
@@ -66,6 +77,7 @@ class Item:
     params: SamplingParams
     tools: tools_mod.Tools | None = None  # a chat request's tools
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    adapter: object = None  # its `jaxkv.core.lora.Adapter`, factors read
 
 
 def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -147,7 +159,7 @@ def render_chat(ctx: Context, messages: list[dict], body: dict, tools=None) -> s
 
 def completion_items(ctx: Context, body) -> tuple[list[Item], bool]:
     """(the engine requests of a /v1/completions body, echo)."""
-    check_common(body, chat=False, served=ctx.models())
+    check_common(body, chat=False, served=ctx.models(), listed=ctx.served)
     prompts = completion_prompts(body)
     params = sampling_params(body, chat=False, default_max_tokens=COMPLETIONS_MAX_TOKENS)
     echo = bool(body.get("echo"))
@@ -155,14 +167,16 @@ def completion_items(ctx: Context, body) -> tuple[list[Item], bool]:
         raise APIError("echo: echo with logprobs needs prompt logprobs, not supported yet", "echo")
     items = [_prepare(ctx, p, params, body.get("cache_salt"), {"prompt_token_ids": "prompt"},
                       echo) for p in prompts]
+    lora = ctx.adapter(body)
+    adapter = ctx.resolve(lora)
     for it in items:
-        it.lora = ctx.adapter(body)
+        it.lora, it.adapter = lora, adapter
     return items, echo
 
 
 def chat_items(ctx: Context, body) -> list[Item]:
     """The engine request of a /v1/chat/completions body."""
-    check_common(body, chat=True, served=ctx.models())
+    check_common(body, chat=True, served=ctx.models(), listed=ctx.served)
     tools = tools_mod.check_tools(body, ctx.parser())
     text = render_chat(ctx, chat_messages(body), body, tools)
     params = sampling_params(body, chat=True, default_max_tokens=None)
@@ -178,6 +192,7 @@ def chat_items(ctx: Context, body) -> list[Item]:
     item = _prepare(ctx, {"prompt_token_ids": ids}, params, body.get("cache_salt"), rename,
                     echo=False)
     item.text, item.tools, item.lora = text, tools, ctx.adapter(body)
+    item.adapter = ctx.resolve(item.lora)
     return [item]
 
 

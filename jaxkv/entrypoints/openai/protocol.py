@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from jaxkv.core.sampling_params import SamplingParams
+from jaxkv.reprs import clip, short
 
 log = logging.getLogger("jaxkv.serve")
 
@@ -34,9 +35,14 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs",
 MAX_PROMPTS = 64  # prompts in one completions request
 
 
+MAX_MESSAGE = 600  # characters of an error message: never an echo of a large field
+
+
 class APIError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  type: str = "invalid_request_error"):
+        message = clip(str(message), MAX_MESSAGE)
+        param = clip(param, 120) if isinstance(param, str) else param
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type
 
@@ -58,7 +64,7 @@ def _check_type(body: dict, name: str, types, what: str) -> None:
     v = body.get(name)
     types = types if isinstance(types, tuple) else (types,)
     if v is not None and (not isinstance(v, types) or isinstance(v, bool) and bool not in types):
-        raise APIError(f"{name}: must be {what}, got {v!r}", name)
+        raise APIError(f"{name}: must be {what}, got {short(v)}", name)
 
 
 def sampling_params(body: dict, *, chat: bool, default_max_tokens: int | None) -> SamplingParams:
@@ -87,8 +93,11 @@ def sampling_params(body: dict, *, chat: bool, default_max_tokens: int | None) -
     return SamplingParams(**kw)
 
 
-def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
-    """The fields every generation request shares (types, model, n)."""
+def check_common(body: Any, *, chat: bool, served: list[str],
+                 listed: list[str] | None = None) -> None:
+    """The fields every generation request shares (types, model, n).
+    `served`: the names `model` may say; `listed`: those an unknown
+    model's 404 names (the served model's, not every adapter's)."""
     if not isinstance(body, dict):
         raise APIError("request body: must be a JSON object", None)
     known = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | SAMPLING_FIELDS
@@ -98,8 +107,9 @@ def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
                     sorted(ignored)[:20] if len(ignored) <= 1000 else "(too many to name)")
     model = body.get("model")
     if model is not None and model not in served:
-        raise APIError(f"model: {model!r} is not served here (served: {', '.join(served)})",
-                       "model", status=404, type="NotFoundError")
+        shown = (listed if listed is not None else served)[:8]
+        raise APIError(f"model: {short(model, 200)} is not served here (served: "
+                       f"{', '.join(shown)})", "model", status=404, type="NotFoundError")
     _check_type(body, "stream", bool, "true or false")
     _check_type(body, "stream_options", dict, "an object")
     if body.get("stream_options") is not None:
@@ -107,7 +117,7 @@ def check_common(body: Any, *, chat: bool, served: list[str]) -> None:
             raise APIError("stream_options: only allowed when stream is true", "stream_options")
         _check_type(body["stream_options"], "include_usage", bool, "true or false")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise APIError(f"best_of: only equal to n is supported, got {body['best_of']!r}",
+        raise APIError(f"best_of: only equal to n is supported, got {short(body['best_of'])}",
                        "best_of")
     _check_type(body, "cache_salt", str, "a string")
     _check_type(body, "return_token_ids", bool, "true or false")

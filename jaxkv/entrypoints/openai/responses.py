@@ -100,6 +100,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def json_bytes(obj) -> bytes:
+    """`obj` as the JSON body Starlette's JSONResponse would write (the
+    caller runs this off the event loop for a large answer)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
 def sse(data) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

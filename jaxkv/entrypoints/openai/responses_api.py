@@ -16,16 +16,16 @@ output items: `reasoning` (with `--reasoning-parser`), a `message` of
 ..., `response.completed`), each with its `sequence_number`.
 
 Responses are kept (unless `store: false`) for `previous_response_id` and
-GET, the newest `MAX_STORED`; DELETE forgets one. Not supported, refused by
+GET, within the bounds of `responses_store` (which also bounds what a
+response echoes: metadata, text.format, ids); DELETE forgets one. Large
+answers are written as JSON in a worker thread, never on the event loop. Not supported, refused by
 name: built-in tools (web search, files, computer use), `background`,
 image or file inputs, `conversation`."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
-import threading
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -33,34 +33,14 @@ from jaxkv.entrypoints.openai import generate, tool_stream
 from jaxkv.entrypoints.openai.prepare import chat_items
 from jaxkv.entrypoints.openai.protocol import SAMPLING_FIELDS, APIError
 from jaxkv.entrypoints.openai.reasoning import Reasoning
-from jaxkv.entrypoints.openai.responses import now, sse
+from jaxkv.entrypoints.openai.responses import json_bytes, now, sse
 from jaxkv.entrypoints.openai.responses_output import Output, new_id as _new_id
+from jaxkv.entrypoints.openai.responses_store import Store, check_fields
+from jaxkv.reprs import short
 
-MAX_STORED = 1024
 PASSED = {"model", "temperature", "top_p", "stream", "user", "cache_salt", "parallel_tool_calls",
           "chat_template_kwargs"} | (SAMPLING_FIELDS - {"max_tokens", "logprobs"})
 REFUSED = ("background", "conversation", "prompt")
-
-
-class Store:
-    """Stored responses by id, the newest MAX_STORED (thread-safe)."""
-
-    def __init__(self, size: int = MAX_STORED):
-        self.size, self._d, self._lock = size, collections.OrderedDict(), threading.Lock()
-
-    def put(self, rid: str, response: dict, messages: list[dict]) -> None:
-        with self._lock:
-            self._d[rid] = (response, messages)
-            while len(self._d) > self.size:
-                self._d.popitem(last=False)
-
-    def get(self, rid: str):
-        with self._lock:
-            return self._d.get(rid)
-
-    def delete(self, rid: str) -> bool:
-        with self._lock:
-            return self._d.pop(rid, None) is not None
 
 
 def chat_body(body, store: Store) -> tuple[dict, list[dict]]:
@@ -70,12 +50,13 @@ def chat_body(body, store: Store) -> tuple[dict, list[dict]]:
     for k in REFUSED:
         if body.get(k):
             raise APIError(f"{k}: not supported by this server", k)
+    check_fields(body)
     history: list[dict] = []
     prev = body.get("previous_response_id")
     if prev is not None:
-        got = store.get(prev) if isinstance(prev, str) else None
+        got = store.get(prev)
         if got is None:
-            raise APIError(f"previous_response_id: no stored response {prev!r}", "previous_response_id",
+            raise APIError(f"previous_response_id: no stored response {short(prev)}", "previous_response_id",
                            404, "NotFoundError")
         history = list(got[1])
     conversation = history + _input(body.get("input"))  # instructions are the turn's own
@@ -134,7 +115,7 @@ def _input(inp) -> list[dict]:
         elif kind == "reasoning":
             continue  # earlier thinking is not shown to the model again
         else:
-            raise APIError(f"{where}.type: {kind!r} items are not supported (message, "
+            raise APIError(f"{where}.type: {short(kind)} items are not supported (message, "
                            "function_call, function_call_output)", f"{where}.type")
     return out
 
@@ -158,7 +139,7 @@ def _tools(tools) -> list:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else None
-            raise APIError(f"tools[{i}].type: only function tools are supported, got {kind!r}",
+            raise APIError(f"tools[{i}].type: only function tools are supported, got {short(kind)}",
                            f"tools[{i}].type")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description",
                                                                       "parameters") if k in t}})
@@ -173,9 +154,22 @@ def _skeleton(ctx, rid: str, body: dict, model: str | None) -> dict:
             "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "tool_choice": _echo_choice(body.get("tool_choice")), "tools": _echo_tools(body),
             "text": {"format": fmt or {"type": "text"}}, "store": body.get("store", True) is not False,
             "metadata": body.get("metadata") or {}, "usage": None}
+
+
+def _echo_tools(body: dict) -> list:
+    """The request's function tools as checked (their known fields only)."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return [{k: t[k] for k in ("type", "name", "description", "parameters", "strict") if k in t}
+            for t in tools if isinstance(t, dict)]
+
+
+def _echo_choice(tc):
+    if isinstance(tc, dict):
+        return {k: tc[k] for k in ("type", "name") if k in tc}
+    return tc if isinstance(tc, str) else "auto"
 
 
 def _finalize(resp: dict, out: Output, final, item) -> dict:
@@ -227,10 +221,10 @@ async def create(ctx, store: Store, request, body):
             ev += out.call(d)
         return ev + (out.finish() if done else [])
 
-    def keep(final) -> dict:
+    async def keep(final) -> dict:
         _finalize(resp, out, final, item)
         if resp["store"]:
-            store.put(rid, resp, conversation + _as_messages(out.items))
+            await asyncio.to_thread(store.put, rid, resp, conversation + _as_messages(out.items))
         return resp
 
     if body.get("stream"):
@@ -243,14 +237,15 @@ async def create(ctx, store: Store, request, body):
     if c.finish_reason == "error":
         raise APIError(finals[0].error or "engine: the request failed", None, 500, "InternalServerError")
     feed(c.text, True)
-    return keep(finals[0])
+    final = await keep(finals[0])
+    return Response(await asyncio.to_thread(json_bytes, final), media_type="application/json")
 
 
 async def _events(ctx, q, stream, out: Output, resp: dict, feed, keep):
     finished = False
     try:
-        yield sse(out.event("response.created", response=dict(resp)))
-        yield sse(out.event("response.in_progress", response=dict(resp)))
+        yield await asyncio.to_thread(sse, out.event("response.created", response=dict(resp)))
+        yield await asyncio.to_thread(sse, out.event("response.in_progress", response=dict(resp)))
         while not finished:
             _, o = await q.get()
             finished = o.finished
@@ -263,9 +258,9 @@ async def _events(ctx, q, stream, out: Output, resp: dict, feed, keep):
             for ev in feed(c.delta_text, o.finished):
                 yield sse(ev)
             if o.finished:
-                final = keep(o)
+                final = await keep(o)
                 kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-                yield sse(out.event(kind, response=final))
+                yield await asyncio.to_thread(sse, out.event(kind, response=final))
     finally:  # the client went away: its request is aborted
         if not finished:
             ctx.loop.abort(stream.request_id)

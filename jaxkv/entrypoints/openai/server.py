@@ -35,12 +35,17 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from jaxkv.entrypoints.openai import generate, kv_map, lora_routes, prepare, responses_api
 from jaxkv.entrypoints.openai.protocol import APIError
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
-from jaxkv.entrypoints.openai.guard import (DEFAULT_MAX_REQUEST_BYTES, Guard,
-                                            install_error_handlers, read_json)
+from jaxkv.entrypoints.openai.connections import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
+                                                  uvicorn_config)
+from jaxkv.entrypoints.openai.guard import (DEFAULT_MAX_REQUEST_BYTES, Guard, check_api_key,
+                                            default_allowed_hosts, install_error_handlers,
+                                            read_json)
 from jaxkv.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jaxkv.entrypoints.openai.responses import Formatter
+from jaxkv.entrypoints.openai.responses_store import Store, check_id
 from jaxkv.entrypoints.openai.reasoning import PARSERS as REASONING
 from jaxkv.entrypoints.openai.tools import PARSERS
+from jaxkv.reprs import short
 
 log = logging.getLogger("jaxkv.serve")
 
@@ -48,15 +53,29 @@ log = logging.getLogger("jaxkv.serve")
 def build_app(engine, served_model_names: list[str], *, max_queued_requests: int | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
               enable_kv_map: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, allowed_hosts: list[str] | None = None,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT,
+              enable_runtime_lora_loading: bool = False,
+              lora_roots: list[str] | None = None) -> FastAPI:
     """The app and its engine loop (`app.state.engine_loop`); the loop starts
     and stops with the app's lifespan. `max_request_bytes`: the largest body
-    accepted (413 beyond). `api_key`: when set, what every endpoint but
-    /health needs as `Authorization: Bearer <key>` (401 without).
+    accepted (413 beyond); `body_timeout`: the seconds it may take to arrive
+    (408 beyond). `api_key`: when set, what every endpoint but /health needs
+    as `Authorization: Bearer <key>` (401 without); empty is refused.
+    `allowed_hosts`: the Host header's names answered (None: any).
     `enable_kv_map`: serve the page map (`/`, `/v1/kv_map`), which shows
-    every running request's length and progress to whoever may read it."""
+    every running request's length and progress to whoever may read it.
+    `enable_runtime_lora_loading` (or $JAXKV_ALLOW_RUNTIME_LORA_UPDATING=1):
+    the LoRA load / unload endpoints, reading only under `lora_roots` when
+    given (`lora_routes`)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes: must be at least 1, got {max_request_bytes}")
+    if not body_timeout > 0:
+        raise ValueError(f"body_timeout: must be positive, got {body_timeout}")
+    api_key = check_api_key(api_key)
+    for r in lora_roots or ():
+        if not os.path.isdir(r):
+            raise ValueError(f"lora_root: {r} is not a folder")
     clash = sorted(set(served_model_names) & set(engine.loras.names() if engine.loras else ()))
     if clash:
         raise ValueError(f"lora_modules: {clash} are served model names too; name the adapters "
@@ -64,9 +83,9 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     metrics = ServerMetrics(served_model_names[0])
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
-        raise ValueError(f"tool_call_parser: {tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+        raise ValueError(f"tool_call_parser: {short(tool_call_parser)} is not one of {', '.join(PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING:
-        raise ValueError(f"reasoning_parser: {reasoning_parser!r} is not one of {', '.join(REASONING)}")
+        raise ValueError(f"reasoning_parser: {short(reasoning_parser)} is not one of {', '.join(REASONING)}")
     ctx = prepare.Context(engine, loop, Formatter(engine.tokenizer, served_model_names[0]),
                           list(served_model_names), tool_parser=tool_call_parser,
                           reasoning_parser=reasoning_parser)
@@ -83,11 +102,11 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     app.state.engine_loop = loop
     app.state.metrics = metrics
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
-                       metrics=metrics)
+                       metrics=metrics, allowed_hosts=allowed_hosts)
     install_error_handlers(app, metrics)
 
     async def body(request: Request):
-        return await read_json(request, max_request_bytes)
+        return await read_json(request, max_request_bytes, body_timeout)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -97,7 +116,7 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     async def chat_completions(request: Request):
         return await generate.chat(ctx, request, await body(request))
 
-    store = responses_api.Store()
+    store = app.state.responses = Store()
 
     @app.post("/v1/responses")
     async def responses_create(request: Request):
@@ -105,15 +124,15 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
 
     @app.get("/v1/responses/{rid}")
     async def responses_get(rid: str):
-        got = store.get(rid)
+        got = store.get(check_id(rid, "response_id"))
         if got is None:
-            raise APIError(f"response_id: no stored response {rid!r}", "response_id", 404, "NotFoundError")
-        return got[0]
+            raise APIError(f"response_id: no stored response {short(rid)}", "response_id", 404, "NotFoundError")
+        return Response(got[0], media_type="application/json")
 
     @app.delete("/v1/responses/{rid}")
     async def responses_delete(rid: str):
-        if not store.delete(rid):
-            raise APIError(f"response_id: no stored response {rid!r}", "response_id", 404, "NotFoundError")
+        if not store.delete(check_id(rid, "response_id")):
+            raise APIError(f"response_id: no stored response {short(rid)}", "response_id", 404, "NotFoundError")
         return {"id": rid, "object": "response", "deleted": True}
 
     @app.get("/v1/models")
@@ -123,7 +142,8 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
              "root": name, "parent": None, "max_model_len": engine.max_model_len}
             for name in served_model_names] + lora_routes.model_cards(ctx)}
 
-    lora_routes.install(app, ctx, body)
+    lora_routes.install(app, ctx, body, roots=lora_roots,
+                        runtime=lora_routes.runtime_loading_allowed(enable_runtime_lora_loading))
 
     if enable_kv_map:
         @app.get("/", response_class=HTMLResponse)
@@ -158,8 +178,9 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
-    """The key given, else $JAXKV_API_KEY, else None (no key asked)."""
-    return api_key if api_key is not None else os.environ.get("JAXKV_API_KEY") or None
+    """The key given, else $JAXKV_API_KEY, else None (no key asked); an
+    empty one is a ValueError."""
+    return check_api_key(api_key if api_key is not None else os.environ.get("JAXKV_API_KEY"))
 
 
 class DrainingServer(uvicorn.Server):
@@ -194,17 +215,18 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(engine, served_model_names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
-          max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
-          enable_kv_map: bool = False, log_level: str = "info",
-          tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> int:
+          shutdown_timeout: float = 30.0, log_level: str = "info", api_key: str | None = None,
+          allowed_hosts: list[str] | None = None, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+          max_connections: int | None = None, **app_options) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status (0).
-    `api_key` None reads $JAXKV_API_KEY."""
-    app = build_app(engine, served_model_names, max_queued_requests=max_queued_requests,
-                    max_request_bytes=max_request_bytes, api_key=resolve_api_key(api_key),
-                    enable_kv_map=enable_kv_map, tool_call_parser=tool_call_parser,
-                    reasoning_parser=reasoning_parser)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    `api_key` None reads $JAXKV_API_KEY; `allowed_hosts` None: the bind
+    address and localhost (any host for a wildcard bind); `header_timeout`
+    and `max_connections`: `connections`; the rest: `build_app`'s."""
+    hosts = allowed_hosts if allowed_hosts else default_allowed_hosts(host)
+    app = build_app(engine, served_model_names, api_key=resolve_api_key(api_key),
+                    allowed_hosts=hosts, **app_options)
+    config = uvicorn_config(app, host=host, port=port, header_timeout=header_timeout,
+                            max_connections=max_connections, log_level=log_level,
                             timeout_graceful_shutdown=int(shutdown_timeout) + 5)
     # uvicorn re-raises the signal it stopped on once it is done; with this
     # handler in place that ends the process normally (exit 0).

@@ -33,8 +33,11 @@ import re
 import uuid
 
 from jaxkv.entrypoints.openai.protocol import APIError
+from jaxkv.reprs import clip, short
 
 PARSERS = ("hermes", "llama3_json")
+MAX_TOOLS = 128  # OpenAI's bound
+MAX_TOOLS_CHARS = 96 * 1024  # every function's description and parameters, as JSON
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 PYTHON_TAG = "<|python_tag|>"
@@ -72,11 +75,17 @@ def check_tools(body: dict, parser: str) -> Tools | None:
         return None
     if not isinstance(tools, list):
         raise APIError("tools: must be a list of function tools", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError(f"tools: {len(tools)} tools; at most {MAX_TOOLS}", "tools")
     functions = [_function(t, i) for i, t in enumerate(tools)]
+    size = sum(len(json.dumps([f["description"], f["parameters"]])) for f in functions)
+    if size > MAX_TOOLS_CHARS:
+        raise APIError(f"tools: {size} characters of descriptions and parameter schemas; at "
+                       f"most {MAX_TOOLS_CHARS}", "tools")
     names = [f["name"] for f in functions]
     for i, n in enumerate(names):
         if n in names[:i]:
-            raise APIError(f"tools[{i}].function.name: {n!r} is given twice", f"tools[{i}].function.name")
+            raise APIError(f"tools[{i}].function.name: {short(n)} is given twice", f"tools[{i}].function.name")
     if choice is None or choice == "auto":
         choice = "auto"
     elif choice == "none":
@@ -89,7 +98,7 @@ def check_tools(body: dict, parser: str) -> Tools | None:
                            "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
         choice = choice["function"]["name"]
         if choice not in names:
-            raise APIError(f"tool_choice: no tool is named {choice!r} (tools: {', '.join(names)})",
+            raise APIError(f"tool_choice: no tool is named {short(choice)} (tools: {', '.join(names)})",
                            "tool_choice")
     return Tools(functions, choice, parallel, parser)
 
@@ -105,7 +114,7 @@ def _function(tool, i: int) -> dict:
     name = f.get("name")
     if not isinstance(name, str) or not NAME.match(name):
         raise APIError(f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-', "
-                       f"got {name!r}", f"{where}.function.name")
+                       f"got {short(name)}", f"{where}.function.name")
     desc = f.get("description")
     if desc is not None and not isinstance(desc, str):
         raise APIError(f"{where}.function.description: must be a string", f"{where}.function.description")
@@ -124,25 +133,39 @@ def _schema_problem(schema) -> str | None:
     if not isinstance(schema, dict):
         return "must be a JSON schema object"
     if schema.get("type", "object") != "object":
-        return f"must describe an object (type 'object'), got type {schema.get('type')!r}"
+        return f"must describe an object (type 'object'), got type {short(schema.get('type'))}"
+    size = len(json.dumps(schema))
+    if size > MAX_TOOLS_CHARS:
+        return f"{size} characters; at most {MAX_TOOLS_CHARS}"
     from llguidance import LLMatcher
 
+    from jaxkv.core.structured import COMPILE_SECONDS, on_large_stack
+
     try:
-        err = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
+        err = on_large_stack(lambda: LLMatcher.validate_grammar(
+            LLMatcher.grammar_from_json_schema(schema)), COMPILE_SECONDS)
     except Exception as e:  # llguidance's own message names the schema's fault
         err = str(e)
-    return f"not a usable JSON schema ({err})" if err else None
+    return f"not a usable JSON schema ({clip(err, 300)})" if err else None
 
 
 def grammar(tools: Tools) -> str:
     """The Lark grammar (llguidance's, with %json) of a forced answer in the
     parser's format (hermes blocks, or Llama 3's JSON joined by "; "): schema-
-    valid calls, several for "required" with parallel calls, one for a name."""
+    valid calls, several for "required" with parallel calls, one for a name.
+    Each function's parameters stay the root of their own references
+    (`_rooted`): a Pydantic schema's `$defs` and a `"$ref": "#"` mean there
+    what they mean in the tool's schema."""
     funcs = [f for f in tools.functions if tools.choice in ("required", f["name"])]
     key = "parameters" if tools.parser == "llama3_json" else "arguments"
-    alts = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
-             "required": ["name", key], "additionalProperties": False} for f in funcs]
+    defs: dict = {}
+    alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                              key: _rooted(f["parameters"], i, defs)},
+             "required": ["name", key], "additionalProperties": False}
+            for i, f in enumerate(funcs)]
     schema = dict(alts[0]) if len(alts) == 1 else {"anyOf": alts}
+    if defs:
+        schema["$defs"] = defs
     # JSON as json.dumps writes it: no free whitespace for a model to wander in.
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
                             "key_separator": ": "}
@@ -153,6 +176,41 @@ def grammar(tools: Tools) -> str:
     repeat = ' ("\\n" call)*' if several else ""
     return (f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {json.dumps(schema)}")
+
+
+def _rooted(params: dict, i: int, defs: dict) -> dict:
+    """Function i's parameters as they sit inside the call's schema. Without
+    references, as given. With them, the parameters (their own `$defs` /
+    `definitions` taken out) become `defs["t{i}"]`, each of their
+    definitions `defs["t{i}-NAME"]`, and every local reference is rewritten
+    to point there: "#" to the parameters, "#/$defs/NAME..." to the
+    definition, any other "#/..." into the parameters."""
+    if '"$ref"' not in json.dumps(params):
+        return params
+    own = f"t{i}"
+
+    def ref(r: str) -> str:
+        if not r.startswith("#"):
+            return r  # not local: left to the grammar compiler to refuse
+        path = r[1:]
+        for section in ("/$defs/", "/definitions/"):
+            if path.startswith(section):
+                return f"#/$defs/{own}-{path[len(section):]}"
+        return f"#/$defs/{own}{path}"
+
+    def walk(x):
+        if isinstance(x, dict):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v)
+                    for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    for section in ("$defs", "definitions"):
+        for name, d in (params.get(section) or {}).items():
+            defs[f"{own}-{name}"] = walk(d)
+    defs[own] = walk({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    return {"$ref": f"#/$defs/{own}"}
 
 
 def template_renders_tools(chat_template: str) -> bool:
