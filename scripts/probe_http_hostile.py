@@ -18,11 +18,11 @@ TIMEOUT = 30.0
 
 LOAD, R = "/v1/load_lora_adapter", "/v1/responses"
 ORDER = {"type": "object", "$defs": {"Item": {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 8}, "qty": {"type": "integer"}},
+    "name": {"type": "string", "maxLength": 8}, "qty": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["name", "qty"], "additionalProperties": False}},
     "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "maxItems": 2}},
     "required": ["items"], "additionalProperties": False}
-CHAIN = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {
+CHAIN = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "next": {
     "anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["v", "next"],
     "additionalProperties": False}
 
@@ -61,7 +61,7 @@ def plan_hostile(loras: Path, config) -> list[tuple]:
         "grammar": chain}}, {}, ("structured_outputs", "grammar"), "either"))
     err("Host: evil.example", CH, M, "host", headers={"Host": "evil.example"})
     for name, schema in (("$defs", ORDER), ("$ref #", CHAIN)):
-        out.append((f"tools: forced, {name}", "POST", CH, {**GREEDY, **M, "max_tokens": 24, "tools": [
+        out.append((f"tools: forced, {name}", "POST", CH, {**GREEDY, **M, "max_tokens": 96, "tools": [
             {"type": "function", "function": {"name": "f", "parameters": schema}}],
             "tool_choice": "required"}, {}, (), "ok"))
     out.append(("1000 silent sockets", "SILENT", "/health", None, {}, (), "ok"))
@@ -71,9 +71,12 @@ def plan_hostile(loras: Path, config) -> list[tuple]:
 
 
 def invalid_calls(body: dict, resp) -> str | None:
-    """Why a forced call's arguments break its tool's own schema (None: every call validates)."""
+    """Why a forced call's arguments break its tool's own schema (None: every call validates, or
+    the answer ran out of tokens before its call was complete)."""
     import jsonschema
 
+    if any(ch.get("finish_reason") == "length" for ch in resp.get("choices", [])):
+        return None
     schemas = {t["function"]["name"]: t["function"].get("parameters") for t in body["tools"]}
     calls = [c for ch in resp.get("choices", []) for c in (ch.get("message") or {}).get("tool_calls") or []]
     for c in calls:
