@@ -59,6 +59,8 @@ def test_api_key_comes_from_the_environment_when_not_given(monkeypatch):
     assert resolve_api_key(None) == "from-env" and resolve_api_key("given") == "given"
     monkeypatch.setenv("JAXKV_API_KEY", "")
     assert resolve_api_key(None) is None
+    with pytest.raises(ValueError, match="empty"):
+        resolve_api_key("")  # `--api-key "$UNSET"` is refused, never "no key"
 
 
 def test_page_map_is_served_only_when_enabled(engine):

@@ -178,9 +178,11 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
-    """The key given, else $JAXKV_API_KEY, else None (no key asked); an
-    empty one is a ValueError."""
-    return check_api_key(api_key if api_key is not None else os.environ.get("JAXKV_API_KEY"))
+    """The key given (an empty one is a ValueError), else $JAXKV_API_KEY
+    (unset or empty: none), else None (no key asked)."""
+    if api_key is not None:
+        return check_api_key(api_key)
+    return os.environ.get("JAXKV_API_KEY") or None
 
 
 class DrainingServer(uvicorn.Server):
