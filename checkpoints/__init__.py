@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.gguf_io import is_gguf, load_gguf
+from checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from checkpoints.jaxkv_format import MARKER, is_jaxkv_checkpoint, read_config, restore, save
 from checkpoints.limits import check_tokenizer_fits
 from checkpoints.safetensors_io import load_hf_dir
-from checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from jaxkv.config import ModelConfig
 from jaxkv.model.params import check_params, expected_shapes
 from jaxkv.tokenizer import Tokenizer
@@ -55,9 +55,9 @@ def _what(path: Path) -> str:
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """Only the ModelConfig of a checkpoint (no weights are read)."""
+    from checkpoints.gguf_config import from_gguf_metadata
     from checkpoints.gguf_io import read_gguf_metadata
     from checkpoints.safetensors_io import read_hf_config
-    from checkpoints.gguf_config import from_gguf_metadata
 
     kind = detect_kind(path)
     if kind == "jaxkv":

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from checkpoints import load_checkpoint
-from checkpoints.jaxkv_format import save
 from checkpoints.dtypes import cast_params
+from checkpoints.jaxkv_format import save
 
 
 def summary(config, params) -> str:

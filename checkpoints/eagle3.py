@@ -24,14 +24,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
-
 from safetensors import SafetensorError, safe_open
 
-from checkpoints.model_config import _rope_scaling_from_hf
+from checkpoints.hf_config import _rope_scaling_from_hf
 from jaxkv.config import ModelConfig
 from jaxkv.model.eagle import ARCHITECTURE, Eagle3Config, default_aux_layers
 from jaxkv.tokenizer import read_json_file

@@ -1,13 +1,14 @@
 """ModelConfig from GGUF metadata (llama.cpp's key/values): `from_gguf_metadata`,
-with the rules of `checkpoints.model_config` (only an absent value gets a
+with the rules of `checkpoints.hf_config` (only an absent value gets a
 default; a present but invalid one is refused by name)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
+from checkpoints.hf_config import _eos_tuple, _token_id
 from checkpoints.hf_fields import _REQUIRED, _num
-from checkpoints.model_config import _eos_tuple, _token_id
 from jaxkv.model_config import ModelConfig, RopeScaling
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",

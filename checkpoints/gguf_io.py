@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader

@@ -1,4 +1,4 @@
-"""The field readers of `checkpoints.model_config` (and `checkpoints.moe_config`,
+"""The field readers of `checkpoints.hf_config` (and `checkpoints.moe_config`,
 `checkpoints.gguf_config`): a config value as a number or a boolean, its
 default only when absent, ValueError naming the field when present but
 invalid."""
@@ -6,8 +6,8 @@ invalid."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
-
+from collections.abc import Mapping
+from typing import Any
 
 _REQUIRED = object()
 

@@ -32,9 +32,9 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import orbax.checkpoint as ocp

@@ -18,9 +18,9 @@ def load_model(model: str, *, dtype: str = "float32", quantize: str | None = Non
     a GGUF's Q8_0 tied embedding kept as blocks (`jaxkv.model.q8`)."""
     import jax.numpy as jnp
 
+    from jaxkv.model.blocks import BlockWeight
     from jaxkv.model.llama import Llama
     from jaxkv.model.params import check_params
-    from jaxkv.model.blocks import BlockWeight
     from jaxkv.model.q8 import Q8Blocks
 
     if gguf_blocks and quantize is not None:

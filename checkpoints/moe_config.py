@@ -1,11 +1,12 @@
 """The mixture-of-experts fields of a ModelConfig from a Hugging Face
-``config.json`` (`checkpoints.model_config.from_hf_config`), family by
+``config.json`` (`checkpoints.hf_config.from_hf_config`), family by
 family, with the same rules: an absent value gets the family's default, a
 present but invalid one is refused by name."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from checkpoints.hf_fields import _bool, _num
 

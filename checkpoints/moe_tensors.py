@@ -32,7 +32,7 @@ not in the table (an expert index past X), is an error naming it
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

@@ -21,7 +21,8 @@ the model dtype's bytes, not MXFP4's 4.25 bits.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 

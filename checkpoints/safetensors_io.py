@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from checkpoints.dtypes import resolve_dtype
+from checkpoints.hf_config import from_hf_config
 from checkpoints.limits import check_layer_count
-from checkpoints.model_config import from_hf_config
 from checkpoints.moe_tensors import Into, hf_moe_map
 from checkpoints.mxfp4 import mxfp4_tensors
 from jaxkv.config import ModelConfig

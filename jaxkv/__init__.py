@@ -21,7 +21,7 @@ def __getattr__(name):
         from jaxkv.entrypoints.llm import LLM
         return LLM
     if name == "LoRARequest":
-        from jaxkv.core.lora import LoRARequest
+        from jaxkv.core.adapters.lora import LoRARequest
         return LoRARequest
     if name == "LLMEngine":
         from jaxkv.core.engine import LLMEngine

@@ -10,7 +10,8 @@ F MLP hidden (intermediate).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxkv.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling  # noqa: F401 (re-exported)
 from jaxkv.units import parse_size
@@ -28,7 +29,7 @@ class CacheConfig:
     `local_pages` (a hybrid pool; 0: none): the sliding layers' own pages,
     rings that hold each running sequence's window. `scores`: a float32
     accumulated-attention slot per token and KV head beside the pages
-    (importance eviction, `jaxkv.core.kv_evict`)."""
+    (importance eviction, `jaxkv.core.kv.evict`)."""
 
     num_pages: int
     page_size: int = 16
@@ -112,7 +113,7 @@ class EngineConfig:
               "generation runs past the pool with bounded memory; snapkv: at the end of a "
               "prompt keep, per KV head, the kv_budget tokens its last queries attend to "
               "most; h2o: while decoding keep the heavy hitters and the recent tokens "
-              "within kv_budget (jaxkv.core.kv_evict)", choices=("streaming", "snapkv", "h2o"))
+              "within kv_budget (jaxkv.core.kv.evict)", choices=("streaming", "snapkv", "h2o"))
     kv_budget: int | None = _opt(None, "tokens of KV a sequence keeps under snapkv / h2o "
                                        "eviction (per KV head and layer)")
     snapkv_window: int = _opt(32, "snapkv: the last prompt queries whose attention picks the "
@@ -157,7 +158,7 @@ class EngineConfig:
         parse="json")
 
     @property
-    def speculative(self) -> "SpeculativeConfig | None":
+    def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config` parsed (None: off)."""
         if self.speculative_config is None:
             return None
@@ -214,7 +215,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
-def _check_importance_eviction(c: "EngineConfig") -> None:
+def _check_importance_eviction(c: EngineConfig) -> None:
     """snapkv / h2o: a budget, and none of what a compacted sequence cannot
     share or replay (refused by name)."""
     name = c.kv_eviction
@@ -247,11 +248,11 @@ class SpeculativeConfig:
     same vocabulary) proposes greedily. method "eagle3": an EAGLE-3 draft
     head (`model`, a folder in the Hugging Face layout, `checkpoints.eagle3`)
     proposes greedily from the target's own hidden states
-    (`jaxkv.core.eagle`). num_speculative_tokens: k, the most
+    (`jaxkv.core.spec.eagle`). num_speculative_tokens: k, the most
     proposals a sequence brings to one step (static: one program per k).
     adaptive: speculate only in steps where it is expected to pay, from the
     measured cost of verifying and the acceptance so far
-    (`jaxkv.core.spec_decode.SpecGate`); False: whenever there are
+    (`jaxkv.core.spec.decode.SpecGate`); False: whenever there are
     proposals."""
 
     method: str
@@ -265,7 +266,7 @@ class SpeculativeConfig:
     MAX_TOKENS = 16
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SpeculativeConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> SpeculativeConfig:
         if isinstance(d, SpeculativeConfig):
             return d
         if not isinstance(d, Mapping):

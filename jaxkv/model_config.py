@@ -3,7 +3,7 @@ in its fields rather than in code.
 
 ModelConfig is built by exactly one function per source: `from_hf_config` for
 a Hugging Face ``config.json`` dict and `from_gguf_metadata` for GGUF
-key/values. Both live in `checkpoints.model_config` and validate with
+key/values. Both live in `checkpoints.hf_config` and validate with
 `ModelConfig.validate`, which names the offending field.
 
 What the families differ in (defaults are Llama's):
@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe",
                          "mixtral", "gpt_oss"}
@@ -268,7 +269,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Inverse of `to_dict` (used by jaxkv's own checkpoint format)."""
         d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}

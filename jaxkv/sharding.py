@@ -87,7 +87,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.config import ModelConfig
 from jaxkv.shard_columns import gate_up_columns, kv_columns, qkv_columns, take_columns
@@ -165,7 +166,7 @@ class ShardingPlan:
 
     @classmethod
     def make(cls, cfg: ModelConfig, tensor_parallel_size: int, mesh=None,
-             devices=None, expert_parallel: bool = False) -> "ShardingPlan":
+             devices=None, expert_parallel: bool = False) -> ShardingPlan:
         tp = tensor_parallel_size
         kv = check_tensor_parallel(cfg, tp)
         if cfg.num_experts:

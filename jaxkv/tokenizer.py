@@ -22,8 +22,9 @@ import functools
 import json
 import os
 import stat
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -115,7 +116,7 @@ class Tokenizer:
             (d / TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
 
     @classmethod
-    def from_files(cls, directory: str | os.PathLike) -> "Tokenizer":
+    def from_files(cls, directory: str | os.PathLike) -> Tokenizer:
         """Inverse of `to_files`."""
         d = Path(directory)
         meta = read_json_file(d / META_FILE)
@@ -130,7 +131,7 @@ class Tokenizer:
                    chat_template=_read_text(d / TEMPLATE_FILE), special_tokens=special)
 
     @classmethod
-    def from_hf_dir(cls, directory: str | os.PathLike) -> "Tokenizer":
+    def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
         """From an HF dir: tokenizer.json, and when present tokenizer_config.json
         (special tokens, chat_template), chat_template.jinja and
         generation_config.json (extra eos ids). A present but malformed entry

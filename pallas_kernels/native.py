@@ -23,7 +23,7 @@ a library loads (`blas()`): MKL on Intel CPUs, numpy's bundled OpenBLAS
 (DYNAMIC_ARCH: its kernels picked for the CPU it runs on, Zen included) on
 every other x86 CPU, where MKL's sgemm is not tuned (measured on an AMD
 EPYC VM: prefill at 0.77-0.86x transformers with MKL); JAXKV_CPU_BLAS=mkl or
-=openblas overrides it (`scripts/bench_blas.py` measures both and XLA's own
+=openblas overrides it (`scripts/bench/blas.py` measures both and XLA's own
 dots on the CPU it runs on).
 """
 

@@ -53,3 +53,13 @@ def smollm2(smollm2_gguf):
 
     config, params, tok = load_checkpoint(smollm2_gguf)
     return Llama.from_params(config, params), tok
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    """A random model of `tests.helpers.model_utils.SMALL` (every per-layer
+    feature on tiny shapes)."""
+    from jaxkv.model.llama import Llama
+    from tests.helpers.model_utils import SMALL
+
+    return Llama.random_init(SMALL, seed=3)

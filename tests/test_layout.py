@@ -1,7 +1,9 @@
-"""The source layout keeps its promises: no import cycle between modules or
-between the packages (jaxkv's subpackages count as packages), scripts
-import nothing from tests, pallas_kernels nothing from jaxkv, and every
-source file stays short. Imports inside functions count too."""
+"""The source layout keeps its promises: imports only point down the
+layers (entrypoints, training, core, checkpoints, worker, model, jaxkv's
+top-level modules, pallas_kernels), no import cycle between modules,
+scripts import nothing from tests, and every source file stays about 300
+lines or is a named exception with its reason. Imports inside functions
+count too."""
 
 import ast
 from pathlib import Path
@@ -10,7 +12,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxkv", "checkpoints", "pallas_kernels")
-MAX_LINES = 320
+# Top to bottom: a package may import only the ones below it.
+LAYERS = ("jaxkv.api", "jaxkv.entrypoints", "jaxkv.training", "jaxkv.core", "checkpoints",
+          "jaxkv.worker", "jaxkv.model", "jaxkv.base", "pallas_kernels")
+MAX_LINES = 300
+# Longer files, each one concern that reads best whole: (the most lines, why).
+LONGER = {
+    "jaxkv/core/engine.py": (400, "LLMEngine: the public API and the wiring of its collaborators"),
+    "jaxkv/core/scheduling/scheduler.py": (380, "one scheduling pass: decodes, chunks, preemption"),
+    "jaxkv/core/scheduling/block_manager.py": (360, "block tables: allocation, prefix hits, "
+                                                    "copy-on-write, the hybrid pool's rings"),
+    "jaxkv/core/spec/eagle.py": (340, "the EAGLE-3 proposer: its head's cache and its calls"),
+    "jaxkv/config.py": (360, "every engine option in one dataclass, with its help text"),
+    "jaxkv/model/memory.py": (340, "the KV size formula and the planner, term by term"),
+    "jaxkv/training/trainer.py": (340, "the EAGLE-3 objective, its optimizer and checkpoints"),
+    "checkpoints/peft_adapter.py": (340, "every check of an untrusted adapter folder"),
+    "checkpoints/safetensors_io.py": (340, "the Hugging Face name map and its transforms"),
+    "scripts/bench/moe.py": (340, "one benchmark, four measurements against their peers"),
+    "scripts/probe/offline.py": (340, "the offline probe's cases and their judging"),
+    "scripts/probe/serve.py": (340, "the HTTP probe's client, judge and run"),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -103,14 +124,17 @@ def test_no_import_cycle_between_modules():
     assert _cycles(_graph()) == []
 
 
-def test_no_import_cycle_between_packages():
+def test_imports_point_down_the_layers():
     pkg_graph: dict[str, set[str]] = {}
     for m, deps in _graph().items():
         pkg_graph.setdefault(_package(m), set()).update(
             _package(d) for d in deps if _package(d) != _package(m))
     print({k: sorted(v) for k, v in sorted(pkg_graph.items())})
+    assert set(pkg_graph) <= set(LAYERS), sorted(set(pkg_graph) - set(LAYERS))
+    up = sorted((a, b) for a, deps in pkg_graph.items() for b in deps
+                if LAYERS.index(b) <= LAYERS.index(a))
+    assert up == []
     assert _cycles(pkg_graph) == []
-    assert pkg_graph["pallas_kernels"] == set()
 
 
 def test_cycle_finder_sees_cycles():
@@ -118,7 +142,7 @@ def test_cycle_finder_sees_cycles():
 
 
 def test_scripts_import_nothing_from_tests():
-    for f in (ROOT / "scripts").glob("*.py"):
+    for f in (ROOT / "scripts").rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) \
@@ -128,6 +152,17 @@ def test_scripts_import_nothing_from_tests():
 
 @pytest.mark.parametrize("folder", PACKAGES + ("scripts",))
 def test_source_files_stay_short(folder):
-    long = {str(f.relative_to(ROOT)): n for f in (ROOT / folder).rglob("*.py")
-            if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    long = {}
+    for f in (ROOT / folder).rglob("*.py"):
+        name, n = str(f.relative_to(ROOT)), len(f.read_text().splitlines())
+        if n > LONGER.get(name, (MAX_LINES,))[0]:
+            long[name] = n
     assert long == {}
+
+
+def test_each_longer_file_is_longer():
+    """An exception whose file shrank below the rule, or went away, goes too."""
+    stale = {name for name in LONGER
+             if not (ROOT / name).is_file()
+             or len((ROOT / name).read_text().splitlines()) <= MAX_LINES}
+    assert stale == set()

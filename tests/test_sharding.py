@@ -5,14 +5,13 @@ fewer than shards; two processes through jax.distributed; what one device
 holds against the planner; only the collectives Megatron's split needs.
 
 Several CPU devices need XLA_FLAGS before jax starts, so each run is a
-subprocess (`tests/sharding_worker.py`); the one-device oracle is a plain
+subprocess (`tests/helpers/sharding_worker.py`); the one-device oracle is a plain
 engine with no mesh in this process."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,49 +21,24 @@ import pytest
 from jaxkv.config import ModelConfig
 from jaxkv.model import memory
 from jaxkv.sharding import check_tensor_parallel
-from tests.sharding_worker import TINY
+from tests.helpers.sharding_worker import TINY
+from tests.helpers.workers import check_run, follower_result, free_port, start_worker, worker_result
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _worker(args, devices: int, timeout: int = 900, env=None, **popen):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "tests.sharding_worker", *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **popen)
-
-
-def _result(proc, timeout: int = 900) -> dict:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"worker timed out:\n{err[-3000:]}")
-    lines = [l for l in out.splitlines() if l.startswith("{")]
-    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{err[-4000:]}"
-    return json.loads(lines[-1])
 
 
 @pytest.fixture(scope="module")
 def one_device():
     """The oracle: the tiny model's tokens on one device, no mesh."""
-    from tests.sharding_worker import load, run
+    from tests.helpers.sharding_worker import load, run
 
     return run(load(None), 1, "reference", 8)
 
 
-def _check_run(got: dict, oracle: dict, tp: int, local_shards: int | None = None):
-    assert got["shards"] == (local_shards or tp)  # this process's cache shards
-    assert got["preemptions"] > 0 and got["prefix_hit_tokens"] > 0 and got["partial_prefills"] > 0
-    assert got["tokens"] == oracle["tokens"], f"tensor_parallel_size {tp} changed the tokens"
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_reference_matches_one_device(one_device, tp):
-    r = _result(_worker(["tp", "--tp", str(tp)], devices=tp))[str(tp)]
-    _check_run(r, one_device, tp)
+    r = worker_result(start_worker(["tp", "--tp", str(tp)], devices=tp))[str(tp)]
+    check_run(r, one_device, tp)
     # What one device holds is what the planner (memory.per_device_bytes) says.
     for name, got in (("one device", one_device), (f"tp {tp}", r)):
         assert got["params_bytes"] == got["planned"]["params"], name
@@ -86,51 +60,36 @@ def test_tensor_parallel_pallas_interpret_matches_one_device():
     # (still preempting): the Pallas TPU kernel's interpret mode compiles
     # slowly on CPU. The oracle: the same model on one device, reference
     # attention, in this process.
-    from tests.sharding_worker import load, run
+    from tests.helpers.sharding_worker import load, run
 
-    proc = _worker(["tp", "--tp", "4", "--backend", "pallas", "--max-tokens", "4",
+    proc = start_worker(["tp", "--tp", "4", "--backend", "pallas", "--max-tokens", "4",
                     "--prompts", "8", "--num-pages", "12", "--layers", "1"], devices=4)
     try:  # the oracle runs while the worker compiles
         oracle = run(load(None, layers=1), 1, "reference", 4, 8, num_pages=12)
     except BaseException:
         proc.kill()
         raise
-    runs = _result(proc, timeout=1500)
-    _check_run(runs["4"], oracle, 4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    runs = worker_result(proc, timeout=1500)
+    check_run(runs["4"], oracle, 4)
 
 
 def test_two_processes_match_one_device(one_device):
     """Process 0 schedules with overlap (`jaxkv generate` on two processes,
     in test_cli_generate_on_two_processes_matches_one, runs without)."""
-    port = _free_port()
+    port = free_port()
     args = ["job", "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}",
             "--async-scheduling"]
-    procs = [_worker(args + ["--process-id", str(i)], devices=2) for i in (0, 1)]
+    procs = [start_worker(args + ["--process-id", str(i)], devices=2) for i in (0, 1)]
     try:
-        got = _result(procs[0], timeout=900)
-        _result_follower(procs[1])
+        got = worker_result(procs[0], timeout=900)
+        follower_result(procs[1])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     assert got["processes"] == 2 and got["devices"] == 4
     assert got["overlapped_steps"] > 0
-    _check_run(got, one_device, 4, local_shards=2)
-
-
-def _result_follower(proc):
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("the follower did not exit after process 0 finished")
-    assert proc.returncode == 0, f"follower failed:\n{err[-3000:]}"
+    check_run(got, one_device, 4, local_shards=2)
 
 
 @pytest.mark.slow
@@ -138,9 +97,9 @@ def test_smollm2_tensor_parallel_3_matches_one_device(smollm2_gguf):
     # its first 2 layers: the real weights and 9 / 3 heads over 3 devices, a fifteenth to compile
     # one device and three, in two workers side by side
     args = ["tp", "--gguf", str(smollm2_gguf), "--max-tokens", "4", "--layers", "2"]
-    procs = [_worker(args + ["--tp", str(tp)], devices=tp) for tp in (1, 3)]
+    procs = [start_worker(args + ["--tp", str(tp)], devices=tp) for tp in (1, 3)]
     try:
-        runs = {k: v for p in procs for k, v in _result(p, timeout=1500).items()}
+        runs = {k: v for p in procs for k, v in worker_result(p, timeout=1500).items()}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -156,7 +115,7 @@ def test_collectives_are_megatrons_only():
     of the embedded rows [T, E] and one of the logits [S, V]; never a
     weight or the cache."""
     code = (
-        "from tests.sharding_worker import TINY, ENGINE; import re, json\n"
+        "from tests.helpers.sharding_worker import TINY, ENGINE; import re, json\n"
         "from jaxkv.config import EngineConfig; from jaxkv.core.engine import LLMEngine\n"
         "from jaxkv.model.llama import Llama; from jaxkv.worker.buckets import ProgramKey\n"
         "eng = LLMEngine(Llama.random_init(TINY), None, EngineConfig(**ENGINE, "
@@ -216,8 +175,7 @@ def test_llama3_8b_per_device_table():
 def test_cli_generate_on_two_processes_matches_one(tmp_path):
     """`jaxkv generate` run on two processes of 2 devices each (tensor
     parallel 4, KV heads replicated) prints what one process prints."""
-    from jaxkv.entrypoints import cli
-    from tests.model_utils import make_hf_model, save_tiny_tokenizer
+    from tests.helpers.model_utils import make_hf_model, save_tiny_tokenizer
 
     _, path = make_hf_model("llama", tmp_path)  # 4 heads, 2 KV heads
     save_tiny_tokenizer(path)
@@ -226,7 +184,7 @@ def test_cli_generate_on_two_processes_matches_one(tmp_path):
     one = subprocess.run([sys.executable, "-m", "jaxkv", *args], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    port = _free_port()
+    port = free_port()
     job = ["--tensor-parallel-size", "4", "--num-processes", "2",
            "--coordinator-address", f"127.0.0.1:{port}"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -249,11 +207,11 @@ def test_cli_generate_on_two_processes_matches_one(tmp_path):
 
 
 def test_estimate_per_device(capsys):
-    from jaxkv.entrypoints import cli
-    from tests.model_utils import make_hf_model
-
     # 2 layers, 4 heads, 2 KV heads, D 16, E 64, F 96, V 128
     import tempfile
+
+    from jaxkv.entrypoints import cli
+    from tests.helpers.model_utils import make_hf_model
     with tempfile.TemporaryDirectory() as d:
         _, path = make_hf_model("llama", Path(d))
         assert cli.main(["estimate", "--model", str(path), "--tensor-parallel-size", "2",

@@ -24,30 +24,32 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from jaxkv.config import EngineConfig, ModelConfig
-from jaxkv.core.block_manager import BlockManager
+from jaxkv.core.adapters.lora import LoRAAdapters, attach_lora
 from jaxkv.core.executor import Executor
 from jaxkv.core.intake import RequestIntake
-from jaxkv.core.lora import LoRAAdapters, attach_lora
+from jaxkv.core.kv.evict import make_evictor
+from jaxkv.core.kv.tiers import make_tier, persist, tier_metrics
 from jaxkv.core.output_processor import OutputProcessor
 from jaxkv.core.outputs import RequestOutput
 from jaxkv.core.overlap import Overlap, overlap_default
 from jaxkv.core.sampling_params import SamplingParams
-from jaxkv.core.scheduler import Scheduler
-from jaxkv.core.scheduler_output import SchedulerOutput
-from jaxkv.core.seats import Seats
+from jaxkv.core.scheduling.block_manager import BlockManager
+from jaxkv.core.scheduling.scheduler import Scheduler
+from jaxkv.core.scheduling.scheduler_output import SchedulerOutput
+from jaxkv.core.scheduling.seats import Seats
 from jaxkv.core.sequence import Sequence
-from jaxkv.core.draft import eagle_head, make_proposer
-from jaxkv.core.spec_decode import SpecControl
+from jaxkv.core.spec.decode import SpecControl
+from jaxkv.core.spec.draft_model import eagle_head, make_proposer
 from jaxkv.core.structured import Grammars
-from jaxkv.core.kv_evict import make_evictor
-from jaxkv.core.kv_tiers import make_tier, persist, tier_metrics
-from jaxkv.model.pool_plan import engine_pool, log_pool
+from jaxkv.model.kv_cache import create_cache, preset_fp8_scales
+from jaxkv.model.pool_sizing import engine_pool
 from jaxkv.sharding import shard_nbytes
 from jaxkv.worker.buckets import Buckets
-from jaxkv.worker.calibrate import calibrate_kv_scales, engine_cache
+from jaxkv.worker.calibrate import calibrate_kv_scales
 from jaxkv.worker.distributed import Follower, Leader, init_distributed, scale_out
 from jaxkv.worker.plan import StepResult
 from jaxkv.worker.program_store import ProgramStore
@@ -80,13 +82,13 @@ class LLMEngine:
         leader = Leader(channel) if channel is not None and channel.leader else None
         self.follower = Follower(channel) if channel is not None and not channel.leader else None
         # fp8: the checkpoint's KV scales where it carries them, else calibrated below.
-        cache, kv_scales = engine_cache(model, self.cache_config, self.sharding)
+        cache, kv_scales = _engine_cache(model, self.cache_config, self.sharding)
         store = ProgramStore.for_engine(config)
         head = eagle_head(model, config.speculative, draft_model)  # its steps return features
         self.runner = Runner(model, cache, buckets, self.attention,
                              max_decode_steps=config.num_decode_steps,
                              num_top_logprobs=SamplingParams.MAX_LOGPROBS, seed=config.seed,
-                             plan=self.sharding, leader=leader, store=store,
+                             sharding=self.sharding, leader=leader, store=store,
                              offload=config.kv_offload_memory is not None)
         if self.follower is None and kv_scales is None:  # fp8: on a fixed text (mirrored)
             calibrate_kv_scales(self.runner, tokenizer, self.model_config.vocab_size, config, ring)
@@ -125,7 +127,7 @@ class LLMEngine:
         self.overlap = Overlap(self.executor, self.scheduler,
                                enabled=overlap_default(config) and proposer is None
                                and self.evictor is None)
-        log_pool(self.cache_config, config, shard_nbytes(self.runner.cache), self.max_model_len,
+        _log_pool(self.cache_config, config, shard_nbytes(self.runner.cache), self.max_model_len,
                  len(local), ring)
         self.warmup_report = None  # set by warm-up, when on
         if config.warmup:
@@ -136,7 +138,7 @@ class LLMEngine:
                      "(%(loaded)d from the program cache)", self.warmup_report)
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m-instruct", **config: Any) -> "LLMEngine":
+    def from_pretrained(cls, model: str = "smollm2-135m-instruct", **config: Any) -> LLMEngine:
         """Load a model by name or path (HF folder, GGUF file, jaxkv checkpoint)."""
         from checkpoints.loader import load_model
         from jaxkv.model.blocks import keep_gguf_blocks
@@ -159,7 +161,7 @@ class LLMEngine:
         "error" and a message naming the field, reported by the next step().
         `cache_salt`: requests share prefix-cache pages only with requests
         of the same salt (one per tenant). `lora_request`: a
-        `jaxkv.core.lora.LoRARequest` (or a known adapter's name) to run with."""
+        `jaxkv.core.adapters.lora.LoRARequest` (or a known adapter's name) to run with."""
         return self.intake.add(prompt, params, request_id, cache_salt=cache_salt,
                                lora_request=lora_request)
 
@@ -251,7 +253,7 @@ class LLMEngine:
         return {} if self.spec is None else self.spec.metrics(self.stats["step_seconds"])
 
     def kv_metrics(self) -> dict:
-        """The KV tiers' figures so far (`jaxkv.core.kv_tiers.tier_metrics`)
+        """The KV tiers' figures so far (`jaxkv.core.kv.tiers.tier_metrics`)
         and importance eviction's; {} with neither."""
         return {**tier_metrics(self.tier, self.config.page_size),
                 **(self.evictor.metrics() if self.evictor else {})}
@@ -318,3 +320,34 @@ class LLMEngine:
             log.info("jaxkv: speculative decoding: %s", self.speculative_metrics())
         return final
 
+
+def _engine_cache(model, cache_config, sharding):
+    """(the engine's empty KV cache, the checkpoint's fp8 KV scales [L, 2]
+    or None). An fp8 cache takes the checkpoint's scales when it carries
+    them (then nothing is calibrated); other formats ignore them."""
+    cache = create_cache(model.config, cache_config,
+                         sharding.cache_sharding() if sharding else None)
+    kv_scales = model.kv_cache_scales() if cache.quantized else None
+    if kv_scales is not None:
+        if not cache.fp8:
+            log.info("the checkpoint's fp8 KV scales are not used by a %s cache",
+                     cache_config.kv_dtype)
+        else:
+            cache = preset_fp8_scales(cache, kv_scales)
+            log.info("fp8 KV scales from the checkpoint (k_scale, v_scale of %d layers)",
+                     len(kv_scales))
+    return cache, kv_scales
+
+
+def _log_pool(cache_config, config, nbytes: int, max_len: int, num_local: int,
+             ring: int) -> None:
+    """Log the engine's pool: pages, tokens, bytes per device, max_model_len."""
+    pool_tokens = (cache_config.num_pages - 1) * cache_config.page_size
+    log.info("jaxkv: KV cache %d pages x %d tokens = %d tokens (%s, %.1f MiB per device "
+             "on %d); max_model_len %d; up to %d sequences at full length",
+             cache_config.num_pages, cache_config.page_size, pool_tokens,
+             cache_config.kv_dtype, nbytes / 2**20, config.tensor_parallel_size, max_len,
+             max(1, pool_tokens // max_len))
+    if ring:
+        log.info("jaxkv: hybrid KV pool: %d sliding layers keep a ring of %d pages per seat "
+                 "(%d local pages)", num_local, ring, cache_config.local_pages)

@@ -1,5 +1,5 @@
 """From the scheduler's output to the worker and back: each step's
-sequences packed into one `StepPlan` (`jaxkv.core.step_plan`), mirrored
+sequences packed into one `StepPlan` (`jaxkv.core.plan_builder`), mirrored
 into a draft model's cache when there is one, run by the Runner, read
 back as a `StepResult`.
 
@@ -12,18 +12,18 @@ back as a `StepResult`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.core.kv_tiers import apply_transfers
-from jaxkv.core.step_plan import build_plan
+from jaxkv.core.kv.tiers import apply_transfers
+from jaxkv.core.plan_builder import build_plan
 from jaxkv.worker.plan import ScoreResult, StepPlan, StepResult
 from jaxkv.worker.runner import Pending, Runner
 
 
 class Executor:
-    """`draft`: a `jaxkv.core.draft.DraftProposer` whose cache follows
+    """`draft`: a `jaxkv.core.spec.draft_model.DraftProposer` whose cache follows
     every step and page copy the target runs (None without one)."""
 
     def __init__(self, runner: Runner, vocab_size: int, draft=None, tier=None, evictor=None):

@@ -15,10 +15,10 @@ import itertools
 import numpy as np
 
 from jaxkv.config import EngineConfig, ModelConfig
+from jaxkv.core.plan_builder import seq_row
 from jaxkv.core.requests import check_request, child_seed, parse_prompt
 from jaxkv.core.sampling_params import SamplingParams, is_unicode
 from jaxkv.core.sequence import Sequence
-from jaxkv.core.step_plan import seq_row
 from jaxkv.core.structured import TokenRules
 from jaxkv.worker.stop import StopRule
 
@@ -33,7 +33,7 @@ class RequestIntake:
         self.grammars = grammars
         self.scheduler = scheduler
         self.outputs = outputs
-        self.loras = loras  # jaxkv.core.lora.LoRAAdapters (None: LoRA off)
+        self.loras = loras  # jaxkv.core.adapters.lora.LoRAAdapters (None: LoRA off)
         self.seqs: dict[str, Sequence] = {}  # requests not yet reported finished
         self.reports: list[Sequence] = []  # refused or aborted: reported by the next step
         self._ids = itertools.count()
@@ -126,7 +126,7 @@ class RequestIntake:
         return text, ids
 
     def adapter(self, lora_request):
-        """The `jaxkv.core.lora.Adapter` a request names (None: the base
+        """The `jaxkv.core.adapters.lora.Adapter` a request names (None: the base
         model); ValueError naming what is wrong with it."""
         if lora_request is None:
             return None

@@ -26,9 +26,9 @@ import dataclasses
 import itertools
 
 from jaxkv.config import EngineConfig
-from jaxkv.core.scheduler import Scheduler
-from jaxkv.core.scheduler_output import SchedulerOutput
-from jaxkv.core.spec_decode import can_speculate
+from jaxkv.core.scheduling.scheduler import Scheduler
+from jaxkv.core.scheduling.scheduler_output import SchedulerOutput
+from jaxkv.core.spec.decode import can_speculate
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ and reads them back. Nothing else writes it. Counts, all in tokens
     inflight_steps   dispatched steps holding it, not read yet
     inflight_tokens  tokens those steps sample for it
     inflight_end     position after the last K/V they write (0: none)
-    evicted          importance eviction (`jaxkv.core.kv_evict`): positions
+    evicted          importance eviction (`jaxkv.core.kv.evict`): positions
                      whose K/V was dropped; position p's K/V sits at kv
                      index p - evicted, which the pages count
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.core.page_pool import ROOT_HASH
+from jaxkv.core.scheduling.page_pool import ROOT_HASH
 
 
 class Progress:
@@ -79,7 +79,7 @@ class Progress:
         self.num_pages = min(self.num_pages, keep)
         return cut
 
-    def copy(self) -> "Progress":
+    def copy(self) -> Progress:
         """A fork's record: the same pages, counts and hashes."""
         c = Progress([], self.num_reserved, self.num_computed, list(self.hashes), self.root,
                      len(self.pages))

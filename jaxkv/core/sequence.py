@@ -46,7 +46,7 @@ class Sequence:
         self.stop = stop  # jaxkv.worker.stop.StopRule (None for a refused request)
         self.cache_salt = cache_salt  # prefix-cache tenant (page_pool.salted_root)
         self.rules = None  # jaxkv.core.structured.TokenRules when the request has token rules
-        self.lora = None  # jaxkv.core.lora.Adapter of a request for one
+        self.lora = None  # jaxkv.core.adapters.lora.Adapter of a request for one
         self.lora_slot = 0  # its device slot + 1 while it runs (0: the base model)
         # Parallel sampling (n > 1): the request's sequences, this one (index
         # 0, the parent) first. With fork_pending the parent prefills all
@@ -68,9 +68,9 @@ class Sequence:
         self.sent_logprobs = 0
         self.progress = None  # jaxkv.core.progress.Progress while it runs (the scheduler's)
         # Hybrid KV pool: the first page of its seat's ring of sliding-layer
-        # pages while it runs (0: no ring; see jaxkv.core.scheduler).
+        # pages while it runs (0: no ring; see jaxkv.core.scheduling.scheduler).
         self.ring_base = 0
-        # the bytes of its jaxkv.core.step_plan.ROW_DTYPE record, built once when queued
+        # the bytes of its jaxkv.core.plan_builder.ROW_DTYPE record, built once when queued
         self.sampling_row = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
@@ -80,7 +80,7 @@ class Sequence:
         self.t_first_token: float | None = None
         self.t_finish: float | None = None
 
-    def add_child(self, index: int, seed: int, rules) -> "Sequence":
+    def add_child(self, index: int, seed: int, rules) -> Sequence:
         """Sequence `index` of this n > 1 request: the same prompt and
         settings, its own seed stream and rules; keyed (request id, index),
         so no caller's request id can collide with it."""

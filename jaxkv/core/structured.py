@@ -21,7 +21,8 @@ import collections
 import json
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

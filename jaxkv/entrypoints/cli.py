@@ -22,11 +22,9 @@ import logging
 import sys
 
 from checkpoints.known_models import DEFAULT_MODEL
-from jaxkv.entrypoints.cli_options import (add_lora_modules, add_options, lora_requests,
-                                           values)
+from jaxkv.entrypoints.cli_options import add_lora_modules, add_options, lora_requests, values
 from jaxkv.entrypoints.estimate import add_estimate_command
 from jaxkv.entrypoints.serve_options import add_serve_options, serve_kwargs
-
 
 ENGINE, SAMPLING = "engine_", "sampling_"
 
@@ -252,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_convert)
 
     add_estimate_command(sub)
-    from jaxkv.entrypoints.train_draft import add_command as add_train_draft
+    from jaxkv.training.train_draft import add_command as add_train_draft
     add_train_draft(sub)
 
     return p

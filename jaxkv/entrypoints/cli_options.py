@@ -10,7 +10,8 @@ import argparse
 import dataclasses
 import json
 import typing
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxkv.units import parse_size as units_parse_size
 
@@ -28,7 +29,7 @@ def parse_json(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})")
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})") from None
 
 
 def _base_type(hint) -> tuple[type, bool]:
@@ -107,7 +108,7 @@ def add_lora_modules(parser) -> None:
 def lora_requests(modules) -> list:
     """--lora-modules' (name, path) pairs as LoRARequests of ids 1, 2, ...;
     ValueError for a name given twice."""
-    from jaxkv.core.lora import LoRARequest
+    from jaxkv.core.adapters.lora import LoRARequest
 
     names = [n for n, _ in modules or ()]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -5,8 +5,8 @@ weights apart from the rest and the parameters one token runs through."""
 
 from __future__ import annotations
 
-from jaxkv.entrypoints.cli_options import parse_size
 from jaxkv.config import KV_DTYPES
+from jaxkv.entrypoints.cli_options import parse_size
 
 
 def _per_device_report(cfg, a) -> int:
@@ -29,10 +29,10 @@ def _per_device_report(cfg, a) -> int:
 
 def _hybrid_report(cfg, geom, full: int, a) -> None:
     """The hybrid pool's terms, for a model whose layers mix global ones
-    with one sliding window (`jaxkv.core.seats`)."""
+    with one sliding window (`jaxkv.core.scheduling.seats`)."""
     from jaxkv.config import EngineConfig
     from jaxkv.model import memory
-    from jaxkv.model.pool_plan import hybrid_plan
+    from jaxkv.model.pool_sizing import hybrid_plan
 
     engine = EngineConfig(page_size=a.page_size, max_num_seqs=a.batch, warmup=False)
     local, ring, _ = hybrid_plan(engine, cfg)

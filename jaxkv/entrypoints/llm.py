@@ -19,7 +19,8 @@ outputs, one call after another.
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxkv.core.engine import LLMEngine
 from jaxkv.core.outputs import RequestOutput

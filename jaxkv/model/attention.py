@@ -43,7 +43,7 @@ class AttentionSpec:
                 self.ring_pages, self.local_layers, self.score_rows)
 
     @classmethod
-    def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> "AttentionSpec":
+    def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> AttentionSpec:
         """The one place the engine's window is decided: the model's own
         when every layer slides the same one (Mistral's `sliding_window`), or
         streaming eviction's recent window beside a few sink tokens. A model

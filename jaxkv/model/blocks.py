@@ -57,7 +57,11 @@ class BlockWeight:
             raise ValueError(f"BlockWeight: {qtype.name} rows of {cols} values (a multiple of "
                              f"{values}) expected as [{rows}, {cols // values * nbytes}] bytes, "
                              f"got {list(raw.shape)}")
-        self.raw, self.qtype, self.rows, self.cols, self.shape = raw, qtype, rows, cols, tuple(shape)
+        self.raw = raw
+        self.qtype = qtype
+        self.rows = rows
+        self.cols = cols
+        self.shape = tuple(shape)
 
     def dequantize(self) -> np.ndarray:
         """[rows, cols] float32, by the gguf library."""
@@ -160,7 +164,8 @@ class BlockDense(nnx.Module):
             else:
                 kinds.append(0)
                 params.append(nnx.Param(jnp.asarray(p.dequantize().T)))
-        self.kinds, self.parts = tuple(kinds), nnx.List(params)
+        self.kinds = tuple(kinds)
+        self.parts = nnx.List(params)
 
     def __call__(self, x, native: bool = False):
         from pallas_kernels import block_matmul

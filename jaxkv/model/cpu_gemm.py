@@ -13,7 +13,7 @@ SmolLM2's 120 projection matmuls (30 layers, fused QKV and gate/up) on a
 | 1024 | 149 | 199 |
 | 4096 | 145 | 188 |
 
-That table is Intel's. On other CPUs (an AMD EPYC VM, `scripts/bench_blas.py`)
+That table is Intel's. On other CPUs (an AMD EPYC VM, `scripts/bench/blas.py`)
 XLA's dots lead both BLAS libraries on the projections (163 / 169 GFLOP/s at
 256 / 1024 rows against OpenBLAS's 125 / 155 and MKL's 116 / 143), so
 `projections()` picks per CPU at run time: "blas" (this custom call) on

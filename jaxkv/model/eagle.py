@@ -1,6 +1,6 @@
 """An EAGLE-3 draft head: one decoder layer that reads the target's own
-hidden states and proposes tokens (`jaxkv.core.eagle` runs it in the
-engine, `jaxkv.entrypoints.train_draft` trains it).
+hidden states and proposes tokens (`jaxkv.core.spec.eagle` runs it in the
+engine, `jaxkv.training.train_draft` trains it).
 
 The target exposes the inputs of three of its layers (`Llama.aux_layers`,
 by default 2, L // 2 and L - 3: id j is the input of layer j) side by side,
@@ -31,7 +31,8 @@ Hugging Face layout other engines use.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ class Eagle3Config:
 
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None,
-                   aux_layers: tuple[int, ...] | None = None) -> "Eagle3Config":
+                   aux_layers: tuple[int, ...] | None = None) -> Eagle3Config:
         """A head shaped like one of the target's layers (as EAGLE-3 heads
         are), reading its default feature layers."""
         return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,

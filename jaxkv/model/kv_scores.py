@@ -1,4 +1,4 @@
-"""The device side of importance eviction (`jaxkv.core.kv_evict` decides):
+"""The device side of importance eviction (`jaxkv.core.kv.evict` decides):
 the attention each cached token receives, summed into the cache's
 `scores` slots by a cheap pass beside whichever kernel attends, and the
 compaction of a sequence's kept tokens into its first pages.

@@ -14,8 +14,7 @@ the cache is passed in and returned. GQA: H query heads share KVH kv heads
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,14 @@ from jaxkv.model import cpu_gemm, q8
 from jaxkv.model.attention import AttentionSpec, attend, local_view
 from jaxkv.model.blocks import BlockDense, BlockWeight
 from jaxkv.model.kv_cache import KVCache
-from jaxkv.model.layers import activation, rms_norm, rope_frequencies, rope_tables, rotate_rope, soft_cap
+from jaxkv.model.layers import (
+    activation,
+    rms_norm,
+    rope_frequencies,
+    rope_tables,
+    rotate_rope,
+    soft_cap,
+)
 from jaxkv.model.moe import MoE
 from jaxkv.model.params import check_params
 from jaxkv.model.quant import Dense, rotate_blocks
@@ -111,14 +117,14 @@ class Llama(nnx.Module):
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
-                    dtype=jnp.float32, quantize: str | None = None) -> "Llama":
+                    dtype=jnp.float32, quantize: str | None = None) -> Llama:
         """Build from a flat name -> array dict (checkpoints.* loaders).
         `quantize="int8"`: weight-only int8 matmul weights (jaxkv.quant)."""
         check_params(config, params)
         return cls(config, lambda name, shape: jnp.asarray(params[name], dtype), quantize)
 
     @classmethod
-    def random_init(cls, config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> "Llama":
+    def random_init(cls, config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> Llama:
         """Random weights (norm scales near 1), for tests and benchmarks."""
         rng = np.random.default_rng(seed)
 

@@ -111,7 +111,8 @@ class LoRAStack(nnx.Module):
     the base weights: a layer's factors feed its matmuls with no copy)."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32):
-        self.num_slots, self.rank = max_loras, max_rank
+        self.num_slots = max_loras
+        self.rank = max_rank
         shapes = stack_shapes(config, max_loras, max_rank)
         self.groups = tuple(g for g in GROUPS if f"a_{g}" in shapes)
         self.layers = nnx.List([_Layer(shapes, dtype) for _ in range(config.num_layers)])

@@ -1,5 +1,5 @@
 """KV cache memory: the size formula and the weights' bytes (the pool plan built
-on them is `jaxkv.model.pool_plan`).
+on them is `jaxkv.model.pool_sizing`).
 
 The KV cache of one layer holds a K and a V vector of D elements per KV head
 per token, so for L layers, KVH KV heads, a context of `tokens` and `batch`

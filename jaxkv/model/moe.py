@@ -39,7 +39,7 @@ fixed shapes, but X times the grouped flops. So on CPU, with float32
 weights, each group is one MKL sgemm instead (`cpu_gemm.grouped_matmul`,
 an FFI custom call; under shard_map too, where each device runs its own):
 on one CPU-sized layer (E 512, 64 experts, top 8) 76x, 54x and 36x
-ragged_dot at 1, 512 and 1024 tokens (`scripts/bench_moe.py --what gemm`). Expert weights are plain
+ragged_dot at 1, 512 and 1024 tokens (`scripts/bench/moe.py --what gemm`). Expert weights are plain
 arrays of the model dtype (weight-only int8 applies to dense layers).
 
 On a mesh (t devices on its "model" axis) the layer runs under shard_map,
@@ -74,7 +74,7 @@ otherwise count it t times).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +108,8 @@ class MoE(nnx.Module):
             self.experts_down_bias = nnx.Param(init(p + "experts_down_bias", (X, E)))
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
+        self.swiglu_limit = config.swiglu_limit
+        self.swiglu_alpha = config.swiglu_alpha
 
     def __call__(self, h, act, mesh=None, expert_parallel: bool = False, valid=None, native: bool = False):
         """h [T, E] (normed) -> ([T, E] in h's dtype, routed [X] int32: the

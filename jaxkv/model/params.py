@@ -43,7 +43,8 @@ H heads, K kv heads, D head dim, F MLP hidden, L layers; in a sparse layer
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxkv.config import ModelConfig
 

@@ -41,7 +41,8 @@ class Q8Blocks:
         if cols % BLOCK or raw.size != rows * cols // BLOCK * BLOCK_BYTES:
             raise ValueError(f"Q8Blocks: [{rows}, {cols}] needs {rows * cols // BLOCK * BLOCK_BYTES} "
                              f"bytes of Q8_0 blocks, got {raw.size}")
-        self.raw, self.shape = raw.reshape(rows, cols // BLOCK * BLOCK_BYTES), (rows, cols)
+        self.raw = raw.reshape(rows, cols // BLOCK * BLOCK_BYTES)
+        self.shape = (rows, cols)
 
     def dequantize(self) -> np.ndarray:
         """[rows, cols] float32, by the gguf library."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxkv.config import CacheConfig, ModelConfig
 from jaxkv.model.attention import AttentionSpec
-from jaxkv.model.kv_cache import cache_shardings, cache_shapes
+from jaxkv.model.kv_cache import cache_shapes, cache_shardings
 from jaxkv.sharding import ShardingPlan, shard_model
 from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.runner import Runner
@@ -43,9 +43,9 @@ def abstract_runner(cfg: ModelConfig, mesh, *, num_pages: int, page_size: int = 
     whose parameters and cache are abstract: `runner.lower(key)` lowers
     any of its programs, `runner.program_keys()` lists them."""
     tp = dict(mesh.shape)["model"]
-    plan = ShardingPlan.make(cfg, tp, mesh=mesh, expert_parallel=expert_parallel)
-    model = shard_model(abstract_model(cfg, dtype), plan)
-    sh = plan.cache_sharding()
+    sharding = ShardingPlan.make(cfg, tp, mesh=mesh, expert_parallel=expert_parallel)
+    model = shard_model(abstract_model(cfg, dtype), sharding)
+    sh = sharding.cache_sharding()
     shapes = cache_shapes(model.config, CacheConfig(num_pages, page_size, kv_dtype or dtype))
     cache = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                    shapes, cache_shardings(shapes, sh))
@@ -53,7 +53,7 @@ def abstract_runner(cfg: ModelConfig, mesh, *, num_pages: int, page_size: int = 
                            max_model_len)
     attention = AttentionSpec(backend, cfg.uniform_window, 0, mesh=mesh, platform=platform)
     return Runner(model, cache, buckets, attention, max_decode_steps=num_decode_steps,
-                  num_top_logprobs=num_top_logprobs, plan=plan)
+                  num_top_logprobs=num_top_logprobs, sharding=sharding)
 
 
 def lower_step(cfg: ModelConfig, mesh, *, kind: str = "mixed", tokens: int = 512,

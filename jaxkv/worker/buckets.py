@@ -8,7 +8,8 @@ every key an engine can reach, which is what warm-up compiles.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 
 class ProgramKey(NamedTuple):
@@ -62,7 +63,7 @@ class Buckets:
 
     @classmethod
     def make(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int,
-             max_model_len: int, num_spec: int = 0) -> "Buckets":
+             max_model_len: int, num_spec: int = 0) -> Buckets:
         max_s = min(max_num_seqs, max_num_batched_tokens)
         mixed = []
         for t in _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens):

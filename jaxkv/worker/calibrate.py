@@ -14,39 +14,15 @@ one. Several processes: the leader's call is mirrored to the followers.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
-from jaxkv.model.kv_cache import create_cache, preset_fp8_scales
-
 from jaxkv.worker.scoring import plan_for
-
-log = logging.getLogger("jaxkv")
 
 CALIBRATION_TEXT = (
     "A key-value cache keeps the keys and values of every token a model has read, so that "
     "each new token computes only its own. The quick brown fox jumps over the lazy dog. "
     "1, 2, 3, 5, 8, 13, 21, 34. def add(a, b):\n    return a + b\n"
     "Paris is the capital of France; Tokyo is the capital of Japan.")
-
-
-def engine_cache(model, cache_config, sharding):
-    """(the engine's empty KV cache, the checkpoint's fp8 KV scales [L, 2]
-    or None). An fp8 cache takes the checkpoint's scales when it carries
-    them (then nothing is calibrated); other formats ignore them."""
-    cache = create_cache(model.config, cache_config,
-                         sharding.cache_sharding() if sharding else None)
-    kv_scales = model.kv_cache_scales() if cache.quantized else None
-    if kv_scales is not None:
-        if not cache.fp8:
-            log.info("the checkpoint's fp8 KV scales are not used by a %s cache",
-                     cache_config.kv_dtype)
-        else:
-            cache = preset_fp8_scales(cache, kv_scales)
-            log.info("fp8 KV scales from the checkpoint (k_scale, v_scale of %d layers)",
-                     len(kv_scales))
-    return cache, kv_scales
 
 
 def calibration_tokens(tokenizer, vocab_size: int, limit: int) -> list[int]:

@@ -1,5 +1,5 @@
 """The jitted programs of an EAGLE-3 head in the engine
-(`jaxkv.core.eagle.EagleProposer` plans their calls):
+(`jaxkv.core.spec.eagle.EagleProposer` plans their calls):
 
     follow(params, embed, cache, batch, feats, next_ids, rows)      after a target step
     follow_loop(..., feats [K, T0, 3 Et], src, next_ids, rows)      after a decode loop

@@ -1,6 +1,6 @@
 """Page-level moves of a Runner's cache beside its steps: a host tier's
-copies out and in (`jaxkv.core.kv_tiers`), and importance eviction's
-score reads and compaction (`jaxkv.core.kv_evict`). Each dispatches
+copies out and in (`jaxkv.core.kv.tiers`), and importance eviction's
+score reads and compaction (`jaxkv.core.kv.evict`). Each dispatches
 compiled programs of fixed shape (`Programs`: "page_out" / "page_in" of
 TRANSFER_WIDTH pages, "scores" / "compact" of one block table row) in
 order with the steps, so a move lands between the steps around it.
@@ -8,7 +8,7 @@ One process only (the engine refuses these with several)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -58,7 +58,7 @@ def key_path() -> Path:
     return Path(config) / "jaxkv" / "cache.key"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def secret_key(path: Path | None = None) -> bytes:
     """The key at `path` (default `key_path()`), made on first use: random,
     in a file only this user may read or write. ValueError naming the file
@@ -146,7 +146,7 @@ class ProgramStore:
         self._warned = False
 
     @classmethod
-    def for_engine(cls, config) -> "ProgramStore | None":
+    def for_engine(cls, config) -> ProgramStore | None:
         """The store of an engine's runners under `$JAXKV_CACHE/programs`
         (None when `config.program_cache` is off, or the model is split over
         several devices or processes); each Runner adds its model and arguments to the
@@ -170,7 +170,7 @@ class ProgramStore:
             return None
         return cls(root, platform_fingerprint())
 
-    def with_parts(self, **parts: Any) -> "ProgramStore":
+    def with_parts(self, **parts: Any) -> ProgramStore:
         """A store whose fingerprint also names `parts` (each hashed by its
         repr)."""
         extra = {k: hashlib.sha256(repr(v).encode()).hexdigest() for k, v in parts.items()}

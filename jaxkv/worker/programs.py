@@ -23,7 +23,8 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -68,7 +69,7 @@ def copy_chunks(pairs):
         yield src, dst
 
 
-# Pages per host-tier transfer (`jaxkv.core.kv_tiers`), padded with the trash page.
+# Pages per host-tier transfer (`jaxkv.core.kv.tiers`), padded with the trash page.
 TRANSFER_WIDTH = 32
 
 

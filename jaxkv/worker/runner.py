@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,7 +45,7 @@ from jaxkv.worker.buckets import Buckets, ProgramKey
 from jaxkv.worker.plan import ScoreResult, StepPlan, StepResult
 from jaxkv.worker.programs import COPY_WIDTH, Programs, copy_chunks
 from jaxkv.worker.step import StepOutput
-from jaxkv.worker.step_batch import (StepBatch, empty_rules, pack, pad_penalties, pad_rules)
+from jaxkv.worker.step_batch import StepBatch, empty_rules, pack, pad_penalties, pad_rules
 
 
 @dataclasses.dataclass
@@ -68,25 +69,27 @@ def _abstract(tree):
 class Runner:
     def __init__(self, model, cache: KVCache, buckets: Buckets, attention: AttentionSpec, *,
                  max_decode_steps: int = 1, num_top_logprobs: int = 0, seed: int = 0,
-                 plan=None, leader=None, store=None, offload: bool = False):
+                 sharding=None, leader=None, store=None, offload: bool = False):
         self.graphdef, state = nnx.split(model)
         self.vocab_size = model.config.vocab_size
         self.leader = leader
         width = max(k.seqs for k in buckets.programs())
-        if plan is None:
+        if sharding is None:
             self.rng = jax.random.key(seed)
             # Commit every array to its device up front: outputs of the step
             # are committed, and a committed/uncommitted mismatch would not
             # match the compiled programs.
             commit = functools.partial(jax.tree_util.tree_map,
                                        lambda x: jax.device_put(x, x.sharding))
-            self.state, self.cache = commit(state), commit(cache)
+            self.state = commit(state)
+            self.cache = commit(cache)
             shardings = None
             self.last = jax.device_put(np.zeros(width, np.int32),
                                        jax.tree_util.tree_leaves(self.cache)[0].sharding)
         else:  # placed by jaxkv.sharding already (or abstract, to compile ahead of time)
-            self.state, self.cache = state, cache
-            rep = plan.replicated
+            self.state = state
+            self.cache = cache
+            rep = sharding.replicated
             if isinstance(jax.tree_util.tree_leaves(state)[0], jax.ShapeDtypeStruct):
                 key = jax.eval_shape(lambda: jax.random.key(seed))
                 self.rng = jax.ShapeDtypeStruct((), key.dtype, sharding=rep)

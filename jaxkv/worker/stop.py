@@ -19,7 +19,8 @@ authoritative and drops whatever the device ran past a stop.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -58,7 +59,7 @@ class StopRule:
 
     @classmethod
     def for_request(cls, params, eos_token_ids: Sequence[int], prompt_len: int,
-                    max_model_len: int) -> "StopRule":
+                    max_model_len: int) -> StopRule:
         ids = tuple(params.stop_token_ids or ())
         if not params.ignore_eos:
             ids = tuple(dict.fromkeys(tuple(eos_token_ids) + ids))

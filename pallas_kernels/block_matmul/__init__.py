@@ -30,7 +30,7 @@ from __future__ import annotations
 from pallas_kernels.block_matmul.planes import FORMATS, Planes, to_planes  # noqa: F401
 
 
-def matmul(x, planes: "Planes", *, backend: str | None = None, interpret: bool = False):
+def matmul(x, planes: Planes, *, backend: str | None = None, interpret: bool = False):
     """x [T, K] (float32 or bfloat16) @ W^T, W the [N, K] weight in `planes`
     -> [T, N] float32, by the kernel of `backend` ("tpu", "gpu"; None:
     JAX's default backend; other backends, and shapes a kernel does not tile,

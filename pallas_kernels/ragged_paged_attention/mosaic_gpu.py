@@ -107,7 +107,12 @@ from pallas_kernels.ragged_paged_attention.checks import check_inputs
 from pallas_kernels.ragged_paged_attention.gpu_kernel import work_blocks
 from pallas_kernels.ragged_paged_attention.kv_formats import page_format
 from pallas_kernels.ragged_paged_attention.mosaic_gpu_api import (
-    api, interpret_params, kernel_call, smem, swizzle_bytes)
+    api,
+    interpret_params,
+    kernel_call,
+    smem,
+    swizzle_bytes,
+)
 from pallas_kernels.ragged_paged_attention.sinks import sink_rows
 
 Q_DTYPES = (jnp.bfloat16, jnp.float16)

@@ -50,8 +50,12 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.checks import check_sinks
 from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention as native_attention
 from pallas_kernels.ragged_paged_attention.cpu import takes as native_takes
-from pallas_kernels.ragged_paged_attention.decode import (MASK_VALUE, decode_attention,
-                                                          fetch_chunk, key_chunks)
+from pallas_kernels.ragged_paged_attention.decode import (
+    MASK_VALUE,
+    decode_attention,
+    fetch_chunk,
+    key_chunks,
+)
 from pallas_kernels.ragged_paged_attention.dense import dense_block, dense_prefill, use_dense
 from pallas_kernels.ragged_paged_attention.kv_formats import check_pages
 from pallas_kernels.ragged_paged_attention.masks import in_window, visible

@@ -10,7 +10,7 @@ import numpy as np
 from checkpoints import load_checkpoint
 from checkpoints.safetensors_io import load_hf_dir
 from jaxkv.entrypoints.cli import main as cli_main
-from tests.test_moe import _hf_model, _saved
+from tests.model.test_moe import _hf_model, _saved
 
 
 def test_convert_moe_round_trip_and_counts(tmp_path, capsys):

@@ -13,7 +13,7 @@ from gguf import GGUFWriter
 from checkpoints import load_checkpoint
 from checkpoints.gguf_io import GGUF_GEMMA_LAYER_MAP, GGUF_LAYER_MAP, GGUF_TOP_MAP
 from jaxkv.model.llama import Llama
-from tests.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
+from tests.helpers.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
 
 CASES = {  # HF config overrides; Gemma at head_dim 256, the attention scale GGUF implies
     "qwen3": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128),  # the head_dim GGUF implies to transformers

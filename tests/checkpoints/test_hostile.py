@@ -23,15 +23,15 @@ from safetensors.numpy import save_file
 
 from checkpoints import load_checkpoint
 from checkpoints.convert import main as convert_main
-from checkpoints.gguf_tokenizer import tokenizer_from_gguf
-from checkpoints.jaxkv_format import restore, save
 from checkpoints.gguf_config import from_gguf_metadata
-from checkpoints.model_config import from_hf_config
+from checkpoints.gguf_tokenizer import tokenizer_from_gguf
+from checkpoints.hf_config import from_hf_config
+from checkpoints.jaxkv_format import restore, save
 from checkpoints.safetensors_io import hf_tensor_map
 from jaxkv.config import ModelConfig
 from jaxkv.entrypoints.cli import main as cli_main
 from jaxkv.model.params import expected_shapes
-from tests.model_utils import save_tiny_tokenizer
+from tests.helpers.model_utils import save_tiny_tokenizer
 
 V, E, F, L, H, K, D = 64, 16, 24, 2, 4, 2, 4
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": E,
@@ -331,12 +331,12 @@ BAD_SOURCES = {
     "hf_rope": (lambda root: write_hf(root / "hf", rope_parameters={"rope_theta": 0}),
                 r"rope_parameters\.rope_theta"),
     "manifest_shape": (lambda root: _hostile(root, "manifest_shape"), "embed"),
-    # Found by scripts/probe.py: named by jaxkv's field, not the file's key.
+    # Found by scripts/probe/__main__.py: named by jaxkv's field, not the file's key.
     "hf_kv_heads": (lambda root: write_hf(root / "hf", num_key_value_heads=3), "num_key_value_heads"),
-    # Found by scripts/probe.py: a progress bar's lines came before the error.
+    # Found by scripts/probe/__main__.py: a progress bar's lines came before the error.
     "hf_tokenizer_zero": (lambda root: _side_file(write_hf(root / "hf"), "tokenizer.json", "zero"),
                           r"tokenizer\.json.*not a regular file"),
-    # Found by scripts/probe.py: once "neither a jaxkv checkpoint nor a Hugging Face dir".
+    # Found by scripts/probe/__main__.py: once "neither a jaxkv checkpoint nor a Hugging Face dir".
     "hf_config_fifo": (lambda root: _side_file(write_hf(root / "hf"), "config.json", "fifo"),
                        r"config\.json: not a regular file \(a FIFO\)"),
 }

@@ -10,11 +10,11 @@ import pytest
 
 from checkpoints import detect_kind, load_checkpoint
 from checkpoints.convert import convert, main
+from checkpoints.gguf_tokenizer import tokenizer_from_gguf
 from checkpoints.jaxkv_format import restore, save
-from jaxkv.model.params import check_params, expected_shapes
 from checkpoints.safetensors_io import load_hf_dir
 from jaxkv.config import ModelConfig
-from checkpoints.gguf_tokenizer import tokenizer_from_gguf
+from jaxkv.model.params import check_params, expected_shapes
 from tests.test_tokenizer import tiny_gguf_info
 
 CONFIG = ModelConfig(architecture="qwen2", vocab_size=300, hidden_size=16, intermediate_size=24,

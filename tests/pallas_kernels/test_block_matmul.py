@@ -24,7 +24,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from pallas_kernels import block_matmul
-from pallas_kernels.block_matmul import gpu, planes as planes_mod, reference, tpu
+from pallas_kernels.block_matmul import gpu, reference, tpu
+from pallas_kernels.block_matmul import planes as planes_mod
 
 REPO = Path(__file__).resolve().parents[2]
 TYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q8_0": Q.Q8_0}
@@ -125,7 +126,7 @@ def test_a_model_on_pallas_blocks_gives_the_float32_models_tokens(tmp_path, monk
     from jaxkv.config import EngineConfig
     from jaxkv.model import blocks
     from tests.checkpoints.test_gguf_io import write_gguf
-    from tests.model_utils import greedy_runs
+    from tests.helpers.model_utils import greedy_runs
 
     monkeypatch.setattr(blocks, "backend", lambda: backend)
     monkeypatch.setattr(blocks, "INTERPRET", True)

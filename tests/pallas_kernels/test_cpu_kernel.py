@@ -10,8 +10,8 @@ import pytest
 
 from pallas_kernels import native
 from pallas_kernels.ragged_paged_attention import cpu, dense
-from tests.pallas_kernels import kernel_cases as kc
-from tests.pallas_kernels.rpa_cases import make_case, naive_attention
+from tests.helpers import kernel_cases as kc
+from tests.helpers.rpa_cases import make_case, naive_attention
 from tests.pallas_kernels.test_dense import T_STEP, _case
 
 if not cpu.available():

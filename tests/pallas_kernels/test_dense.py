@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.ragged_paged_attention import dense
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
-from tests.pallas_kernels.rpa_cases import make_case, naive_attention
+from tests.helpers.rpa_cases import make_case, naive_attention
 
 T_STEP, S_STEP = 384, 6  # 64 rows per sequence slot: the dense path's block is 64
 

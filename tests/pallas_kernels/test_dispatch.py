@@ -9,7 +9,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels.ragged_paged_attention import reference, resolve
-from tests.pallas_kernels import kernel_cases as kc
+from tests.helpers import kernel_cases as kc
 
 
 @pytest.mark.parametrize("platform,request_kw,want", [

@@ -5,12 +5,12 @@ log-sum-exp), batches with prefill chunks the blocked-query path. The int4
 and fp8 formats also lower for CUDA (the float and int8 ones:
 test_lowering.py)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import gpu
-from tests.pallas_kernels import kernel_cases as kc
+from tests.helpers import kernel_cases as kc
 
 # 3 context splits: uneven split sizes, empty splits for short sequences.
 TEST_OPTIONS = dict(decode_splits=3)

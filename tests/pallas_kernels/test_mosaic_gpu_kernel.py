@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import mosaic_gpu
-from tests.pallas_kernels import kernel_cases as kc
+from tests.helpers import kernel_cases as kc
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -1,12 +1,12 @@
 """The reference ragged paged attention against hand-computed cases and a
 naive per-query loop."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
-from tests.pallas_kernels.rpa_cases import make_case, naive_attention
+from tests.helpers.rpa_cases import make_case, naive_attention
 
 
 def _run(case, **kw):

@@ -16,9 +16,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
 from pallas_kernels.ragged_paged_attention import cpu, gpu, mosaic_gpu, reference, tpu
-from tests.pallas_kernels import kernel_cases as kc
-from tests.pallas_kernels.rpa_cases import make_case, naive_attention
-from tests.pallas_kernels.test_dense import T_STEP, _case as dense_case
+from tests.helpers import kernel_cases as kc
+from tests.helpers.rpa_cases import make_case, naive_attention
+from tests.pallas_kernels.test_dense import T_STEP
+from tests.pallas_kernels.test_dense import _case as dense_case
 
 # Per-head sink logits, cycled over the heads: ordinary values, one that
 # outweighs every score (6), one that swallows its rows (1e4: output ~0)

@@ -2,13 +2,13 @@
 SMEM, DMAs and semaphores; race detector on) against the reference and the
 naive float64 oracle."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention import tpu
-from tests.pallas_kernels import kernel_cases as kc
+from tests.helpers import kernel_cases as kc
 
 # The grid runs in plain interpret mode (DMAs run at their wait, so a missing
 # wait leaves a buffer unfilled: NaN, and the comparison fails). Race detection

@@ -61,7 +61,8 @@ def protocol_class(header_timeout: float, max_connections: int):
     class Guarded(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._timer, self._received = None, 0
+            self._timer = None
+            self._received = 0
             if len(self.connections) > max_connections:
                 transport.write(BUSY_503)
                 transport.close()

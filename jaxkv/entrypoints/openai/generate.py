@@ -16,7 +16,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from jaxkv.entrypoints.openai import tool_stream, tools as tools_mod
+from jaxkv.entrypoints.openai import tool_stream
+from jaxkv.entrypoints.openai import tools as tools_mod
 from jaxkv.entrypoints.openai.engine_loop import QueueFull, ShuttingDown
 from jaxkv.entrypoints.openai.prepare import Context, Item, chat_items, completion_items
 from jaxkv.entrypoints.openai.protocol import APIError
@@ -124,7 +125,7 @@ async def _collect(ctx: Context, request: Request, q: asyncio.Queue, streams):
         while len(finals) < len(streams):
             try:
                 i, out = await asyncio.wait_for(q.get(), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if await request.is_disconnected():
                     return None
                 continue

@@ -131,7 +131,7 @@ async def read_json(request: Request, limit: int, timeout: float | None = None):
         await asyncio.wait_for(receive(), timeout)
     except ClientDisconnect:
         raise APIError("request body: the client left before sending all of it", None) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise APIError(f"request body: did not arrive within {timeout:g} s", None, 408,
                        "RequestTimeoutError") from None
     return await asyncio.to_thread(parse_json, b"".join(parts))

@@ -20,7 +20,7 @@ disk tier's pages and bytes.
 
 from __future__ import annotations
 
-from jaxkv.core.page_pool import TRASH_PAGE
+from jaxkv.core.scheduling.page_pool import TRASH_PAGE
 
 TRASH, FREE, CACHED, SHARED = -1, -2, -3, -4
 

@@ -28,7 +28,7 @@ import os
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
-from jaxkv.core.lora import LoRARequest
+from jaxkv.core.adapters.lora import LoRARequest
 from jaxkv.entrypoints.openai.protocol import APIError
 from jaxkv.reprs import short
 

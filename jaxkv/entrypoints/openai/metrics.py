@@ -9,10 +9,16 @@ layer refuses a request (handler side)."""
 from __future__ import annotations
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - the /metrics content type
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 - the /metrics content type
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from jaxkv.core.spec_decode import SpecStats
+from jaxkv.core.spec.decode import SpecStats
 
 # No `*_created` timestamp series beside every counter (as vLLM's server).
 prometheus_client.disable_created_metrics()

@@ -17,11 +17,17 @@ import dataclasses
 
 from jaxkv.core.requests import parse_prompt
 from jaxkv.core.sampling_params import SamplingParams, is_unicode
-from jaxkv.entrypoints.openai.protocol import (APIError, chat_messages, check_common,
-                                               completion_prompts, from_value_error,
-                                               sampling_params)
 from jaxkv.entrypoints.openai import tools as tools_mod
+from jaxkv.entrypoints.openai.protocol import (
+    APIError,
+    chat_messages,
+    check_common,
+    completion_prompts,
+    from_value_error,
+    sampling_params,
+)
 from jaxkv.entrypoints.openai.responses import now
+from jaxkv.entrypoints.openai.tool_grammar import grammar
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -57,7 +63,7 @@ class Context:
         return None if model is None or model in self.served else model
 
     def resolve(self, name: str | None):
-        """The `jaxkv.core.lora.Adapter` of adapter `name` with its factors
+        """The `jaxkv.core.adapters.lora.Adapter` of adapter `name` with its factors
         (read again from its folder here, in the handler's worker thread,
         when the host cache dropped them; never on the engine thread)."""
         if name is None:
@@ -77,7 +83,7 @@ class Item:
     params: SamplingParams
     tools: tools_mod.Tools | None = None  # a chat request's tools
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
-    adapter: object = None  # its `jaxkv.core.lora.Adapter`, factors read
+    adapter: object = None  # its `jaxkv.core.adapters.lora.Adapter`, factors read
 
 
 def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -184,7 +190,7 @@ def chat_items(ctx: Context, body) -> list[Item]:
         if params.structured_outputs is not None:
             raise APIError("tool_choice: a forced tool call cannot be combined with "
                            "response_format or structured outputs", "tool_choice")
-        params = dataclasses.replace(params, structured_outputs={"grammar": tools_mod.grammar(tools)})
+        params = dataclasses.replace(params, structured_outputs={"grammar": grammar(tools)})
     rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
     if body.get("max_completion_tokens") is not None:
         rename["max_tokens"] = "max_completion_tokens"

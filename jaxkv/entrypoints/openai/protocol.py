@@ -44,7 +44,10 @@ class APIError(Exception):
         message = clip(str(message), MAX_MESSAGE)
         param = clip(param, 120) if isinstance(param, str) else param
         super().__init__(message)
-        self.message, self.param, self.status, self.type = message, param, status, type
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -44,7 +44,8 @@ class Reasoning:
                     break
                 self.opened = True
                 if stripped.startswith(OPEN):
-                    self.inside, self.skip_nl = True, True
+                    self.inside = True
+                    self.skip_nl = True
                     text = stripped[len(OPEN):]
                 continue
             if not self.inside:
@@ -54,7 +55,8 @@ class Reasoning:
             if i >= 0:
                 reasoning.append(text[:i])
                 text = text[i + len(CLOSE):]
-                self.inside, self.skip_nl = False, True
+                self.inside = False
+                self.skip_nl = True
                 continue
             keep = 0 if final else _tail(text, CLOSE)
             reasoning.append(text[:len(text) - keep])

@@ -23,7 +23,7 @@ class Formatter:
         self.tokenizer = tokenizer
         self.model_name = model_name
 
-    def named(self, model_name: str | None) -> "Formatter":
+    def named(self, model_name: str | None) -> Formatter:
         """This formatter answering as `model_name` (a LoRA adapter's; None:
         the served model's)."""
         if model_name is None or model_name == self.model_name:

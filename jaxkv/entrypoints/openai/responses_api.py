@@ -34,7 +34,8 @@ from jaxkv.entrypoints.openai.prepare import chat_items
 from jaxkv.entrypoints.openai.protocol import SAMPLING_FIELDS, APIError
 from jaxkv.entrypoints.openai.reasoning import Reasoning
 from jaxkv.entrypoints.openai.responses import json_bytes, now, sse
-from jaxkv.entrypoints.openai.responses_output import Output, new_id as _new_id
+from jaxkv.entrypoints.openai.responses_output import Output
+from jaxkv.entrypoints.openai.responses_output import new_id as _new_id
 from jaxkv.entrypoints.openai.responses_store import Store, check_fields
 from jaxkv.reprs import short
 

@@ -30,7 +30,8 @@ class Store:
     """Stored responses by id (thread-safe)."""
 
     def __init__(self, size: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
-        self.size, self.max_bytes = size, max_bytes
+        self.size = size
+        self.max_bytes = max_bytes
         self._d: collections.OrderedDict[str, tuple[bytes, list, int]] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()

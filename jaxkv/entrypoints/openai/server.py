@@ -33,17 +33,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from jaxkv.entrypoints.openai import generate, kv_map, lora_routes, prepare, responses_api
-from jaxkv.entrypoints.openai.protocol import APIError
+from jaxkv.entrypoints.openai.connections import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    uvicorn_config,
+)
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
-from jaxkv.entrypoints.openai.connections import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
-                                                  uvicorn_config)
-from jaxkv.entrypoints.openai.guard import (DEFAULT_MAX_REQUEST_BYTES, Guard, check_api_key,
-                                            default_allowed_hosts, install_error_handlers,
-                                            read_json)
+from jaxkv.entrypoints.openai.guard import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    Guard,
+    check_api_key,
+    default_allowed_hosts,
+    install_error_handlers,
+    read_json,
+)
 from jaxkv.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from jaxkv.entrypoints.openai.protocol import APIError
+from jaxkv.entrypoints.openai.reasoning import PARSERS as REASONING
 from jaxkv.entrypoints.openai.responses import Formatter
 from jaxkv.entrypoints.openai.responses_store import Store, check_id
-from jaxkv.entrypoints.openai.reasoning import PARSERS as REASONING
 from jaxkv.entrypoints.openai.tools import PARSERS
 from jaxkv.reprs import short
 

@@ -3,7 +3,7 @@ deltas, and for each call its id and name first, then its arguments.
 
 Text that may start a call is held back until it is one or cannot be (then
 it is content). A forced call (`tool_choice` "required" or a named
-function, held to the grammar of `tools.grammar`) streams its arguments as
+function, held to the grammar of `tool_grammar.grammar`) streams its arguments as
 the model writes them: the header goes out once `{"name": ..., "arguments":`
 is read, then each piece of the arguments' JSON up to the object's close;
 the grammar makes sure the call it began parses. An "auto" call goes out
@@ -23,7 +23,9 @@ HEAD = re.compile(r'<tool_call>\s*\{"name": "([^"\\]+)", "arguments": ')
 
 class StreamParser:
     def __init__(self, tools: Tools):
-        self.tools, self.text, self.calls = tools, "", 0  # text: everything so far
+        self.tools = tools  # text: everything so far
+        self.text = ""
+        self.calls = 0
         self.sent = 0  # characters of text decided (sent as content or parsed into calls)
         self.open: _Arguments | None = None  # a forced call whose arguments are streaming
         self.content_only = False  # Llama 3: the answer cannot begin a call
@@ -114,8 +116,13 @@ class _Arguments:
     answer, each character read once, up to where it closes."""
 
     def __init__(self, index: int, begin: int):
-        self.index, self.sent, self.pos = index, begin, begin  # sent: end of what went out
-        self.depth, self.string, self.escape, self.end = 0, False, False, None
+        self.index = index  # sent: end of what went out
+        self.sent = begin
+        self.pos = begin
+        self.depth = 0
+        self.string = False
+        self.escape = False
+        self.end = None
 
     def read(self, text: str) -> int:
         """How far the arguments reach in `text` (their close, once read)."""

@@ -1,0 +1,1 @@
+"""LoRA adapters on the host: known adapters, host copies, device slots (`lora`)."""

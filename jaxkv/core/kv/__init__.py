@@ -1,0 +1,1 @@
+"""KV beyond the device pool: the host and disk tiers (`tiers`, `disk`) and importance-based eviction (`evict`)."""
