@@ -18,12 +18,21 @@ from jaxkv.config import ModelConfig
 from jaxkv.model.params import check_params, expected_shapes
 from jaxkv.tokenizer import Tokenizer
 
-__all__ = ["check_params", "detect_kind", "expected_shapes", "load_checkpoint", "load_config", "load_gguf",
-           "load_hf_dir", "restore", "save"]
+__all__ = [
+    "check_params",
+    "detect_kind",
+    "expected_shapes",
+    "load_checkpoint",
+    "load_config",
+    "load_gguf",
+    "load_hf_dir",
+    "restore",
+    "save",
+]
 
 
 def detect_kind(path: str | os.PathLike) -> str:
-    """"jaxkv", "hf" or "gguf"; ValueError when ``path`` is none of them."""
+    """ "jaxkv", "hf" or "gguf"; ValueError when ``path`` is none of them."""
     p = Path(path)
     if p.is_dir():
         if is_jaxkv_checkpoint(p):
@@ -34,8 +43,10 @@ def detect_kind(path: str | os.PathLike) -> str:
                 if os.path.lexists(f) and not f.is_file():
                     raise ValueError(f"{f}: not a regular file ({_what(f)}); refusing to read it")
             return "hf"
-        raise ValueError(f"{p}: directory is neither a jaxkv checkpoint ({MARKER}) "
-                         "nor a Hugging Face dir (config.json + model.safetensors[.index.json])")
+        raise ValueError(
+            f"{p}: directory is neither a jaxkv checkpoint ({MARKER}) "
+            "nor a Hugging Face dir (config.json + model.safetensors[.index.json])"
+        )
     if is_gguf(p):
         return "gguf"
     if not p.exists():
@@ -71,10 +82,14 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{path}: bad GGUF metadata: {e}") from None
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = None,
-                    progress: bool = False, verify_checksums: bool = True,
-                    gguf_blocks: bool = False,
-                    ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    dtype: str | np.dtype | None = None,
+    progress: bool = False,
+    verify_checksums: bool = True,
+    gguf_blocks: bool = False,
+) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
     """Load any supported checkpoint as (config, params, tokenizer or None).
 
     ``dtype=None`` gives float32 for HF and GGUF sources and the stored dtype for
@@ -91,10 +106,14 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | np.dtype | None = N
         # The side files first (lexists: a tokenizer.json that is a FIFO, a
         # device or a dangling link is an error), so a bad one is refused
         # before gigabytes of tensors are read.
-        tok = Tokenizer.from_hf_dir(path) if os.path.lexists(Path(path) / "tokenizer.json") else None
+        tok = (
+            Tokenizer.from_hf_dir(path) if os.path.lexists(Path(path) / "tokenizer.json") else None
+        )
         config, params = load_hf_dir(path, dtype=dtype, progress=progress)
     else:
-        config, params, info = load_gguf(path, dtype=dtype, progress=progress, keep_blocks=gguf_blocks)
+        config, params, info = load_gguf(
+            path, dtype=dtype, progress=progress, keep_blocks=gguf_blocks
+        )
         try:
             tok = tokenizer_from_gguf(info)
         except ValueError as e:

@@ -21,7 +21,7 @@ from checkpoints.jaxkv_format import save
 
 
 def summary(config, params) -> str:
-    """"N parameters[, E in X experts, A active per token], B bytes" of the
+    """ "N parameters[, E in X experts, A active per token], B bytes" of the
     saved arrays (the active count from the planner)."""
     from jaxkv.model.memory import active_param_count
 
@@ -31,17 +31,27 @@ def summary(config, params) -> str:
     if not X:
         return f"{total:,} parameters, {nbytes:,} bytes"
     experts = sum(int(v.size) for k, v in params.items() if ".experts_" in k)
-    return (f"{total:,} parameters, {experts:,} in {X} experts, "
-            f"{active_param_count(config):,} active per token, {nbytes:,} bytes")
+    return (
+        f"{total:,} parameters, {experts:,} in {X} experts, "
+        f"{active_param_count(config):,} active per token, {nbytes:,} bytes"
+    )
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", *,
-            overwrite: bool = False, progress: bool = True, verify_checksums: bool = True) -> Path:
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    verify_checksums: bool = True,
+) -> Path:
     """Load ``src`` (any supported kind), cast to ``dtype`` and save it at
     ``dst`` with fresh checksums; ``verify_checksums=False`` skips checking
     a jaxkv source's."""
-    config, params, tokenizer = load_checkpoint(src, dtype=dtype, progress=progress,
-                                                verify_checksums=verify_checksums)
+    config, params, tokenizer = load_checkpoint(
+        src, dtype=dtype, progress=progress, verify_checksums=verify_checksums
+    )
     params = cast_params(params, dtype)
     out = save(dst, config, params, tokenizer, overwrite=overwrite)
     if progress:
@@ -50,17 +60,24 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m checkpoints.convert",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m checkpoints.convert", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("src", help="HF model dir, GGUF file or jaxkv checkpoint dir")
     parser.add_argument("dst", help="output jaxkv checkpoint dir")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    parser.add_argument("--no-verify-checksums", dest="verify", action="store_false",
-                        help="do not check a jaxkv SRC's tensor checksums (faster)")
+    parser.add_argument(
+        "--no-verify-checksums",
+        dest="verify",
+        action="store_false",
+        help="do not check a jaxkv SRC's tensor checksums (faster)",
+    )
     args = parser.parse_args(argv)
     try:
-        out = convert(args.src, args.dst, args.dtype, overwrite=args.overwrite, verify_checksums=args.verify)
+        out = convert(
+            args.src, args.dst, args.dtype, overwrite=args.overwrite, verify_checksums=args.verify
+        )
     except ValueError as e:
         parser.exit(1, f"error: {e}\n")
     print(f"wrote {out}")

@@ -28,7 +28,9 @@ def resolve_dtype(dtype: str | np.dtype | None) -> np.dtype:
     return dt
 
 
-def cast_params(params: Mapping[str, np.ndarray], dtype: str | np.dtype | None) -> dict[str, np.ndarray]:
+def cast_params(
+    params: Mapping[str, np.ndarray], dtype: str | np.dtype | None
+) -> dict[str, np.ndarray]:
     """Cast every array to ``dtype`` (no copy for arrays already of that dtype)."""
     dt = resolve_dtype(dtype)
     return {k: np.asarray(v).astype(dt, copy=False) for k, v in params.items()}

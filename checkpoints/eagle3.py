@@ -50,17 +50,21 @@ def is_eagle3_dir(path: str | os.PathLike) -> bool:
     return bool(set(cfg.get("architectures") or ()) & set(ARCHITECTURES))
 
 
-def config_from_hf(cfg: Mapping[str, Any], target: ModelConfig, where: str = "config.json"
-                   ) -> Eagle3Config:
+def config_from_hf(
+    cfg: Mapping[str, Any], target: ModelConfig, where: str = "config.json"
+) -> Eagle3Config:
     """The head's config from its config.json, checked against `target`
     (ValueError naming the field)."""
     archs = cfg.get("architectures") or []
     if not set(archs) & set(ARCHITECTURES):
-        raise ValueError(f"{where}: architectures {archs} is not an EAGLE-3 head "
-                         f"(expected {ARCHITECTURE!r})")
+        raise ValueError(
+            f"{where}: architectures {archs} is not an EAGLE-3 head (expected {ARCHITECTURE!r})"
+        )
     if cfg.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{where}: num_hidden_layers {cfg.get('num_hidden_layers')}: jaxkv "
-                         f"runs EAGLE-3 heads of one layer")
+        raise ValueError(
+            f"{where}: num_hidden_layers {cfg.get('num_hidden_layers')}: jaxkv "
+            f"runs EAGLE-3 heads of one layer"
+        )
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError(f"{where}: attention_bias / mlp_bias heads are not supported")
 
@@ -71,21 +75,28 @@ def config_from_hf(cfg: Mapping[str, Any], target: ModelConfig, where: str = "co
         return v
 
     E, H = num("hidden_size"), num("num_attention_heads")
-    aux = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-           or cfg.get("eagle_aux_hidden_state_layer_ids")
-           or default_aux_layers(target.num_layers))
+    aux = (
+        (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        or cfg.get("eagle_aux_hidden_state_layer_ids")
+        or default_aux_layers(target.num_layers)
+    )
     V = num("vocab_size")
     out = Eagle3Config(
-        hidden_size=E, intermediate_size=num("intermediate_size"), num_heads=H,
-        num_kv_heads=num("num_key_value_heads", H), head_dim=num("head_dim", E // H),
-        vocab_size=V, draft_vocab_size=num("draft_vocab_size", V),
+        hidden_size=E,
+        intermediate_size=num("intermediate_size"),
+        num_heads=H,
+        num_kv_heads=num("num_key_value_heads", H),
+        head_dim=num("head_dim", E // H),
+        vocab_size=V,
+        draft_vocab_size=num("draft_vocab_size", V),
         target_hidden_size=num("target_hidden_size", E),
         aux_layers=tuple(int(j) for j in aux),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling"), f"{where}: rope_scaling"),
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-        max_position_embeddings=num("max_position_embeddings", 2048))
+        max_position_embeddings=num("max_position_embeddings", 2048),
+    )
     if out.draft_vocab_size > V:
         raise ValueError(f"{where}: draft_vocab_size {out.draft_vocab_size} exceeds vocab_size {V}")
     out.check_target(target)
@@ -93,17 +104,30 @@ def config_from_hf(cfg: Mapping[str, Any], target: ModelConfig, where: str = "co
 
 
 def config_to_hf(cfg: Eagle3Config) -> dict:
-    d = {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
-         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-         "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-         "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-         "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
-         "tie_word_embeddings": False, "norm_before_residual": cfg.norm_before_residual,
-         "torch_dtype": "float32",
-         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
-                          "use_aux_hidden_state": True}}
+    d = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "norm_before_residual": cfg.norm_before_residual,
+        "torch_dtype": "float32",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+            "use_aux_hidden_state": True,
+        },
+    }
     rs = cfg.rope_scaling
     if rs is not None:
         d["rope_scaling"] = {k: v for k, v in dataclasses.asdict(rs).items() if v is not None}
@@ -111,19 +135,29 @@ def config_to_hf(cfg: Eagle3Config) -> dict:
 
 
 def _hf_names(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
-    E, F, H, K, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                     cfg.head_dim)
+    E, F, H, K, D = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
     m = "midlayer."
-    return {"fc.weight": (E, 3 * cfg.target_hidden_size),
-            m + "input_layernorm.weight": (E,), m + "hidden_norm.weight": (E,),
-            m + "post_attention_layernorm.weight": (E,),
-            m + "self_attn.q_proj.weight": (H * D, 2 * E),
-            m + "self_attn.k_proj.weight": (K * D, 2 * E),
-            m + "self_attn.v_proj.weight": (K * D, 2 * E),
-            m + "self_attn.o_proj.weight": (E, H * D),
-            m + "mlp.gate_proj.weight": (F, E), m + "mlp.up_proj.weight": (F, E),
-            m + "mlp.down_proj.weight": (E, F),
-            "norm.weight": (E,), "lm_head.weight": (cfg.draft_vocab_size, E)}
+    return {
+        "fc.weight": (E, 3 * cfg.target_hidden_size),
+        m + "input_layernorm.weight": (E,),
+        m + "hidden_norm.weight": (E,),
+        m + "post_attention_layernorm.weight": (E,),
+        m + "self_attn.q_proj.weight": (H * D, 2 * E),
+        m + "self_attn.k_proj.weight": (K * D, 2 * E),
+        m + "self_attn.v_proj.weight": (K * D, 2 * E),
+        m + "self_attn.o_proj.weight": (E, H * D),
+        m + "mlp.gate_proj.weight": (F, E),
+        m + "mlp.up_proj.weight": (F, E),
+        m + "mlp.down_proj.weight": (E, F),
+        "norm.weight": (E,),
+        "lm_head.weight": (cfg.draft_vocab_size, E),
+    }
 
 
 def _read_tensors(p: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -140,25 +174,29 @@ def _read_tensors(p: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f}: corrupt or unreadable safetensors file ({e})") from None
         for name, shape in shapes.items():
-            n = name[len("model."):] if name.startswith("model.") else name
+            n = name[len("model.") :] if name.startswith("model.") else name
             n = n.replace("layers.0.", "midlayer.")
 
             def load(f=f, name=name):
                 with safe_open(str(f), framework="numpy") as h:
                     return h.get_tensor(name)
+
             out[n] = (shape, load)
     return out
 
 
-def load_eagle3(path: str | os.PathLike, target: ModelConfig
-                ) -> tuple[Eagle3Config, dict[str, np.ndarray]]:
+def load_eagle3(
+    path: str | os.PathLike, target: ModelConfig
+) -> tuple[Eagle3Config, dict[str, np.ndarray]]:
     """(config, parameters in jaxkv's layout, float32) of the head in folder
     `path`; ValueError naming a missing, unexpected or misshapen tensor, or
     a config that does not fit `target`."""
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise ValueError(f"eagle3 head {str(p)!r}: no config.json (a folder with config.json "
-                         f"and safetensors is expected)")
+        raise ValueError(
+            f"eagle3 head {str(p)!r}: no config.json (a folder with config.json "
+            f"and safetensors is expected)"
+        )
     cfg = config_from_hf(read_json_file(p / "config.json"), target, f"{p}/config.json")
     raw = _read_tensors(p)
     want = _hf_names(cfg)
@@ -170,43 +208,57 @@ def load_eagle3(path: str | os.PathLike, target: ModelConfig
         raise ValueError(f"eagle3 head {str(p)!r}: unexpected tensor(s) {extra[:8]}")
     for n, shape in want.items():
         if tuple(raw[n][0]) != shape:
-            raise ValueError(f"eagle3 head {str(p)!r}: {n} has shape {list(raw[n][0])}, "
-                             f"expected {list(shape)} (hidden_size {cfg.hidden_size}, "
-                             f"target_hidden_size {cfg.target_hidden_size}, draft_vocab_size "
-                             f"{cfg.draft_vocab_size})")
+            raise ValueError(
+                f"eagle3 head {str(p)!r}: {n} has shape {list(raw[n][0])}, "
+                f"expected {list(shape)} (hidden_size {cfg.hidden_size}, "
+                f"target_hidden_size {cfg.target_hidden_size}, draft_vocab_size "
+                f"{cfg.draft_vocab_size})"
+            )
     w = {n: np.asarray(raw[n][1](), np.float32) for n in want}
     m = "midlayer."
     params = {
-        "fc": w["fc.weight"].T, "input_norm": w[m + "input_layernorm.weight"],
+        "fc": w["fc.weight"].T,
+        "input_norm": w[m + "input_layernorm.weight"],
         "hidden_norm": w[m + "hidden_norm.weight"],
         "post_norm": w[m + "post_attention_layernorm.weight"],
         "wqkv": np.concatenate([w[m + f"self_attn.{x}_proj.weight"].T for x in "qkv"], axis=1),
         "wo": w[m + "self_attn.o_proj.weight"].T,
-        "w_gate_up": np.concatenate([w[m + "mlp.gate_proj.weight"].T,
-                                     w[m + "mlp.up_proj.weight"].T], axis=1),
-        "w_down": w[m + "mlp.down_proj.weight"].T, "final_norm": w["norm.weight"],
-        "lm_head": w["lm_head.weight"].T}
+        "w_gate_up": np.concatenate(
+            [w[m + "mlp.gate_proj.weight"].T, w[m + "mlp.up_proj.weight"].T], axis=1
+        ),
+        "w_down": w[m + "mlp.down_proj.weight"].T,
+        "final_norm": w["norm.weight"],
+        "lm_head": w["lm_head.weight"].T,
+    }
     Vd = cfg.draft_vocab_size
     if "d2t" in raw:
         d2t = np.asarray(raw["d2t"][1]()).astype(np.int64).reshape(-1)
         if d2t.shape != (Vd,):
-            raise ValueError(f"eagle3 head {str(p)!r}: d2t has {d2t.size} entries, expected "
-                             f"draft_vocab_size {Vd}")
+            raise ValueError(
+                f"eagle3 head {str(p)!r}: d2t has {d2t.size} entries, expected "
+                f"draft_vocab_size {Vd}"
+            )
     elif Vd != cfg.vocab_size:
-        raise ValueError(f"eagle3 head {str(p)!r}: draft_vocab_size {Vd} < vocab_size "
-                         f"{cfg.vocab_size} needs the d2t map, which is missing")
+        raise ValueError(
+            f"eagle3 head {str(p)!r}: draft_vocab_size {Vd} < vocab_size "
+            f"{cfg.vocab_size} needs the d2t map, which is missing"
+        )
     else:
         d2t = np.zeros(Vd, np.int64)
     ids = np.arange(Vd) + d2t
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise ValueError(f"eagle3 head {str(p)!r}: d2t maps draft ids outside the target's "
-                         f"vocabulary of {cfg.vocab_size}")
+        raise ValueError(
+            f"eagle3 head {str(p)!r}: d2t maps draft ids outside the target's "
+            f"vocabulary of {cfg.vocab_size}"
+        )
     params["d2t"] = d2t.astype(np.int32)
     if "embed_tokens.weight" in raw:
         shape = tuple(raw["embed_tokens.weight"][0])
         if shape != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"eagle3 head {str(p)!r}: embed_tokens.weight has shape "
-                             f"{list(shape)}, expected {[cfg.vocab_size, cfg.hidden_size]}")
+            raise ValueError(
+                f"eagle3 head {str(p)!r}: embed_tokens.weight has shape "
+                f"{list(shape)}, expected {[cfg.vocab_size, cfg.hidden_size]}"
+            )
         params["embed"] = np.asarray(raw["embed_tokens.weight"][1](), np.float32)
     return cfg, {k: np.ascontiguousarray(v) for k, v in params.items()}
 
@@ -223,17 +275,21 @@ def save_eagle3(path: str | os.PathLike, cfg: Eagle3Config, params: Mapping[str,
     HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     m = "midlayer."
     wqkv = a["wqkv"]
-    out = {"fc.weight": a["fc"].T, m + "input_layernorm.weight": a["input_norm"],
-           m + "hidden_norm.weight": a["hidden_norm"],
-           m + "post_attention_layernorm.weight": a["post_norm"],
-           m + "self_attn.q_proj.weight": wqkv[:, :HD].T,
-           m + "self_attn.k_proj.weight": wqkv[:, HD:HD + KD].T,
-           m + "self_attn.v_proj.weight": wqkv[:, HD + KD:].T,
-           m + "self_attn.o_proj.weight": a["wo"].T,
-           m + "mlp.gate_proj.weight": a["w_gate_up"][:, :F].T,
-           m + "mlp.up_proj.weight": a["w_gate_up"][:, F:].T,
-           m + "mlp.down_proj.weight": a["w_down"].T, "norm.weight": a["final_norm"],
-           "lm_head.weight": a["lm_head"].T}
+    out = {
+        "fc.weight": a["fc"].T,
+        m + "input_layernorm.weight": a["input_norm"],
+        m + "hidden_norm.weight": a["hidden_norm"],
+        m + "post_attention_layernorm.weight": a["post_norm"],
+        m + "self_attn.q_proj.weight": wqkv[:, :HD].T,
+        m + "self_attn.k_proj.weight": wqkv[:, HD : HD + KD].T,
+        m + "self_attn.v_proj.weight": wqkv[:, HD + KD :].T,
+        m + "self_attn.o_proj.weight": a["wo"].T,
+        m + "mlp.gate_proj.weight": a["w_gate_up"][:, :F].T,
+        m + "mlp.up_proj.weight": a["w_gate_up"][:, F:].T,
+        m + "mlp.down_proj.weight": a["w_down"].T,
+        "norm.weight": a["final_norm"],
+        "lm_head.weight": a["lm_head"].T,
+    }
     out = {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
     d2t = a["d2t"].astype(np.int64)
     out["d2t"] = d2t

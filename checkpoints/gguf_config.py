@@ -11,16 +11,23 @@ from checkpoints.hf_config import _eos_tuple, _token_id
 from checkpoints.hf_fields import _REQUIRED, _num
 from jaxkv.model_config import ModelConfig, RopeScaling
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "gemma2": "gemma2", "gemma3": "gemma3"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
 # llama.cpp's layer counts of Gemma 2 27B and Gemma 3 27B, whose attention
 # scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim) (their
 # query_pre_attn_scalar, which GGUF does not carry; llama.cpp decides by size).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def _gguf_family(get, arch: str, num_layers: int, hidden: int, heads: int,
-                 head_dim: int) -> dict[str, Any]:
+def _gguf_family(
+    get, arch: str, num_layers: int, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
     """The per-layer fields of a GGUF file's family (Qwen3's q/k norms,
     Gemma's windows, norms, scales and caps) as ModelConfig keywords."""
     if arch == "qwen3":
@@ -29,23 +36,34 @@ def _gguf_family(get, arch: str, num_layers: int, hidden: int, heads: int,
         return {}
     window = get("attention.sliding_window", int, 4096)
     if arch == "gemma2":
-        types = tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))
+        types = tuple(
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+        )
     else:
         n = get("attention.sliding_window_pattern", int, 6)
-        types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers))
+        types = tuple(
+            "sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)
+        )
     big = num_layers == _GEMMA_27B_LAYERS[arch]
     caps = {"gemma2": (50.0, 30.0), "gemma3": (None, None)}[arch]
     return dict(
-        sliding_window=window, layer_types=types, norm_offset=1.0, post_norms=True, qk_norm=arch == "gemma3",
-        hidden_act="gelu_tanh", embed_scale=True,
+        sliding_window=window,
+        layer_types=types,
+        norm_offset=1.0,
+        post_norms=True,
+        qk_norm=arch == "gemma3",
+        hidden_act="gelu_tanh",
+        embed_scale=True,
         query_pre_attn_scalar=float(hidden // heads if big else head_dim),
         rope_local_theta=get("rope.freq_base_swa", float, 10000.0) if arch == "gemma3" else None,
         attn_logit_softcap=get("attn_logit_softcapping", float, caps[0]),
-        final_logit_softcap=get("final_logit_softcapping", float, caps[1]))
+        final_logit_softcap=get("final_logit_softcapping", float, caps[1]),
+    )
 
 
-def from_gguf_metadata(meta: Mapping[str, Any], *, vocab_size: int | None = None,
-                       tied: bool | None = None) -> ModelConfig:
+def from_gguf_metadata(
+    meta: Mapping[str, Any], *, vocab_size: int | None = None, tied: bool | None = None
+) -> ModelConfig:
     """Build a ModelConfig from decoded GGUF metadata (``general.architecture``,
     ``{arch}.block_count``, ...). ``vocab_size`` and ``tied`` come from the tensor
     list when the metadata lacks them (llama.cpp omits ``vocab_size``; tied models
@@ -68,13 +86,17 @@ def from_gguf_metadata(meta: Mapping[str, Any], *, vocab_size: int | None = None
     heads = get("attention.head_count", int)
     kv_heads = get("attention.head_count_kv", int, heads)
     if heads % kv_heads:
-        raise ValueError(f"{arch}.attention.head_count_kv: attention.head_count {heads} is not a "
-                         f"multiple of attention.head_count_kv {kv_heads}")
+        raise ValueError(
+            f"{arch}.attention.head_count_kv: attention.head_count {heads} is not a "
+            f"multiple of attention.head_count_kv {kv_heads}"
+        )
     head_dim = get("attention.key_length", int, None)
     if head_dim is None:
         if hidden % heads:
-            raise ValueError(f"{arch}.attention.key_length: missing, and embedding_length {hidden} "
-                             f"is not divisible by attention.head_count {heads}")
+            raise ValueError(
+                f"{arch}.attention.key_length: missing, and embedding_length {hidden} "
+                f"is not divisible by attention.head_count {heads}"
+            )
         head_dim = hidden // heads
     vocab = vocab_size if vocab_size is not None else get("vocab_size", int, None)
     if vocab is None:
@@ -89,11 +111,14 @@ def from_gguf_metadata(meta: Mapping[str, Any], *, vocab_size: int | None = None
             raise ValueError(f"{arch}.rope.scaling.factor: missing for linear RoPE scaling")
         rope_scaling = RopeScaling(factor=get("rope.scaling.factor", float), rope_type="linear")
     elif scaling not in (None, "none"):
-        raise ValueError(f"{arch}.rope.scaling.type: unsupported {scaling!r} "
-                         "(supported: 'none', 'linear')")
+        raise ValueError(
+            f"{arch}.rope.scaling.type: unsupported {scaling!r} (supported: 'none', 'linear')"
+        )
     num_layers = get("block_count", int)
-    family = {"sliding_window": get("attention.sliding_window", int, None),
-              **_gguf_family(get, arch, num_layers, hidden, heads, head_dim)}
+    family = {
+        "sliding_window": get("attention.sliding_window", int, None),
+        **_gguf_family(get, arch, num_layers, hidden, heads, head_dim),
+    }
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -109,7 +134,11 @@ def from_gguf_metadata(meta: Mapping[str, Any], *, vocab_size: int | None = None
         tie_word_embeddings=bool(tied) if tied is not None else False,
         attention_bias=arch == "qwen2",
         max_position_embeddings=get("context_length", int, 2048),
-        bos_token_id=_token_id(meta.get("tokenizer.ggml.bos_token_id"), "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_tuple(meta.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id"),
+        bos_token_id=_token_id(
+            meta.get("tokenizer.ggml.bos_token_id"), "tokenizer.ggml.bos_token_id"
+        ),
+        eos_token_ids=_eos_tuple(
+            meta.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id"
+        ),
         **family,
     )

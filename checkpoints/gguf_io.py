@@ -33,11 +33,19 @@ from jaxkv.config import ModelConfig
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
 }
 # Architectures whose q/k rows llama.cpp's converter permutes.
 PERMUTED_ARCHS = {"llama", "mistral"}
@@ -121,9 +129,19 @@ def _open(path: Path) -> GGUFReader:
         if magic != GGUF_MAGIC:
             raise ValueError(f"bad magic {magic!r}, expected {GGUF_MAGIC!r}")
         return GGUFReader(path)
-    except (ValueError, KeyError, IndexError, TypeError, struct.error, OverflowError,
-            UnicodeDecodeError, MemoryError) as e:
-        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+    except (
+        ValueError,
+        KeyError,
+        IndexError,
+        TypeError,
+        struct.error,
+        OverflowError,
+        UnicodeDecodeError,
+        MemoryError,
+    ) as e:
+        raise ValueError(
+            f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})"
+        ) from None
 
 
 def read_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
@@ -145,9 +163,13 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return read_metadata(_open(path), path)
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float32",
-              progress: bool = False, keep_blocks: bool = False,
-              ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+def load_gguf(
+    path: str | os.PathLike,
+    *,
+    dtype: str | np.dtype | None = "float32",
+    progress: bool = False,
+    keep_blocks: bool = False,
+) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
     """Load a GGUF file into (config, params, tokenizer_info). With
     `keep_blocks`, a Q8_0 tied embedding stays as its blocks
     (params["embed"] a `jaxkv.model.q8.Q8Blocks`), and so do the layers'
@@ -163,22 +185,30 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
-            raise ValueError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} "
-                             f"(supported: {sorted(q.name for q in SUPPORTED_TYPES)})")
+            raise ValueError(
+                f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} "
+                f"(supported: {sorted(q.name for q in SUPPORTED_TYPES)})"
+            )
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         if t.n_elements % block or (len(t.shape) and int(t.shape[0]) % block):
-            raise ValueError(f"{path}: corrupt GGUF file (tensor {t.name!r} shape {t.shape.tolist()} "
-                             f"is not a multiple of the {t.tensor_type.name} block size {block})")
+            raise ValueError(
+                f"{path}: corrupt GGUF file (tensor {t.name!r} shape {t.shape.tolist()} "
+                f"is not a multiple of the {t.tensor_type.name} block size {block})"
+            )
         nbytes = t.n_elements // block * type_size
         if t.data_offset + nbytes > size or t.data.nbytes != nbytes:
-            raise ValueError(f"{path}: truncated GGUF file (tensor {t.name!r} needs {nbytes} bytes "
-                             f"at offset {t.data_offset}, file has {size})")
+            raise ValueError(
+                f"{path}: truncated GGUF file (tensor {t.name!r} needs {nbytes} bytes "
+                f"at offset {t.data_offset}, file has {size})"
+            )
         tensors[t.name] = t
     embed = tensors.get("token_embd.weight")
     try:
         config = from_gguf_metadata(
-            meta, vocab_size=int(embed.shape[-1]) if embed is not None else None,
-            tied="output.weight" not in tensors)
+            meta,
+            vocab_size=int(embed.shape[-1]) if embed is not None else None,
+            tied="output.weight" not in tensors,
+        )
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: bad GGUF metadata: {e}") from None
 
@@ -203,8 +233,16 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float3
     if unknown:
         raise ValueError(f"{path}: unexpected tensors {sorted(unknown)}")
     kept = _kept_blocks(config, tensors, hf_shapes, arch) if keep_blocks else {}
-    params = hf_to_params(config, hf_tensors, hf_shapes, dtype=dtype, source=str(path), progress=progress,
-                          layers_field=f"{meta['general.architecture']}.block_count", kept=kept)
+    params = hf_to_params(
+        config,
+        hf_tensors,
+        hf_shapes,
+        dtype=dtype,
+        source=str(path),
+        progress=progress,
+        layers_field=f"{meta['general.architecture']}.block_count",
+        kept=kept,
+    )
     tokenizer_info = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     return config, params, tokenizer_info
 
@@ -225,21 +263,30 @@ def _kept_blocks(config: ModelConfig, tensors, hf_shapes, arch: str) -> dict[str
         hf = gguf_to_hf_name(name, arch)
         if hf not in table or hf_shapes.get(hf) != table[hf][2]:
             continue  # hf_to_params names the problem
-        if name == "token_embd.weight" and config.tie_word_embeddings \
-                and t.tensor_type == GGMLQuantizationType.Q8_0:
+        if (
+            name == "token_embd.weight"
+            and config.tie_word_embeddings
+            and t.tensor_type == GGMLQuantizationType.Q8_0
+        ):
             kept[hf] = Q8Blocks(t.data, hf_shapes[hf])
-        elif name.startswith("blk.") and len(t.shape) == 2 \
-                and readable(t.tensor_type, int(t.shape[0])):
+        elif (
+            name.startswith("blk.")
+            and len(t.shape) == 2
+            and readable(t.tensor_type, int(t.shape[0]))
+        ):
             cols, rows = (int(s) for s in t.shape)
             raw = np.ascontiguousarray(t.data, np.uint8).reshape(rows, -1)
             if arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
-                raw = unpermute_qk(raw, config.num_heads if "attn_q" in name else config.num_kv_heads)
+                raw = unpermute_qk(
+                    raw, config.num_heads if "attn_q" in name else config.num_kv_heads
+                )
             kept[hf] = BlockWeight(raw, t.tensor_type, rows, cols, want[table[hf][0]])
     return kept
 
 
-def _loader(t, shape: tuple[int, ...], heads: int | None, path: Path,
-            shift: bool = False) -> Callable[[], np.ndarray]:
+def _loader(
+    t, shape: tuple[int, ...], heads: int | None, path: Path, shift: bool = False
+) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
@@ -249,8 +296,11 @@ def _loader(t, shape: tuple[int, ...], heads: int | None, path: Path,
             w = w - np.float32(1.0)
         if heads is not None:
             if shape[0] % heads or (shape[0] // heads) % 2:
-                raise ValueError(f"{path}: tensor {t.name!r} rows {shape[0]} do not split into "
-                                 f"{heads} heads of even size")
+                raise ValueError(
+                    f"{path}: tensor {t.name!r} rows {shape[0]} do not split into "
+                    f"{heads} heads of even size"
+                )
             w = unpermute_qk(w, heads)
         return w
+
     return load

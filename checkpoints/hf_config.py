@@ -34,9 +34,19 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
 }
 # `model_type` -> jaxkv architecture, read when `architectures` is absent.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
-                  "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe",
+    "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
+}
 
 
 def _object(cfg: Mapping[str, Any], key: str) -> dict | None:
@@ -81,11 +91,15 @@ def _rope_scaling_from_hf(rs: Mapping[str, Any] | None, where: str) -> RopeScali
     if kind == "yarn":
         return _yarn(rs, where, field)
     if kind != "llama3":
-        raise ValueError(f"{where}: unsupported rope_type {kind!r} "
-                         "(supported: 'llama3', 'linear', 'yarn')")
-    return RopeScaling(factor=field("factor"), low_freq_factor=field("low_freq_factor"),
-                       high_freq_factor=field("high_freq_factor"),
-                       original_max_position_embeddings=field("original_max_position_embeddings", int))
+        raise ValueError(
+            f"{where}: unsupported rope_type {kind!r} (supported: 'llama3', 'linear', 'yarn')"
+        )
+    return RopeScaling(
+        factor=field("factor"),
+        low_freq_factor=field("low_freq_factor"),
+        high_freq_factor=field("high_freq_factor"),
+        original_max_position_embeddings=field("original_max_position_embeddings", int),
+    )
 
 
 def _yarn(rs: Mapping[str, Any], where: str, field) -> RopeScaling:
@@ -94,32 +108,52 @@ def _yarn(rs: Mapping[str, Any], where: str, field) -> RopeScaling:
     are, else mscale(factor) = 0.1 ln(factor) + 1 (1 for factor <= 1)."""
     factor = field("factor")
     mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-    beta = {k: _num(rs, k, float, d, name=f"{where}.{k}", positive=True) for k, d in (("beta_fast", 32.0), ("beta_slow", 1.0))}
-    attn = _num(rs, "attention_factor", float, None, name=f"{where}.attention_factor", positive=True)
+    beta = {
+        k: _num(rs, k, float, d, name=f"{where}.{k}", positive=True)
+        for k, d in (("beta_fast", 32.0), ("beta_slow", 1.0))
+    }
+    attn = _num(
+        rs, "attention_factor", float, None, name=f"{where}.attention_factor", positive=True
+    )
     if attn is None:
-        m, m_all = (_num(rs, k, float, None, name=f"{where}.{k}") for k in ("mscale", "mscale_all_dim"))
+        m, m_all = (
+            _num(rs, k, float, None, name=f"{where}.{k}") for k in ("mscale", "mscale_all_dim")
+        )
         attn = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
-    return RopeScaling(factor=factor, rope_type="yarn", attention_factor=attn,
-                       original_max_position_embeddings=field("original_max_position_embeddings", int),
-                       truncate=_bool(rs, "truncate", True, name=f"{where}.truncate"), **beta)
+    return RopeScaling(
+        factor=factor,
+        rope_type="yarn",
+        attention_factor=attn,
+        original_max_position_embeddings=field("original_max_position_embeddings", int),
+        truncate=_bool(rs, "truncate", True, name=f"{where}.truncate"),
+        **beta,
+    )
 
 
 def _family(cfg: Mapping[str, Any]) -> str:
     """The jaxkv architecture of an HF config, from `architectures` or else
     `model_type`; ValueError naming the field and the supported list."""
     archs = cfg.get("architectures")
-    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+    if archs is not None and (
+        not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)
+    ):
         raise ValueError(f"architectures: must be a list of class names, got {str(archs)[:80]}")
-    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs or () if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next(
+        (SUPPORTED_ARCHITECTURES[a] for a in archs or () if a in SUPPORTED_ARCHITECTURES), None
+    )
     if arch is not None:
         return arch
     if archs:
-        raise ValueError(f"architectures: unknown architecture {archs!r}; supported: "
-                         f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"architectures: unknown architecture {archs!r}; supported: "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        )
     model_type = cfg.get("model_type")
     if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"model_type: unknown architecture {str(model_type)[:80]!r}; supported: "
-                         f"{sorted(HF_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type: unknown architecture {str(model_type)[:80]!r}; supported: "
+            f"{sorted(HF_MODEL_TYPES)}"
+        )
     return HF_MODEL_TYPES[model_type]
 
 
@@ -151,12 +185,26 @@ def _rope(cfg: Mapping[str, Any], arch: str) -> tuple[float, RopeScaling | None,
         slide = _object(rope, "sliding_attention")
         if slide is not None:
             if slide.get("rope_type", "default") != "default":
-                raise ValueError(f"rope_parameters.sliding_attention: unsupported rope_type "
-                                 f"{slide.get('rope_type')!r} (supported: 'default')")
-            local = _num(slide, "rope_theta", float, 10000.0, name="rope_parameters.sliding_attention.rope_theta",
-                         positive=True)
-        theta = _num(full, "rope_theta", float, default_theta, name="rope_parameters.full_attention.rope_theta",
-                     positive=True)
+                raise ValueError(
+                    f"rope_parameters.sliding_attention: unsupported rope_type "
+                    f"{slide.get('rope_type')!r} (supported: 'default')"
+                )
+            local = _num(
+                slide,
+                "rope_theta",
+                float,
+                10000.0,
+                name="rope_parameters.sliding_attention.rope_theta",
+                positive=True,
+            )
+        theta = _num(
+            full,
+            "rope_theta",
+            float,
+            default_theta,
+            name="rope_parameters.full_attention.rope_theta",
+            positive=True,
+        )
         full.pop("rope_theta", None)
         scaling = _rope_scaling_from_hf(full, "rope_parameters.full_attention")
     elif rope.get("rope_theta") is not None:
@@ -166,48 +214,70 @@ def _rope(cfg: Mapping[str, Any], arch: str) -> tuple[float, RopeScaling | None,
     else:
         theta = _num(cfg, "rope_theta", float, default_theta, positive=True)
         rope.pop("rope_theta", None)
-        scaling = (_rope_scaling_from_hf(rope, "rope_parameters") if rope
-                   else _rope_scaling_from_hf(_object(cfg, "rope_scaling"), "rope_scaling"))
+        scaling = (
+            _rope_scaling_from_hf(rope, "rope_parameters")
+            if rope
+            else _rope_scaling_from_hf(_object(cfg, "rope_scaling"), "rope_scaling")
+        )
     if arch == "gemma3" and local is None:
         local = _num(cfg, "rope_local_base_freq", float, 10000.0, positive=True)
     return theta, scaling, local
 
 
-def _layer_types(cfg: Mapping[str, Any], arch: str, num_layers: int, window: int | None) -> tuple[str, ...]:
+def _layer_types(
+    cfg: Mapping[str, Any], arch: str, num_layers: int, window: int | None
+) -> tuple[str, ...]:
     """Each layer's attention type: the config's `layer_types` when given,
     else the family's pattern (Gemma 2: sliding, full, ...; Gemma 3: five
     sliding then one full, `sliding_window_pattern`; Qwen3: sliding from
     `max_window_layers` on when `use_sliding_window`)."""
     given = cfg.get("layer_types")
     if given is not None:
-        if not isinstance(given, list) or len(given) != num_layers or not all(
-                t in LAYER_TYPES for t in given):
-            raise ValueError(f"layer_types: must be a list of {num_layers} of {list(LAYER_TYPES)}, "
-                             f"got {str(given)[:80]}")
+        if (
+            not isinstance(given, list)
+            or len(given) != num_layers
+            or not all(t in LAYER_TYPES for t in given)
+        ):
+            raise ValueError(
+                f"layer_types: must be a list of {num_layers} of {list(LAYER_TYPES)}, "
+                f"got {str(given)[:80]}"
+            )
         return tuple(given) if window is not None or "sliding_attention" not in given else ()
     if arch in ("gemma2", "gpt_oss"):
-        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))
+        return tuple(
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+        )
     if arch == "gemma3":
         n = _num(cfg, "sliding_window_pattern", int, None, positive=True)
         n = n or _num(cfg, "_sliding_window_pattern", int, 6, positive=True)
-        return tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers))
+        return tuple(
+            "sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)
+        )
     if arch == "qwen3" and window is not None:
         first = _num(cfg, "max_window_layers", int, 28)
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+        return tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        )
     if arch == "qwen2_moe" and window is not None:  # its config class's default pattern
         last = _num(cfg, "max_window_layers", int, 28)
-        return tuple("sliding_attention" if (i + 1) % 2 and i < last else "full_attention" for i in range(num_layers))
+        return tuple(
+            "sliding_attention" if (i + 1) % 2 and i < last else "full_attention"
+            for i in range(num_layers)
+        )
     return ()
 
 
 def _activation(cfg: Mapping[str, Any], arch: str) -> str:
     gemma = arch.startswith("gemma")
-    key = "hidden_activation" if gemma and cfg.get("hidden_activation") is not None else "hidden_act"
+    key = (
+        "hidden_activation" if gemma and cfg.get("hidden_activation") is not None else "hidden_act"
+    )
     act = cfg.get(key, "gelu_pytorch_tanh" if gemma else "silu")
     names = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
     if act not in names:
-        raise ValueError(f"{key}: unsupported activation {str(act)[:40]!r} "
-                         f"(supported: {sorted(names)})")
+        raise ValueError(
+            f"{key}: unsupported activation {str(act)[:40]!r} (supported: {sorted(names)})"
+        )
     return names[act]
 
 
@@ -224,24 +294,38 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(f"num_attention_heads: must be positive, got {heads}")
     kv_heads = _num(cfg, "num_key_value_heads", int, heads, positive=True)
     if heads % kv_heads:
-        raise ValueError(f"num_key_value_heads: num_attention_heads {heads} is not a multiple of "
-                         f"num_key_value_heads {kv_heads}")
+        raise ValueError(
+            f"num_key_value_heads: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads}"
+        )
     head_dim = _num(cfg, "head_dim", int, None, positive=True)
     if head_dim is None:
         if hidden % heads:
-            raise ValueError(f"head_dim: hidden_size {hidden} not divisible by num_attention_heads {heads}")
+            raise ValueError(
+                f"head_dim: hidden_size {hidden} not divisible by num_attention_heads {heads}"
+            )
         head_dim = hidden // heads
     num_layers = _num(cfg, "num_hidden_layers", int)
     window = None
     if arch.startswith("qwen"):  # Qwen2-MoE: q/k/v biases unless qkv_bias is false
-        bias = _bool(cfg, "qkv_bias", True) if arch == "qwen2_moe" else arch == "qwen2" or _bool(cfg, "attention_bias")
+        bias = (
+            _bool(cfg, "qkv_bias", True)
+            if arch == "qwen2_moe"
+            else arch == "qwen2" or _bool(cfg, "attention_bias")
+        )
         out_bias = False
         if _bool(cfg, "use_sliding_window"):
             window = _num(cfg, "sliding_window", int, None, positive=True)
     else:
         bias = out_bias = _bool(cfg, "attention_bias", arch == "gpt_oss")
         if arch in ("mistral", "mixtral", "gpt_oss") or gemma:
-            window = _num(cfg, "sliding_window", int, 128 if arch == "gpt_oss" else 4096 if gemma else None, positive=True)
+            window = _num(
+                cfg,
+                "sliding_window",
+                int,
+                128 if arch == "gpt_oss" else 4096 if gemma else None,
+                positive=True,
+            )
     if _bool(cfg, "mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
     if _bool(cfg, "use_bidirectional_attention"):
@@ -249,10 +333,17 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     rope_theta, rope_scaling, rope_local = _rope(cfg, arch)
     caps = {}
     if gemma:
-        for key, field, default in (("attn_logit_softcapping", "attn_logit_softcap", 50.0),
-                                    ("final_logit_softcapping", "final_logit_softcap", 30.0)):
-            caps[field] = _num(cfg, key, float, default if arch == "gemma2" and key not in cfg else None,
-                               positive=True)
+        for key, field, default in (
+            ("attn_logit_softcapping", "attn_logit_softcap", 50.0),
+            ("final_logit_softcapping", "final_logit_softcap", 30.0),
+        ):
+            caps[field] = _num(
+                cfg,
+                key,
+                float,
+                default if arch == "gemma2" and key not in cfg else None,
+                positive=True,
+            )
     intermediate = _num(cfg, "intermediate_size", int)
     return ModelConfig(
         architecture=arch,
@@ -280,8 +371,9 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
         hidden_act=_activation(cfg, arch),
         embed_scale=gemma,
-        query_pre_attn_scalar=(_num(cfg, "query_pre_attn_scalar", float, 256.0, positive=True)
-                               if gemma else None),
+        query_pre_attn_scalar=(
+            _num(cfg, "query_pre_attn_scalar", float, 256.0, positive=True) if gemma else None
+        ),
         **caps,
         attention_sinks=arch == "gpt_oss",
         **moe_fields(cfg, arch, num_layers, intermediate),

@@ -64,8 +64,14 @@ def is_current(path: str | os.PathLike) -> bool:
         return False
 
 
-def save(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.ndarray],
-         tokenizer: Tokenizer | None = None, *, overwrite: bool = False) -> Path:
+def save(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    params: Mapping[str, np.ndarray],
+    tokenizer: Tokenizer | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
     """Write a jaxkv checkpoint at ``path`` (params keep their dtypes), with
     every tensor's sha256 in the manifest."""
     path = Path(path).absolute()
@@ -73,14 +79,16 @@ def save(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.n
     check_tokenizer_fits(config, tokenizer)
     dtypes = {np.dtype(v.dtype) for v in params.values()}
     if not dtypes <= set(DTYPES.values()):
-        raise ValueError(f"params: unsupported dtypes {sorted(map(str, dtypes - set(DTYPES.values())))}")
+        raise ValueError(
+            f"params: unsupported dtypes {sorted(map(str, dtypes - set(DTYPES.values())))}"
+        )
     if path.exists() and not overwrite:
         raise ValueError(f"{path}: already exists (pass overwrite=True to replace it)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         # np.require, not ascontiguousarray: that makes a 0-d array (a KV scale) 1-d.
-        arrays = {k: np.require(v, requirements='C') for k, v in params.items()}
+        arrays = {k: np.require(v, requirements="C") for k, v in params.items()}
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(tmp / "params", arrays)
             ckpt.wait_until_finished()
@@ -88,8 +96,14 @@ def save(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.n
         if tokenizer is not None:
             tokenizer.to_files(tmp / "tokenizer")
         sums = _digests(arrays)
-        manifest = {"format": "jaxkv", "version": FORMAT_VERSION, "checksum": CHECKSUM,
-                    "tensors": {k: [list(v.shape), str(v.dtype), sums[k]] for k, v in sorted(arrays.items())}}
+        manifest = {
+            "format": "jaxkv",
+            "version": FORMAT_VERSION,
+            "checksum": CHECKSUM,
+            "tensors": {
+                k: [list(v.shape), str(v.dtype), sums[k]] for k, v in sorted(arrays.items())
+            },
+        }
         (tmp / MARKER).write_text(json.dumps(manifest, indent=1))
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -104,8 +118,9 @@ def save(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.n
     return path
 
 
-def restore(path: str | os.PathLike, *, dtype: str | np.dtype | None = None,
-            verify_checksums: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+def restore(
+    path: str | os.PathLike, *, dtype: str | np.dtype | None = None, verify_checksums: bool = True
+) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
     """Read a jaxkv checkpoint. ``dtype=None`` keeps the stored dtypes;
     ``verify_checksums=False`` skips hashing the tensors (see the module
     docstring). Raises ValueError naming the file or tensor at fault."""
@@ -118,7 +133,9 @@ def restore(path: str | os.PathLike, *, dtype: str | np.dtype | None = None,
         raise ValueError(f"{path / 'model_config.json'}: {e}") from None
     problems = shape_problems(expected_shapes(config), {k: e[0] for k, e in entries.items()})
     if problems:
-        raise ValueError(f"{path}: manifest does not match model_config.json: " + "; ".join(problems))
+        raise ValueError(
+            f"{path}: manifest does not match model_config.json: " + "; ".join(problems)
+        )
     _check_files(path / "params")
     stored = _stored_arrays(path / "params")
     if only := sorted(set(stored) ^ set(entries)):
@@ -126,32 +143,53 @@ def restore(path: str | os.PathLike, *, dtype: str | np.dtype | None = None,
     target = {}
     for k, (shape, dt, _) in sorted(entries.items()):
         if stored[k][1] != dt:
-            raise ValueError(f"{path}: tensor {k!r}: manifest says {dt}, the data is {stored[k][1]}")
+            raise ValueError(
+                f"{path}: tensor {k!r}: manifest says {dt}, the data is {stored[k][1]}"
+            )
         if stored[k][0] != shape:
-            raise ValueError(f"{path}: tensor {k!r}: manifest says shape {list(shape)}, the data has "
-                             f"{list(stored[k][0])}")
+            raise ValueError(
+                f"{path}: tensor {k!r}: manifest says shape {list(shape)}, the data has "
+                f"{list(stored[k][0])}"
+            )
         try:
             target[k] = np.empty(shape, DTYPES[dt])
         except (MemoryError, ValueError) as e:
-            raise ValueError(f"{path}: tensor {k!r}: cannot allocate {dt} {list(shape)} ({e})") from None
+            raise ValueError(
+                f"{path}: tensor {k!r}: cannot allocate {dt} {list(shape)} ({e})"
+            ) from None
     try:
         with ocp.StandardCheckpointer() as ckpt:
             params = {k: np.asarray(v) for k, v in ckpt.restore(path / "params", target).items()}
     except Exception as e:  # orbax/tensorstore raise many types for damaged data
-        raise ValueError(f"{path / 'params'}: cannot restore arrays ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"{path / 'params'}: cannot restore arrays ({type(e).__name__}: {e})"
+        ) from None
     for k, v in params.items():
         if v.shape != target[k].shape or v.dtype != target[k].dtype:
-            raise ValueError(f"{path}: tensor {k!r} restored as {v.shape} {v.dtype}, "
-                             f"manifest says {target[k].shape} {target[k].dtype}")
+            raise ValueError(
+                f"{path}: tensor {k!r} restored as {v.shape} {v.dtype}, "
+                f"manifest says {target[k].shape} {target[k].dtype}"
+            )
     if version < 2:
-        log.warning("%s: jaxkv checkpoint version %d has no checksums: its tensors are loaded "
-                    "unverified (convert it again to add them)", path, version)
+        log.warning(
+            "%s: jaxkv checkpoint version %d has no checksums: its tensors are loaded "
+            "unverified (convert it again to add them)",
+            path,
+            version,
+        )
     elif verify_checksums:
         found = _digests(params)
-        bad = [f"tensor {k!r}: checksum mismatch (manifest {CHECKSUM} {entries[k][2]}, data {found[k]})"
-               for k in sorted(params) if found[k] != entries[k][2]]
+        bad = [
+            f"tensor {k!r}: checksum mismatch (manifest {CHECKSUM} {entries[k][2]}, data {found[k]})"
+            for k in sorted(params)
+            if found[k] != entries[k][2]
+        ]
         if bad:
-            raise ValueError(f"{path}: " + "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else ""))
+            raise ValueError(
+                f"{path}: "
+                + "; ".join(bad[:4])
+                + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
+            )
     if dtype is not None:
         params = cast_params(params, dtype)
     tok_dir = path / "tokenizer"
@@ -196,17 +234,27 @@ def _read_manifest(path: Path) -> tuple[int, dict[str, tuple[tuple[int, ...], st
         raise ValueError(f"{marker}: checksum: must be {CHECKSUM!r}, got {m.get('checksum')!r}")
     entries = {}
     for k, e in m["tensors"].items():
-        shape, dt, digest = (*e, None)[:3] if isinstance(e, list) and len(e) in (2, 3) else (None,) * 3
+        shape, dt, digest = (
+            (*e, None)[:3] if isinstance(e, list) and len(e) in (2, 3) else (None,) * 3
+        )
         if not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise ValueError(f"{marker}: tensor {k!r}: bad entry {str(e)[:80]} (want [shape, dtype, "
-                             f"{CHECKSUM}])")
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ValueError(
+                f"{marker}: tensor {k!r}: bad entry {str(e)[:80]} (want [shape, dtype, {CHECKSUM}])"
+            )
         if dt not in DTYPES:
-            raise ValueError(f"{marker}: tensor {k!r}: unsupported dtype {dt!r}; supported: {sorted(DTYPES)}")
+            raise ValueError(
+                f"{marker}: tensor {k!r}: unsupported dtype {dt!r}; supported: {sorted(DTYPES)}"
+            )
         if digest is None and version >= 2:
-            raise ValueError(f"{marker}: tensor {k!r}: no checksum (a version {version} manifest has "
-                             "one for every tensor)")
-        if digest is not None and not (isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)):
+            raise ValueError(
+                f"{marker}: tensor {k!r}: no checksum (a version {version} manifest has "
+                "one for every tensor)"
+            )
+        if digest is not None and not (
+            isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)
+        ):
             raise ValueError(f"{marker}: tensor {k!r}: bad {CHECKSUM} {str(digest)[:80]}")
         entries[k] = (tuple(shape), dt, digest)
     return version, entries
@@ -228,10 +276,14 @@ def _check_files(params: Path) -> None:
             except OSError as e:
                 raise ValueError(f"{f}: cannot read ({e.strerror or e})") from None
             if name in files and not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{f}: not a regular file; refusing to read it (orbax would block "
-                                 "on a FIFO and read a device without end)")
+                raise ValueError(
+                    f"{f}: not a regular file; refusing to read it (orbax would block "
+                    "on a FIFO and read a device without end)"
+                )
             if name.startswith("_") and st.st_size > MAX_INDEX_BYTES:
-                raise ValueError(f"{f}: {st.st_size} bytes, larger than the {MAX_INDEX_BYTES >> 20} MiB limit")
+                raise ValueError(
+                    f"{f}: {st.st_size} bytes, larger than the {MAX_INDEX_BYTES >> 20} MiB limit"
+                )
 
 
 def _stored_arrays(params: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -240,9 +292,13 @@ def _stored_arrays(params: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         with ocp.StandardCheckpointer() as ckpt:
             meta = ckpt.metadata(params)
         tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
-        return {k: (tuple(int(d) for d in m.shape), str(np.dtype(m.dtype))) for k, m in tree.items()}
+        return {
+            k: (tuple(int(d) for d in m.shape), str(np.dtype(m.dtype))) for k, m in tree.items()
+        }
     except Exception as e:  # orbax raises many types for damaged metadata
-        raise ValueError(f"{params}: cannot read the stored arrays' metadata ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"{params}: cannot read the stored arrays' metadata ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _digest(a: np.ndarray) -> str:

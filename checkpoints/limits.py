@@ -22,18 +22,21 @@ def check_layer_count(num_layers: int, names: Iterable[str], prefix: str, field:
     found = set()
     for name in names:
         if name.startswith(prefix):
-            head = name[len(prefix):].split(".", 1)[0]
+            head = name[len(prefix) :].split(".", 1)[0]
             if head.isdigit():
                 found.add(int(head))
     n = len(found)
     if found != set(range(n)):
         gap = min(set(range(n)) - found)
-        raise ValueError(f"{field}: the checkpoint's layer tensors are not numbered 0 to {n - 1} "
-                         f"(none for layer {gap})")
+        raise ValueError(
+            f"{field}: the checkpoint's layer tensors are not numbered 0 to {n - 1} "
+            f"(none for layer {gap})"
+        )
     if num_layers != n:
         have = f"{n} (layers 0 to {n - 1})" if n else "no layer"
-        raise ValueError(f"{field}: {num_layers} layers claimed, but the checkpoint has tensors "
-                         f"for {have}")
+        raise ValueError(
+            f"{field}: {num_layers} layers claimed, but the checkpoint has tensors for {have}"
+        )
 
 
 def check_tokenizer_fits(config: ModelConfig, tokenizer: Tokenizer | None) -> None:
@@ -41,5 +44,7 @@ def check_tokenizer_fits(config: ModelConfig, tokenizer: Tokenizer | None) -> No
     embedding row for (largest id + 1 above ``config.vocab_size``); a
     smaller tokenizer is fine (models pad their vocabulary)."""
     if tokenizer is not None and (n := tokenizer.num_ids) > config.vocab_size:
-        raise ValueError(f"tokenizer: {n} token ids (largest {n - 1}), more than the model's "
-                         f"vocab_size {config.vocab_size}")
+        raise ValueError(
+            f"tokenizer: {n} token ids (largest {n - 1}), more than the model's "
+            f"vocab_size {config.vocab_size}"
+        )

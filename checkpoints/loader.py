@@ -9,8 +9,14 @@ from checkpoints import load_checkpoint
 from checkpoints.known_models import resolve_model_path
 
 
-def load_model(model: str, *, dtype: str = "float32", quantize: str | None = None,
-               verify_checksums: bool = True, gguf_blocks: bool = False) -> tuple[Any, Any]:
+def load_model(
+    model: str,
+    *,
+    dtype: str = "float32",
+    quantize: str | None = None,
+    verify_checksums: bool = True,
+    gguf_blocks: bool = False,
+) -> tuple[Any, Any]:
     """-> (`jaxkv.model.llama.Llama` in `dtype`, `jaxkv.tokenizer.Tokenizer` or
     None). `model` is a known name (see `checkpoints.known_models`) or a path:
     a Hugging Face folder, a GGUF file or a jaxkv checkpoint (whose tensor
@@ -24,15 +30,20 @@ def load_model(model: str, *, dtype: str = "float32", quantize: str | None = Non
     from jaxkv.model.q8 import Q8Blocks
 
     if gguf_blocks and quantize is not None:
-        raise ValueError(f"gguf_blocks and quantize={quantize!r}: a weight is kept in its GGUF "
-                         "blocks or quantized, not both")
+        raise ValueError(
+            f"gguf_blocks and quantize={quantize!r}: a weight is kept in its GGUF "
+            "blocks or quantized, not both"
+        )
 
     # Kept in blocks, a known model is read from its GGUF (not the float32 conversion).
-    config, params, tokenizer = load_checkpoint(resolve_model_path(model, gguf=gguf_blocks),
-                                                verify_checksums=verify_checksums,
-                                                gguf_blocks=gguf_blocks)
+    config, params, tokenizer = load_checkpoint(
+        resolve_model_path(model, gguf=gguf_blocks),
+        verify_checksums=verify_checksums,
+        gguf_blocks=gguf_blocks,
+    )
     check_params(config, params)
     dt = jnp.dtype(dtype)
+
     # Each host tensor is dropped as soon as its device copy is made, so the
     # checkpoint and the module are never both whole in memory (SmolLM2's
     # peak RSS while loading: 1.55 GB -> about one copy of the weights).

@@ -22,21 +22,41 @@ def moe_fields(cfg: Mapping[str, Any], arch: str, num_layers: int, intermediate:
     (i + 1) % `decoder_sparse_step` == 0."""
     if arch not in MOE_FAMILIES:
         return {}
-    key = ("num_local_experts" if arch in ("mixtral", "gpt_oss") or cfg.get("num_experts") is None
-           else "num_experts")
-    out = dict(num_experts=_num(cfg, key, int, positive=True),
-               num_experts_per_tok=_num(cfg, "num_experts_per_tok", int, positive=True))
+    key = (
+        "num_local_experts"
+        if arch in ("mixtral", "gpt_oss") or cfg.get("num_experts") is None
+        else "num_experts"
+    )
+    out = dict(
+        num_experts=_num(cfg, key, int, positive=True),
+        num_experts_per_tok=_num(cfg, "num_experts_per_tok", int, positive=True),
+    )
     if arch == "mixtral":
         return dict(out, moe_intermediate_size=intermediate, norm_topk_prob=True)
     if arch == "gpt_oss":
-        return dict(out, moe_intermediate_size=intermediate, norm_topk_prob=True, moe_bias=True,
-                    swiglu_limit=_num(cfg, "swiglu_limit", float, 7.0, positive=True),
-                    swiglu_alpha=_num(cfg, "swiglu_alpha", float, 1.702, positive=True))
+        return dict(
+            out,
+            moe_intermediate_size=intermediate,
+            norm_topk_prob=True,
+            moe_bias=True,
+            swiglu_limit=_num(cfg, "swiglu_limit", float, 7.0, positive=True),
+            swiglu_alpha=_num(cfg, "swiglu_alpha", float, 1.702, positive=True),
+        )
     step = _num(cfg, "decoder_sparse_step", int, 1, positive=True)
     only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+    if not isinstance(only, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in only
+    ):
         raise ValueError(f"mlp_only_layers: must be a list of layer indices, got {str(only)[:80]}")
-    shared = _num(cfg, "shared_expert_intermediate_size", int, positive=True) if arch == "qwen2_moe" else 0
-    return dict(out, moe_intermediate_size=_num(cfg, "moe_intermediate_size", int, positive=True),
-                norm_topk_prob=_bool(cfg, "norm_topk_prob"), shared_expert_intermediate_size=shared,
-                sparse_layers=tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers)))
+    shared = (
+        _num(cfg, "shared_expert_intermediate_size", int, positive=True)
+        if arch == "qwen2_moe"
+        else 0
+    )
+    return dict(
+        out,
+        moe_intermediate_size=_num(cfg, "moe_intermediate_size", int, positive=True),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob"),
+        shared_expert_intermediate_size=shared,
+        sparse_layers=tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers)),
+    )

@@ -75,13 +75,18 @@ class Into:
             out = out[self.expert, :, :F] if self.kind == "gate" else out[self.expert, :, F:]
         elif self.kind == "down":
             out = out[self.expert]
-        src = {"row": lambda: w.reshape(-1), "stack": lambda: w.transpose(0, 2, 1), "copy": lambda: w,
-               "deinterleave": lambda: np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
-               }.get(self.kind, lambda: w.T)()
+        src = {
+            "row": lambda: w.reshape(-1),
+            "stack": lambda: w.transpose(0, 2, 1),
+            "copy": lambda: w,
+            "deinterleave": lambda: np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1),
+        }.get(self.kind, lambda: w.T)()
         np.copyto(out, src, casting="unsafe")
 
 
-def hf_moe_map(config: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple[str, Into, tuple[int, ...]]]:
+def hf_moe_map(
+    config: ModelConfig, names: Iterable[str] = ()
+) -> dict[str, tuple[str, Into, tuple[int, ...]]]:
     """HF name -> (jaxkv name, Into, expected HF shape) of every sparse
     layer's tensor; a layer is read fused when ``names`` (the checkpoint's)
     holds its ``mlp.experts.gate_up_proj``, per expert otherwise."""
@@ -97,22 +102,39 @@ def hf_moe_map(config: ModelConfig, names: Iterable[str] = ()) -> dict[str, tupl
         moe = p + ("block_sparse_moe." if mixtral and not fused else "mlp.")
         entries = [(moe + "gate.weight", "router", Into("T"))]
         if config.architecture == "gpt_oss":
-            entries = [(moe + "router.weight", "router", Into("T")), (moe + "router.bias", "router_bias", Into("copy")),
-                       (moe + "experts.gate_up_proj", "experts_gate_up", Into("deinterleave")),
-                       (moe + "experts.gate_up_proj_bias", "experts_gate_up_bias", Into("deinterleave")),
-                       (moe + "experts.down_proj", "experts_down", Into("copy")),
-                       (moe + "experts.down_proj_bias", "experts_down_bias", Into("copy"))]
+            entries = [
+                (moe + "router.weight", "router", Into("T")),
+                (moe + "router.bias", "router_bias", Into("copy")),
+                (moe + "experts.gate_up_proj", "experts_gate_up", Into("deinterleave")),
+                (moe + "experts.gate_up_proj_bias", "experts_gate_up_bias", Into("deinterleave")),
+                (moe + "experts.down_proj", "experts_down", Into("copy")),
+                (moe + "experts.down_proj_bias", "experts_down_bias", Into("copy")),
+            ]
         elif fused:
-            entries += [(moe + "experts.gate_up_proj", "experts_gate_up", Into("stack")),
-                        (moe + "experts.down_proj", "experts_down", Into("stack"))]
+            entries += [
+                (moe + "experts.gate_up_proj", "experts_gate_up", Into("stack")),
+                (moe + "experts.down_proj", "experts_down", Into("stack")),
+            ]
         else:
-            parts = (("w1", "gate"), ("w3", "up"), ("w2", "down")) if mixtral else (
-                ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
-            entries += [(f"{moe}experts.{j}.{hf}.weight", "experts_down" if part == "down" else "experts_gate_up",
-                         Into(part, j)) for j in range(config.num_experts) for hf, part in parts]
+            parts = (
+                (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+                if mixtral
+                else (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
+            )
+            entries += [
+                (
+                    f"{moe}experts.{j}.{hf}.weight",
+                    "experts_down" if part == "down" else "experts_gate_up",
+                    Into(part, j),
+                )
+                for j in range(config.num_experts)
+                for hf, part in parts
+            ]
         if config.shared_expert_intermediate_size:
-            entries += [(f"{moe}shared_expert.{hf}_proj.weight", f"shared_w_{hf}", Into("T"))
-                        for hf in ("gate", "up", "down")]
+            entries += [
+                (f"{moe}shared_expert.{hf}_proj.weight", f"shared_w_{hf}", Into("T"))
+                for hf in ("gate", "up", "down")
+            ]
             entries.append((moe + "shared_expert_gate.weight", "shared_expert_gate", Into("row")))
         for hf, name, into in entries:
             table[hf] = (q + name, into, into.hf_shape(want[q + name]))

@@ -69,8 +69,16 @@ def read_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAWeights:
         return _read(str(path), config, max_rank, where)
     except ValueError:
         raise
-    except (RecursionError, MemoryError, OSError, TypeError, KeyError, IndexError,
-            AttributeError, OverflowError) as e:  # a shape of the folder no check foresaw
+    except (
+        RecursionError,
+        MemoryError,
+        OSError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+    ) as e:  # a shape of the folder no check foresaw
         raise ValueError(f"{where}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
 
 
@@ -78,15 +86,19 @@ def _read(path: str, config: ModelConfig, max_rank: int, where: str) -> LoRAWeig
     try:
         st = os.stat(path)
     except OSError:
-        raise ValueError(f"lora: {os.path.join(path, CONFIG)} not found (a PEFT adapter folder "
-                         f"holds {CONFIG} and {WEIGHTS})") from None
+        raise ValueError(
+            f"lora: {os.path.join(path, CONFIG)} not found (a PEFT adapter folder "
+            f"holds {CONFIG} and {WEIGHTS})"
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{where}: not a folder (a PEFT adapter folder holds {CONFIG} and "
-                         f"{WEIGHTS})")
+        raise ValueError(
+            f"{where}: not a folder (a PEFT adapter folder holds {CONFIG} and {WEIGHTS})"
+        )
     cfg_path = os.path.join(path, CONFIG)
     if not os.path.lexists(cfg_path):
-        raise ValueError(f"lora: {cfg_path} not found (a PEFT adapter folder holds {CONFIG} "
-                         f"and {WEIGHTS})")
+        raise ValueError(
+            f"lora: {cfg_path} not found (a PEFT adapter folder holds {CONFIG} and {WEIGHTS})"
+        )
     try:
         ac = read_json_file(cfg_path, MAX_CONFIG_BYTES)
     except ValueError as e:  # names the file and why
@@ -106,28 +118,35 @@ def _read(path: str, config: ModelConfig, max_rank: int, where: str) -> LoRAWeig
         if not (np.isfinite(A).all() and np.isfinite(B).all()):
             bad = name_a if not np.isfinite(A).all() else name_b
             raise ValueError(f"{where}: tensor {bad!r} holds NaN or infinite values (in float32)")
-        alpha = _pattern(opts["alpha_pattern"], layer, t,
-                         r if opts["lora_alpha"] is None else opts["lora_alpha"])
+        alpha = _pattern(
+            opts["alpha_pattern"], layer, t, r if opts["lora_alpha"] is None else opts["lora_alpha"]
+        )
         scale = alpha / (math.sqrt(r) if opts["use_rslora"] else r)
         if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
-            raise ValueError(f"{where}: lora_alpha {alpha!r} over rank {r} gives a scale of "
-                             f"{scale:g} for layer {layer} {t}; at most {MAX_SCALE:g} is served")
+            raise ValueError(
+                f"{where}: lora_alpha {alpha!r} over rank {r} gives a scale of "
+                f"{scale:g} for layer {layer} {t}; at most {MAX_SCALE:g} is served"
+            )
         if t not in a:
             a[t] = np.zeros((L, n_in, rank), np.float32)
             b[t] = np.zeros((L, rank, n_out), np.float32)
         a[t][layer, :, :r] = A.T
         b[t][layer, :r] = B.T * np.float32(scale)
         if not np.isfinite(b[t][layer]).all():
-            raise ValueError(f"{where}: tensor {name_b!r} times the scale {scale:g} overflows "
-                             "float32")
+            raise ValueError(
+                f"{where}: tensor {name_b!r} times the scale {scale:g} overflows float32"
+            )
     return LoRAWeights(path, rank, a, b)
 
 
 def _options(ac: dict, where: str) -> dict:
     """adapter_config.json's fields jaxkv reads, each checked for its type."""
+
     def field(name, kinds, default, what):
         v = ac.get(name, default)
-        if v is not None and (not isinstance(v, kinds) or isinstance(v, bool) and bool not in kinds):
+        if v is not None and (
+            not isinstance(v, kinds) or isinstance(v, bool) and bool not in kinds
+        ):
             raise ValueError(f"{where}: {CONFIG}: {name} must be {what}, got {_short(v)}")
         return v
 
@@ -138,36 +157,49 @@ def _options(ac: dict, where: str) -> dict:
         if field(key, (bool,), False, "true or false"):
             raise ValueError(f"{where}: {key} is not supported")
     if ac.get("modules_to_save"):
-        raise ValueError(f"{where}: modules_to_save {_short(ac['modules_to_save'])} (whole "
-                         "trained modules) are not supported, only low-rank targets")
+        raise ValueError(
+            f"{where}: modules_to_save {_short(ac['modules_to_save'])} (whole "
+            "trained modules) are not supported, only low-rank targets"
+        )
     if field("bias", (str,), "none", "a string") not in (None, "none"):
         raise ValueError(f"{where}: bias {_short(ac['bias'])} is not supported (only 'none')")
     targets = field("target_modules", (list, str), [], "a list of module names or a string")
     if isinstance(targets, str):
         targets = [] if targets == "all-linear" else [targets]
     if not all(isinstance(t, str) for t in targets or []):
-        raise ValueError(f"{where}: {CONFIG}: target_modules must be a list of module names, "
-                         f"got {_short(targets)}")
+        raise ValueError(
+            f"{where}: {CONFIG}: target_modules must be a list of module names, "
+            f"got {_short(targets)}"
+        )
     unknown = sorted({t.split(".")[-1] for t in targets or []} - set(HF_TARGETS))
     if unknown:
-        raise ValueError(f"{where}: unknown target modules {_short(unknown)} (jaxkv applies "
-                         f"LoRA to {sorted(HF_TARGETS)})")
+        raise ValueError(
+            f"{where}: unknown target modules {_short(unknown)} (jaxkv applies "
+            f"LoRA to {sorted(HF_TARGETS)})"
+        )
     r = field("r", (int,), 8, "a positive integer")
     if r is not None and r < 1:
         raise ValueError(f"{where}: {CONFIG}: r must be a positive integer, got {r}")
     alpha = field("lora_alpha", (int, float), None, "a number")  # None: each factor's rank
     if alpha is not None and not math.isfinite(alpha):
-        raise ValueError(f"{where}: {CONFIG}: lora_alpha must be a finite number, got {_short(alpha)}")
-    out = dict(lora_alpha=alpha, use_rslora=bool(field("use_rslora", (bool,), False, "true or false")))
+        raise ValueError(
+            f"{where}: {CONFIG}: lora_alpha must be a finite number, got {_short(alpha)}"
+        )
+    out = dict(
+        lora_alpha=alpha, use_rslora=bool(field("use_rslora", (bool,), False, "true or false"))
+    )
     for name in ("alpha_pattern", "rank_pattern"):
         p = field(name, (dict,), {}, "an object of module names and numbers") or {}
         if len(p) > MAX_PATTERNS:
-            raise ValueError(f"{where}: {CONFIG}: {name} has {len(p)} keys, more than the "
-                             f"{MAX_PATTERNS} served")
+            raise ValueError(
+                f"{where}: {CONFIG}: {name} has {len(p)} keys, more than the {MAX_PATTERNS} served"
+            )
         for k, v in p.items():
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise ValueError(f"{where}: {CONFIG}: {name}[{_short(k)}] must be a finite number, "
-                                 f"got {_short(v)}")
+                raise ValueError(
+                    f"{where}: {CONFIG}: {name}[{_short(k)}] must be a finite number, "
+                    f"got {_short(v)}"
+                )
         out[name] = {_module_name(k, name, where): v for k, v in p.items()}
     return out
 
@@ -177,9 +209,11 @@ def _module_name(key: str, field: str, where: str) -> str:
     escaped dots are read as dots. Anything else is refused by name."""
     name = key.replace("\\.", ".").removeprefix("^").removesuffix("$")
     if not _MODULE.match(name):
-        raise ValueError(f"{where}: {CONFIG}: {field} key {_short(key)} is not a module name or "
-                         "dotted suffix of one (jaxkv does not run pattern keys as regular "
-                         "expressions)")
+        raise ValueError(
+            f"{where}: {CONFIG}: {field} key {_short(key)} is not a module name or "
+            "dotted suffix of one (jaxkv does not run pattern keys as regular "
+            "expressions)"
+        )
     return name
 
 
@@ -220,24 +254,30 @@ def _header(st_path: str, max_tensors: int) -> dict[str, tuple[str, tuple[int, .
         raise ValueError(f"lora: {st_path}: cannot be read ({e.strerror or e})") from None
     n = int.from_bytes(head, "little") if len(head) == 8 else -1
     if n < 2 or 8 + n > st.st_size:
-        raise ValueError(f"lora: {st_path}: not a safetensors file (its {st.st_size} bytes hold "
-                         "no header)")
+        raise ValueError(
+            f"lora: {st_path}: not a safetensors file (its {st.st_size} bytes hold no header)"
+        )
     if n > MAX_HEADER_BYTES:
-        raise ValueError(f"lora: {st_path}: a header of {n} bytes, over the "
-                         f"{MAX_HEADER_BYTES >> 20} MiB an adapter's needs")
+        raise ValueError(
+            f"lora: {st_path}: a header of {n} bytes, over the "
+            f"{MAX_HEADER_BYTES >> 20} MiB an adapter's needs"
+        )
     try:
         with safe_open(st_path, framework="numpy") as f:
             names = list(f.keys())
             if len(names) > max_tensors:
-                raise ValueError(f"lora: {st_path}: {len(names)} tensors; an adapter of this "
-                                 f"model has at most {max_tensors}")
+                raise ValueError(
+                    f"lora: {st_path}: {len(names)} tensors; an adapter of this "
+                    f"model has at most {max_tensors}"
+                )
             out = {}
             for name in names:
                 s = f.get_slice(name)
                 out[name] = (s.get_dtype(), tuple(int(x) for x in s.get_shape()))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"lora: {st_path}: corrupt or unreadable safetensors file "
-                         f"({str(e)[:200]})") from None
+        raise ValueError(
+            f"lora: {st_path}: corrupt or unreadable safetensors file ({str(e)[:200]})"
+        ) from None
     return out
 
 
@@ -248,40 +288,49 @@ def _factors(entries: dict, shapes: dict, L: int, max_rank: int, where: str) -> 
     for name, (dtype, shape) in entries.items():
         m = _KEY.search(name)
         if m is None or m.group(2) not in HF_TARGETS:
-            raise ValueError(f"{where}: tensor {_short(name)} targets a module jaxkv does not "
-                             f"apply LoRA to (only {sorted(HF_TARGETS)} of the decoder layers)")
+            raise ValueError(
+                f"{where}: tensor {_short(name)} targets a module jaxkv does not "
+                f"apply LoRA to (only {sorted(HF_TARGETS)} of the decoder layers)"
+            )
         layer, t = int(m.group(1)), HF_TARGETS[m.group(2)]
         if layer >= L:
             raise ValueError(f"{where}: {name!r} is for layer {layer}, the model has {L}")
         if t not in shapes:
-            raise ValueError(f"{where}: {name!r}: this model's MLPs include mixtures of "
-                             "experts; jaxkv applies LoRA to its attention only")
+            raise ValueError(
+                f"{where}: {name!r}: this model's MLPs include mixtures of "
+                "experts; jaxkv applies LoRA to its attention only"
+            )
         if dtype not in _FLOATS:
-            raise ValueError(f"{where}: tensor {name!r} is {dtype}; LoRA factors are F16, BF16, "
-                             "F32 or F64")
+            raise ValueError(
+                f"{where}: tensor {name!r} is {dtype}; LoRA factors are F16, BF16, F32 or F64"
+            )
         if len(shape) != 2:
-            raise ValueError(f"{where}: tensor {name!r} has shape {list(shape)}; LoRA factors "
-                             "are matrices")
+            raise ValueError(
+                f"{where}: tensor {name!r} has shape {list(shape)}; LoRA factors are matrices"
+            )
         n_in, n_out = shapes[t]
         if (m.group(3) == "A" and shape[1] != n_in) or (m.group(3) == "B" and shape[0] != n_out):
-            raise ValueError(f"{where}: layer {layer} {t}: lora_{m.group(3)} {list(shape)} does "
-                             f"not fit the base projection [{n_in} in, {n_out} out] (expected "
-                             f"[r, {n_in}] and [{n_out}, r])")
+            raise ValueError(
+                f"{where}: layer {layer} {t}: lora_{m.group(3)} {list(shape)} does "
+                f"not fit the base projection [{n_in} in, {n_out} out] (expected "
+                f"[r, {n_in}] and [{n_out}, r])"
+            )
         found.setdefault((layer, t), {})[m.group(3)] = name
     if not found:
         raise ValueError(f"{where}: no LoRA factors in {WEIGHTS}")
     out = {}
     for (layer, t), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: layer {layer} {t}: lora_A and lora_B must both be "
-                             "present")
+            raise ValueError(f"{where}: layer {layer} {t}: lora_A and lora_B must both be present")
         (_, A), (_, B) = entries[ab["A"]], entries[ab["B"]]
         n_in, n_out = shapes[t]
         r = A[0]
         if A[1] != n_in or B != (n_out, r):
-            raise ValueError(f"{where}: layer {layer} {t}: lora_A {list(A)} and lora_B "
-                             f"{list(B)} do not fit the base projection [{n_in} in, {n_out} "
-                             f"out] (expected [r, {n_in}] and [{n_out}, r])")
+            raise ValueError(
+                f"{where}: layer {layer} {t}: lora_A {list(A)} and lora_B "
+                f"{list(B)} do not fit the base projection [{n_in} in, {n_out} "
+                f"out] (expected [r, {n_in}] and [{n_out}, r])"
+            )
         if r < 1:
             raise ValueError(f"{where}: layer {layer} {t}: rank 0 (lora_A {list(A)})")
         if r > max_rank:
@@ -300,8 +349,9 @@ def _tensors(st_path: str, names: set[str]) -> dict[str, np.ndarray]:
             for name in names:
                 out[name] = np.asarray(f.get_tensor(name), np.float32)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"lora: {st_path}: corrupt or unreadable safetensors file "
-                         f"({str(e)[:200]})") from None
+        raise ValueError(
+            f"lora: {st_path}: corrupt or unreadable safetensors file ({str(e)[:200]})"
+        ) from None
     return out
 
 

@@ -89,17 +89,25 @@ def _hf_shape(how: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     raise AssertionError(how)
 
 
-def hf_tensor_map(config: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple[str, Any, tuple[int, ...]]]:
+def hf_tensor_map(
+    config: ModelConfig, names: Iterable[str] = ()
+) -> dict[str, tuple[str, Any, tuple[int, ...]]]:
     """HF name -> (jaxkv name, transform, expected HF shape) for every tensor the
     model needs. ``lm_head.weight`` is absent for tied embeddings. A sparse
     layer's tensors transform by `checkpoints.moe_tensors.Into` (experts
     stacked), in the layout ``names``, the checkpoint's, holds."""
     want = expected_shapes(config)
     table: dict[str, tuple[str, str, tuple[int, ...]]] = {}
-    layer_map = {**HF_LAYER_MAP, **HF_QK_NORM_MAP, **(HF_POST_NORM_MAP if config.post_norms else {})}
+    layer_map = {
+        **HF_LAYER_MAP,
+        **HF_QK_NORM_MAP,
+        **(HF_POST_NORM_MAP if config.post_norms else {}),
+    }
     entries = list(HF_TOP_MAP.items()) + [
         (f"model.layers.{i}.{suffix}", (f"layers.{i}.{name}", how))
-        for i in range(config.num_layers) for suffix, (name, how) in layer_map.items()]
+        for i in range(config.num_layers)
+        for suffix, (name, how) in layer_map.items()
+    ]
     for hf, (name, how) in entries:
         if name in want:  # skips lm_head when tied and biases when absent
             table[hf] = (name, how, _hf_shape(how, want[name]))
@@ -154,14 +162,17 @@ def hf_to_params(
     table, want = hf_tensor_map(config, names), expected_shapes(config)
     if config.tie_word_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")  # a tied copy of the embedding, dropped
-    stored = {n: (() if n.endswith(KV_SCALE_SUFFIXES) and tuple(shapes[n]) == (1,) else shapes[n])
-              for n in names}
+    stored = {
+        n: (() if n.endswith(KV_SCALE_SUFFIXES) and tuple(shapes[n]) == (1,) else shapes[n])
+        for n in names
+    }
     problems = shape_problems({n: t[2] for n, t in table.items()}, stored)
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
     params = {}
-    for hf in tqdm(sorted(table), desc="loading tensors", disable=None if progress else True,
-                   unit="tensor"):
+    for hf in tqdm(
+        sorted(table), desc="loading tensors", disable=None if progress else True, unit="tensor"
+    ):
         name, how, _ = table[hf]
         if kept and hf in kept:
             params[name] = kept[hf]
@@ -177,7 +188,9 @@ def hf_to_params(
     return params
 
 
-def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+def open_safetensors(
+    path: str | os.PathLike,
+) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
     """name -> (shape, loader) for each tensor of one safetensors file, read
     with the `safetensors` library (it validates the header, and that the
     tensors' data offsets are in range, contiguous and do not overlap).
@@ -187,16 +200,21 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
     path = Path(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
-            info = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
-                    for name in f.keys()}
+            info = {
+                name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                for name in f.keys()
+            }
     except SafetensorError as e:
         raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
     for name, (_, dtype) in info.items():
-        if dtype not in _ST_DTYPES and not (dtype == "U8" and name.endswith(("_blocks", "_scales"))):
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype} "
-                             f"(supported: {_ST_DTYPES})")
+        if dtype not in _ST_DTYPES and not (
+            dtype == "U8" and name.endswith(("_blocks", "_scales"))
+        ):
+            raise ValueError(
+                f"{path}: tensor {name!r} has unsupported dtype {dtype} (supported: {_ST_DTYPES})"
+            )
 
     def loader(name):
         def load() -> np.ndarray:
@@ -205,6 +223,7 @@ def open_safetensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
                     return f.get_tensor(name)
             except SafetensorError as e:
                 raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from None
+
         return load
 
     return {name: (shape, loader(name)) for name, (shape, _) in info.items()}
@@ -216,7 +235,8 @@ def _shard_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
         try:
             weight_map = read_json_file(index, MAX_INDEX_BYTES)["weight_map"]
             if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
                 raise TypeError("weight_map is not a {tensor: file} object")
         except (KeyError, TypeError) as e:
             raise ValueError(f"{index}: corrupt index file ({type(e).__name__}: {e})") from None
@@ -231,7 +251,9 @@ def _shard_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_hf_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+def load_hf_tensors(
+    path: str | os.PathLike,
+) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
     """All tensors of an HF dir, as name -> (shape, loader); checks the index."""
     path = Path(path)
     files, weight_map = _shard_files(path)
@@ -241,22 +263,34 @@ def load_hf_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...],
             if name in tensors:
                 raise ValueError(f"{f}: tensor {name!r} also appears in another shard")
             if weight_map is not None and weight_map.get(name) != f.name:
-                raise ValueError(f"{path / 'model.safetensors.index.json'}: corrupt index file "
-                                 f"(tensor {name!r} is in {f.name}, index says {weight_map.get(name)!r})")
+                raise ValueError(
+                    f"{path / 'model.safetensors.index.json'}: corrupt index file "
+                    f"(tensor {name!r} is in {f.name}, index says {weight_map.get(name)!r})"
+                )
             tensors[name] = entry
     if weight_map is not None:
         absent = sorted(set(weight_map) - set(tensors))
         if absent:
-            raise ValueError(f"{path / 'model.safetensors.index.json'}: corrupt index file "
-                             f"(tensors {absent[:5]} not found in their shards)")
+            raise ValueError(
+                f"{path / 'model.safetensors.index.json'}: corrupt index file "
+                f"(tensors {absent[:5]} not found in their shards)"
+            )
     return tensors
 
 
 # A multimodal checkpoint's language model under its own prefix
 # (transformers 5, then 4.x), and the parts of it a text decoder leaves out.
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
-_NOT_TEXT = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+_TEXT_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_NOT_TEXT = (
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+)
 
 
 def text_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -272,7 +306,7 @@ def text_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
             continue
         for old, new in _TEXT_PREFIXES:
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         out[name] = t
     return out
@@ -289,15 +323,20 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{cfg_path}: {e}") from None
 
 
-def load_hf_dir(path: str | os.PathLike, *, dtype: str | np.dtype | None = "float32",
-                progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_hf_dir(
+    path: str | os.PathLike, *, dtype: str | np.dtype | None = "float32", progress: bool = False
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load an HF model dir (config.json + safetensors) into (config, params)."""
     config = read_hf_config(path)
     tensors = mxfp4_tensors(text_tensors(load_hf_tensors(path)), str(path))  # MXFP4 experts: float
     if any(n.endswith(KV_SCALE_SUFFIXES) for n in tensors):  # the fp8 KV scales it carries
         config = dataclasses.replace(config, kv_cache_scales=True)
     params = hf_to_params(
-        config, {n: t[1] for n, t in tensors.items()}, {n: t[0] for n, t in tensors.items()},
-        dtype=dtype, source=str(path), progress=progress)
+        config,
+        {n: t[1] for n, t in tensors.items()},
+        {n: t[0] for n, t in tensors.items()},
+        dtype=dtype,
+        source=str(path),
+        progress=progress,
+    )
     return config, params
-

@@ -19,11 +19,14 @@ def __getattr__(name):
     # LLM and LLMEngine import jax and flax; load them on first use.
     if name == "LLM":
         from jaxkv.entrypoints.llm import LLM
+
         return LLM
     if name == "LoRARequest":
         from jaxkv.core.adapters.lora import LoRARequest
+
         return LoRARequest
     if name == "LLMEngine":
         from jaxkv.core.engine import LLMEngine
+
         return LLMEngine
     raise AttributeError(name)

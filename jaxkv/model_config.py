@@ -52,8 +52,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe",
-                         "mixtral", "gpt_oss"}
+SUPPORTED_MODEL_TYPES = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "gpt_oss",
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -82,11 +92,15 @@ class RopeScaling:
 
     def __post_init__(self):
         if self.rope_type not in ("llama3", "linear", "yarn"):
-            raise ValueError(f"rope_scaling: unsupported rope_type {self.rope_type!r} "
-                             "(supported: 'llama3', 'linear', 'yarn')")
+            raise ValueError(
+                f"rope_scaling: unsupported rope_type {self.rope_type!r} "
+                "(supported: 'llama3', 'linear', 'yarn')"
+            )
         for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
             if not 0 < getattr(self, name) < float("inf"):
-                raise ValueError(f"rope_scaling: {name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"rope_scaling: {name} must be positive, got {getattr(self, name)}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +166,16 @@ class ModelConfig:
                 f"architecture: unknown architecture {self.architecture!r}; "
                 f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -164,35 +186,54 @@ class ModelConfig:
             )
         for name in ("rope_theta", "rms_norm_eps"):  # NaN fails every comparison: refused too
             _positive(name, getattr(self, name))
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcap",
-                     "final_logit_softcap"):
+        for name in (
+            "rope_local_theta",
+            "query_pre_attn_scalar",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+        ):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.sliding_window is not None and (
-                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
-                or self.sliding_window <= 0):
-            raise ValueError(f"sliding_window: must be a positive integer or None, got {self.sliding_window!r}")
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"sliding_window: must be a positive integer or None, got {self.sliding_window!r}"
+            )
         if self.layer_types:
             if len(self.layer_types) != self.num_layers:
-                raise ValueError(f"layer_types: {len(self.layer_types)} entries for num_layers "
-                                 f"{self.num_layers}")
+                raise ValueError(
+                    f"layer_types: {len(self.layer_types)} entries for num_layers {self.num_layers}"
+                )
             bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
             if bad:
                 raise ValueError(f"layer_types: unsupported {bad}; supported: {list(LAYER_TYPES)}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
-                raise ValueError("sliding_window: layer_types has sliding layers but no window is set")
+                raise ValueError(
+                    "sliding_window: layer_types has sliding layers but no window is set"
+                )
         if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {list(ACTIVATIONS)}")
+            raise ValueError(
+                f"hidden_act: unsupported {self.hidden_act!r}; supported: {list(ACTIVATIONS)}"
+            )
         if not isinstance(self.norm_offset, (int, float)) or self.norm_offset not in (0, 1):
             raise ValueError(f"norm_offset: must be 0 (w) or 1 (1 + w), got {self.norm_offset!r}")
         self._validate_moe()
-        for tok in self.eos_token_ids + ((self.bos_token_id,) if self.bos_token_id is not None else ()):
+        for tok in self.eos_token_ids + (
+            (self.bos_token_id,) if self.bos_token_id is not None else ()
+        ):
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
                 raise ValueError(f"bos/eos token id {tok} outside vocab_size {self.vocab_size}")
 
     def _validate_moe(self) -> None:
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "shared_expert_intermediate_size"):
+        for name in (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
@@ -205,20 +246,29 @@ class ModelConfig:
         if any(not isinstance(s, bool) for s in self.sparse_layers):
             raise ValueError(f"sparse_layers: must be booleans, got {list(self.sparse_layers)[:8]}")
         if not self.num_experts:
-            for name in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-                         "moe_bias", "swiglu_limit"):
+            for name in (
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+                "moe_bias",
+                "swiglu_limit",
+            ):
                 if getattr(self, name):
                     raise ValueError(f"{name}: set without experts (num_experts is 0)")
             if any(self.sparse_layers):
                 raise ValueError("sparse_layers: sparse layers without experts (num_experts is 0)")
             return
         if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok: must be in 1..num_experts ({self.num_experts}), "
-                             f"got {self.num_experts_per_tok}")
+            raise ValueError(
+                f"num_experts_per_tok: must be in 1..num_experts ({self.num_experts}), "
+                f"got {self.num_experts_per_tok}"
+            )
         if not self.moe_intermediate_size:
             raise ValueError("moe_intermediate_size: must be positive when num_experts > 0")
         if self.sparse_layers and len(self.sparse_layers) != self.num_layers:
-            raise ValueError(f"sparse_layers: {len(self.sparse_layers)} entries for num_layers {self.num_layers}")
+            raise ValueError(
+                f"sparse_layers: {len(self.sparse_layers)} entries for num_layers {self.num_layers}"
+            )
 
     # ------------------------------------------------------------ per layer
     def layer_sparse(self, i: int) -> bool:
@@ -278,7 +328,9 @@ class ModelConfig:
             raise ValueError(f"model config: unknown fields {unknown}")
         if d.get("rope_scaling") is not None:
             if not isinstance(d["rope_scaling"], Mapping):
-                raise ValueError(f"rope_scaling: must be an object, got {str(d['rope_scaling'])[:60]}")
+                raise ValueError(
+                    f"rope_scaling: must be an object, got {str(d['rope_scaling'])[:60]}"
+                )
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         for name in ("eos_token_ids", "layer_types", "sparse_layers"):
             v = d.get(name, ())

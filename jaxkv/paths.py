@@ -39,8 +39,13 @@ def private_cache(sub: str, instead: str) -> Path | None:
         return path
     if sub not in _WARNED:
         _WARNED.add(sub)
-        log.warning("jaxkv: not using the cache folder %s: %s; %s (make it private, e.g. "
-                    "chmod 700, or set JAXKV_CACHE to a folder of your own)", path, why, instead)
+        log.warning(
+            "jaxkv: not using the cache folder %s: %s; %s (make it private, e.g. "
+            "chmod 700, or set JAXKV_CACHE to a folder of your own)",
+            path,
+            why,
+            instead,
+        )
     return None
 
 
@@ -48,8 +53,11 @@ def uses_program_store(engine_options: dict) -> bool:
     """Whether an engine of these options keeps its compiled programs in
     jaxkv's own store (`program_cache`, on one device of one process)."""
     procs = engine_options.get("num_processes") or os.environ.get("JAXKV_NUM_PROCESSES") or 1
-    return (engine_options.get("program_cache", True) is not False
-            and (engine_options.get("tensor_parallel_size") or 1) == 1 and int(procs) <= 1)
+    return (
+        engine_options.get("program_cache", True) is not False
+        and (engine_options.get("tensor_parallel_size") or 1) == 1
+        and int(procs) <= 1
+    )
 
 
 def enable_compilation_cache() -> None:

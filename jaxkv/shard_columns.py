@@ -19,7 +19,7 @@ def qkv_columns(cfg, plan) -> np.ndarray:
     cols = []
     for s in range(t):
         cols.append(heads(0, np.arange(s * Hl, (s + 1) * Hl), D))
-        kv = kv_of[s * Kl:(s + 1) * Kl]
+        kv = kv_of[s * Kl : (s + 1) * Kl]
         cols.append(heads(H * D, kv, D))
         cols.append(heads((H + K) * D, kv, D))
     return np.concatenate(cols)
@@ -38,8 +38,9 @@ def kv_columns(cfg, plan) -> np.ndarray:
 def gate_up_columns(F: int, tp: int) -> np.ndarray:
     """Column order of a sharded gate | up weight ([gate F | up F] unsharded)."""
     Fl = F // tp
-    return np.concatenate([np.r_[s * Fl:(s + 1) * Fl, F + s * Fl:F + (s + 1) * Fl]
-                           for s in range(tp)])
+    return np.concatenate(
+        [np.r_[s * Fl : (s + 1) * Fl, F + s * Fl : F + (s + 1) * Fl] for s in range(tp)]
+    )
 
 
 def take_columns(x, cols: np.ndarray):

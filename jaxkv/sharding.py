@@ -104,35 +104,48 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> int:
         raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
     H, K, F = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     if H % tp:
-        raise ValueError(f"tensor_parallel_size: the model's {H} query heads cannot be split "
-                         f"over {tp} shards ({H} is not a multiple of {tp})")
+        raise ValueError(
+            f"tensor_parallel_size: the model's {H} query heads cannot be split "
+            f"over {tp} shards ({H} is not a multiple of {tp})"
+        )
     dense = not cfg.num_experts or any(not cfg.layer_sparse(i) for i in range(cfg.num_layers))
     if F % tp and dense:  # an all-expert model (Mixtral) has no dense MLP to split
-        raise ValueError(f"tensor_parallel_size: the MLP's intermediate size {F} is not a "
-                         f"multiple of {tp}")
+        raise ValueError(
+            f"tensor_parallel_size: the MLP's intermediate size {F} is not a multiple of {tp}"
+        )
     if tp <= K:
         if K % tp:
-            raise ValueError(f"tensor_parallel_size: the model's {K} KV heads cannot be split "
-                             f"over {tp} shards ({K} is not a multiple of {tp})")
+            raise ValueError(
+                f"tensor_parallel_size: the model's {K} KV heads cannot be split "
+                f"over {tp} shards ({K} is not a multiple of {tp})"
+            )
         return K
     if tp % K:
-        raise ValueError(f"tensor_parallel_size: {tp} shards cannot hold whole copies of the "
-                         f"model's {K} KV heads ({tp} is not a multiple of {K})")
+        raise ValueError(
+            f"tensor_parallel_size: {tp} shards cannot hold whole copies of the "
+            f"model's {K} KV heads ({tp} is not a multiple of {K})"
+        )
     return tp
 
 
 def check_expert_split(cfg: ModelConfig, tp: int, expert_parallel: bool) -> None:
     """Raises ValueError when a mixture of experts cannot be split `tp` ways."""
     if expert_parallel and cfg.num_experts % tp:
-        raise ValueError(f"enable_expert_parallel: {cfg.num_experts} experts cannot be split "
-                         f"evenly over tensor_parallel_size={tp} devices")
+        raise ValueError(
+            f"enable_expert_parallel: {cfg.num_experts} experts cannot be split "
+            f"evenly over tensor_parallel_size={tp} devices"
+        )
     if not expert_parallel and cfg.moe_intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size: the experts' intermediate size "
-                         f"{cfg.moe_intermediate_size} is not divisible by {tp}; "
-                         f"enable_expert_parallel splits whole experts instead")
+        raise ValueError(
+            f"tensor_parallel_size: the experts' intermediate size "
+            f"{cfg.moe_intermediate_size} is not divisible by {tp}; "
+            f"enable_expert_parallel splits whole experts instead"
+        )
     if cfg.shared_expert_intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size: the shared expert's intermediate size "
-                         f"{cfg.shared_expert_intermediate_size} is not divisible by {tp}")
+        raise ValueError(
+            f"tensor_parallel_size: the shared expert's intermediate size "
+            f"{cfg.shared_expert_intermediate_size} is not divisible by {tp}"
+        )
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=None) -> Mesh:
@@ -144,7 +157,8 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=No
         raise ValueError(
             f"tensor_parallel_size: {need} devices needed, {len(devices)} available "
             f"({jax.default_backend()}); on CPU, XLA_FLAGS=--xla_force_host_platform_device_"
-            f"count={need} before jax starts gives one process {need} devices")
+            f"count={need} before jax starts gives one process {need} devices"
+        )
     grid = np.array(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, AXES)
 
@@ -165,18 +179,33 @@ class ShardingPlan:
     expert_parallel: bool = False
 
     @classmethod
-    def make(cls, cfg: ModelConfig, tensor_parallel_size: int, mesh=None,
-             devices=None, expert_parallel: bool = False) -> ShardingPlan:
+    def make(
+        cls,
+        cfg: ModelConfig,
+        tensor_parallel_size: int,
+        mesh=None,
+        devices=None,
+        expert_parallel: bool = False,
+    ) -> ShardingPlan:
         tp = tensor_parallel_size
         kv = check_tensor_parallel(cfg, tp)
         if cfg.num_experts:
             check_expert_split(cfg, tp, expert_parallel)
         mesh = make_mesh(tp, 1, devices) if mesh is None else mesh
         if dict(mesh.shape).get("model") != tp:
-            raise ValueError(f"mesh: its 'model' axis has {dict(mesh.shape).get('model')} "
-                             f"devices, tensor_parallel_size is {tp}")
-        return cls(mesh, tp, kv, cfg.num_kv_heads, cfg.hidden_size % tp == 0,
-                   cfg.vocab_size % tp == 0, bool(expert_parallel and cfg.num_experts))
+            raise ValueError(
+                f"mesh: its 'model' axis has {dict(mesh.shape).get('model')} "
+                f"devices, tensor_parallel_size is {tp}"
+            )
+        return cls(
+            mesh,
+            tp,
+            kv,
+            cfg.num_kv_heads,
+            cfg.hidden_size % tp == 0,
+            cfg.vocab_size % tp == 0,
+            bool(expert_parallel and cfg.num_experts),
+        )
 
     @property
     def kv_replicas(self) -> int:
@@ -215,11 +244,19 @@ class ShardingPlan:
         if leaf in ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias"):
             if self.expert_parallel:
                 return P("model")
-            return {"experts_gate_up": P(None, None, "model"), "experts_down": P(None, "model"),
-                    "experts_gate_up_bias": P(None, "model")}.get(leaf, P())
+            return {
+                "experts_gate_up": P(None, None, "model"),
+                "experts_down": P(None, "model"),
+                "experts_gate_up_bias": P(None, "model"),
+            }.get(leaf, P())
         if "lora" in names:  # (7)
-            return (P(None, "model", None) if leaf in ("a_o", "a_down") else P()
-                    if leaf[0] == "a" or leaf in ("b_o", "b_down") else P(None, None, "model"))
+            return (
+                P(None, "model", None)
+                if leaf in ("a_o", "a_down")
+                else P()
+                if leaf[0] == "a" or leaf in ("b_o", "b_down")
+                else P(None, None, "model")
+            )
         if leaf == "shared_w_gate_up":
             return P(None, "model")
         if leaf == "shared_w_down":
@@ -237,7 +274,10 @@ def shard_model(model, plan: ShardingPlan):
     if getattr(model, "num_shards", 1) != 1:
         raise ValueError("shard_model: the model is already sharded")
     cfg = model.config
-    columns = {"wqkv": qkv_columns(cfg, plan), "w_gate_up": gate_up_columns(cfg.intermediate_size, plan.tp)}
+    columns = {
+        "wqkv": qkv_columns(cfg, plan),
+        "w_gate_up": gate_up_columns(cfg.intermediate_size, plan.tp),
+    }
     if cfg.num_experts and not plan.expert_parallel:
         columns["experts_gate_up"] = gate_up_columns(cfg.moe_intermediate_size, plan.tp)
         columns["experts_gate_up_bias"] = columns["experts_gate_up"]
@@ -248,8 +288,9 @@ def shard_model(model, plan: ShardingPlan):
     def place(path, x):
         names = [p for p in path if isinstance(p, str)]
         owner = names[-2] if len(names) > 1 else ""
-        cols = columns.get("wqkv" if names[-1] == "bqkv" else names[-1] if names[-1] in columns
-                           else owner)
+        cols = columns.get(
+            "wqkv" if names[-1] == "bqkv" else names[-1] if names[-1] in columns else owner
+        )
         if cols is not None:
             x = take_columns(x, cols)
         sharding = plan.named(*plan.param_spec(path))

@@ -51,9 +51,15 @@ def _token_str(tok: Any) -> str | None:
 class Tokenizer:
     """Text <-> token ids, plus special ids and chat template rendering."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token_id: int | None = None,
-                 eos_token_ids: Iterable[int] = (), chat_template: str | None = None,
-                 special_tokens: Mapping[str, str | None] | None = None):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str | None] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(dict.fromkeys(int(e) for e in eos_token_ids))
@@ -63,7 +69,9 @@ class Tokenizer:
         if bos_token_id is not None:
             self.special_tokens.setdefault("bos_token", tokenizer.id_to_token(bos_token_id))
         if self.eos_token_ids:
-            self.special_tokens.setdefault("eos_token", tokenizer.id_to_token(self.eos_token_ids[0]))
+            self.special_tokens.setdefault(
+                "eos_token", tokenizer.id_to_token(self.eos_token_ids[0])
+            )
 
     # ------------------------------------------------------------------ use
     @property
@@ -88,8 +96,12 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(int(token_id))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) with the chat template."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
@@ -97,8 +109,9 @@ class Tokenizer:
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
         try:
-            return template.render(messages=list(messages),
-                                   add_generation_prompt=add_generation_prompt, **context)
+            return template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **context
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
 
@@ -109,8 +122,11 @@ class Tokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / "tokenizer.json").write_text(self.tokenizer.to_str(), encoding="utf-8")
-        meta = {"bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids),
-                "special_tokens": self.special_tokens}
+        meta = {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "special_tokens": self.special_tokens,
+        }
         (d / META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if self.chat_template:
             (d / TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
@@ -123,12 +139,23 @@ class Tokenizer:
         tok = _load_tokenizer_json(d / "tokenizer.json")
         bos, eos = meta.get("bos_token_id"), meta.get("eos_token_ids", [])
         special = meta.get("special_tokens", {})
-        if not (_ids(eos, tok) and (bos is None or _ids([bos], tok)) and isinstance(special, dict)
-                and all(isinstance(v, (str, type(None))) for v in special.values())):
-            raise ValueError(f"{d / META_FILE}: corrupt tokenizer metadata (bos_token_id, "
-                             "eos_token_ids: token ids; special_tokens: token strings)")
-        return cls(tok, bos_token_id=bos, eos_token_ids=eos,
-                   chat_template=_read_text(d / TEMPLATE_FILE), special_tokens=special)
+        if not (
+            _ids(eos, tok)
+            and (bos is None or _ids([bos], tok))
+            and isinstance(special, dict)
+            and all(isinstance(v, (str, type(None))) for v in special.values())
+        ):
+            raise ValueError(
+                f"{d / META_FILE}: corrupt tokenizer metadata (bos_token_id, "
+                "eos_token_ids: token ids; special_tokens: token strings)"
+            )
+        return cls(
+            tok,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            chat_template=_read_text(d / TEMPLATE_FILE),
+            special_tokens=special,
+        )
 
     @classmethod
     def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
@@ -144,18 +171,26 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             if not all(isinstance(t, dict) for t in template):
-                raise ValueError(f"{cfg_path}: chat_template: a list of {{name, template}} objects, "
-                                 f"got {str(template)[:80]}")
+                raise ValueError(
+                    f"{cfg_path}: chat_template: a list of {{name, template}} objects, "
+                    f"got {str(template)[:80]}"
+                )
             template = {t.get("name"): t.get("template") for t in template}.get("default")
         file_template = _read_text(d / TEMPLATE_FILE)
         template = file_template if file_template is not None else template
         if not isinstance(template, (str, type(None))):
-            raise ValueError(f"{cfg_path}: chat_template: must be a string, got {str(template)[:80]}")
-        special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+            raise ValueError(
+                f"{cfg_path}: chat_template: must be a string, got {str(template)[:80]}"
+            )
+        special = {
+            k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
         for k, v in special.items():
             if not isinstance(v, (str, type(None))):
-                raise ValueError(f"{cfg_path}: {k}: must be a token string or {{\"content\": ...}}, "
-                                 f"got {str(cfg.get(k))[:80]}")
+                raise ValueError(
+                    f'{cfg_path}: {k}: must be a token string or {{"content": ...}}, '
+                    f"got {str(cfg.get(k))[:80]}"
+                )
         bos = tok.token_to_id(special["bos_token"]) if special["bos_token"] else None
         eos = []
         if special["eos_token"] and tok.token_to_id(special["eos_token"]) is not None:
@@ -163,11 +198,18 @@ class Tokenizer:
         gen_eos = gen.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
         if not _ids(gen_eos, tok):
-            raise ValueError(f"{gen_path}: eos_token_id: must be a token id or a list of them "
-                             f"(below {tok.get_vocab_size(with_added_tokens=True)}), "
-                             f"got {str(gen.get('eos_token_id'))[:80]}")
-        return cls(tok, bos_token_id=bos, eos_token_ids=eos + gen_eos, chat_template=template,
-                   special_tokens=special)
+            raise ValueError(
+                f"{gen_path}: eos_token_id: must be a token id or a list of them "
+                f"(below {tok.get_vocab_size(with_added_tokens=True)}), "
+                f"got {str(gen.get('eos_token_id'))[:80]}"
+            )
+        return cls(
+            tok,
+            bos_token_id=bos,
+            eos_token_ids=eos + gen_eos,
+            chat_template=template,
+            special_tokens=special,
+        )
 
 
 def read_regular_file(path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES) -> bytes:
@@ -186,11 +228,15 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read "
-                             "it (checkpoint files must be regular files, optional ones too)")
+            raise ValueError(
+                f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read "
+                "it (checkpoint files must be regular files, optional ones too)"
+            )
         if st.st_size > max_bytes:
-            raise ValueError(f"{path}: {st.st_size} bytes, larger than the {max_bytes / (1 << 20):g} MiB "
-                             "limit for this file")
+            raise ValueError(
+                f"{path}: {st.st_size} bytes, larger than the {max_bytes / (1 << 20):g} MiB "
+                "limit for this file"
+            )
         # O_NONBLOCK: if a FIFO replaced the file since the stat, opening it
         # must not wait for a writer; fstat then refuses it.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -203,12 +249,15 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
     if len(data) > max_bytes:
-        raise ValueError(f"{path}: larger than the {max_bytes / (1 << 20):g} MiB limit for this file")
+        raise ValueError(
+            f"{path}: larger than the {max_bytes / (1 << 20):g} MiB limit for this file"
+        )
     return data
 
 
-def read_json_file(path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES, *,
-                   optional: bool = False) -> dict:
+def read_json_file(
+    path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES, *, optional: bool = False
+) -> dict:
     """A JSON object from a regular file of at most ``max_bytes``
     (`read_regular_file`); ``{}`` for an absent ``optional`` file. Missing
     (when required), corrupt, too deeply nested or not an object: a
@@ -252,13 +301,18 @@ def _ids(values: Any, tok: tokenizers.Tokenizer) -> bool:
     """Whether ``values`` is a list of token ids of ``tok``."""
     n = tok.get_vocab_size(with_added_tokens=True)
     return isinstance(values, (list, tuple)) and all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n for v in values)
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n for v in values
+    )
 
 
 def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return name
     return "not a plain file"
@@ -272,17 +326,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja's own tojson HTML-escapes; chat templates want plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -3,8 +3,17 @@
 
 from __future__ import annotations
 
-_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+_UNITS = {
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "B": 1,
+}
 
 
 def parse_size(text: str) -> int:
@@ -13,7 +22,7 @@ def parse_size(text: str) -> int:
     try:
         for u, m in _UNITS.items():
             if t.endswith(u):
-                return int(float(t[:-len(u)]) * m)
+                return int(float(t[: -len(u)]) * m)
         return int(float(t))
     except ValueError:
         raise ValueError(f"not a size in bytes: {text!r} (e.g. 24GB, 512MiB)") from None

@@ -60,8 +60,12 @@ def mkl_dir() -> Path | None:
     import site
     import sysconfig
 
-    cands = [Path(sys.prefix) / "lib", Path(sys.base_prefix) / "lib",
-             Path(site.getuserbase()) / "lib", Path(sysconfig.get_config_var("LIBDIR") or "/")]
+    cands = [
+        Path(sys.prefix) / "lib",
+        Path(sys.base_prefix) / "lib",
+        Path(site.getuserbase()) / "lib",
+        Path(sysconfig.get_config_var("LIBDIR") or "/"),
+    ]
     for d in cands:
         if all(glob.glob(str(d / f"{lib}.so*")) for lib in _MKL_LIBS):
             return d
@@ -83,8 +87,9 @@ def openblas_path() -> Path | None:
     """numpy's bundled OpenBLAS (64-bit integers), or None."""
     import numpy
 
-    libs = sorted((Path(numpy.__file__).parent.parent / "numpy.libs").glob(
-        "libscipy_openblas64_*.so*"))
+    libs = sorted(
+        (Path(numpy.__file__).parent.parent / "numpy.libs").glob("libscipy_openblas64_*.so*")
+    )
     return libs[0] if libs else None
 
 
@@ -115,8 +120,10 @@ def _use_blas(lib: ctypes.CDLL) -> None:
     if not _OPENBLAS:
         _OPENBLAS.append(ctypes.CDLL(str(openblas_path())))
     ob = _OPENBLAS[0]
-    addr = [ctypes.cast(f, ctypes.c_void_p).value
-            for f in (ob.scipy_cblas_sgemm64_, ob.openblas_set_num_threads_local)]
+    addr = [
+        ctypes.cast(f, ctypes.c_void_p).value
+        for f in (ob.scipy_cblas_sgemm64_, ob.openblas_set_num_threads_local)
+    ]
     lib.jaxkv_blas_use.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.jaxkv_blas_use(*addr)
 
@@ -144,9 +151,13 @@ def _cache_root() -> Path:
 
     _PRIVATE.append(Path(tempfile.mkdtemp(prefix="jaxkv-native-")))
     atexit.register(shutil.rmtree, _PRIVATE[0], True)
-    warnings.warn(f"jaxkv: not using the native kernel folder {root}: {why}; building in "
-                  f"{_PRIVATE[0]} for this process (make it private, e.g. chmod 700, or set "
-                  "JAXKV_CACHE to a folder of your own)", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"jaxkv: not using the native kernel folder {root}: {why}; building in "
+        f"{_PRIVATE[0]} for this process (make it private, e.g. chmod 700, or set "
+        "JAXKV_CACHE to a folder of your own)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
     return _PRIVATE[0]
 
 
@@ -170,16 +181,35 @@ def _build(name: str, source: Path, mkl: Path) -> Path:
     libs = []
     for lib in _MKL_LIBS:  # link the versioned file itself (the wheel has no .so links)
         libs.append("-l:" + Path(sorted(glob.glob(str(mkl / f"{lib}.so*")))[-1]).name)
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-             "-fno-math-errno", "-w", f"-I{jax.ffi.include_dir()}", f"-I{Path(__file__).parent}"]
+    flags = [
+        "-O3",
+        "-march=native",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-fno-math-errno",
+        "-w",
+        f"-I{jax.ffi.include_dir()}",
+        f"-I{Path(__file__).parent}",
+    ]
     link = [f"-L{mkl}", f"-Wl,-rpath,{mkl}", *libs, "-lgomp", "-lpthread", "-lm", "-ldl"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([
-        source.read_text(),
-        *(Path(__file__).with_name(h).read_text() for h in ("blas.h", "pool.h")),
-        " ".join(flags + link), version, jax.__version__, jaxlib.__version__,
-        str(mkl),
-        platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                source.read_text(),
+                *(Path(__file__).with_name(h).read_text() for h in ("blas.h", "pool.h")),
+                " ".join(flags + link),
+                version,
+                jax.__version__,
+                jaxlib.__version__,
+                str(mkl),
+                platform.machine(),
+                _cpu_flags(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     out = _cache_root() / f"{name}-{key}.so"
     if out.exists():
         bad = private_dirs.private_file(out)
@@ -190,8 +220,9 @@ def _build(name: str, source: Path, mkl: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, *flags, str(source), "-o", tmp, *link],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [cxx, *flags, str(source), "-o", tmp, *link], capture_output=True, text=True
+        )
         if r.returncode != 0:
             raise RuntimeError(f"{cxx} failed on {source.name}: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key is identical
@@ -211,8 +242,10 @@ def load(name: str, source: Path, symbols: tuple[str, ...]) -> bool:
         if not enabled():
             _REASONS[name] = "disabled by JAXKV_NATIVE_CPU=0"
         elif platform.machine() not in ("x86_64", "AMD64") or sys.platform != "linux":
-            _REASONS[name] = f"native CPU kernels are built for x86-64 Linux only " \
-                             f"(this is {sys.platform} {platform.machine()})"
+            _REASONS[name] = (
+                f"native CPU kernels are built for x86-64 Linux only "
+                f"(this is {sys.platform} {platform.machine()})"
+            )
         elif (mkl := mkl_dir()) is None:
             _REASONS[name] = "Intel MKL not found (pip install mkl)"
         else:
@@ -225,15 +258,20 @@ def load(name: str, source: Path, symbols: tuple[str, ...]) -> bool:
                 lib = ctypes.cdll.LoadLibrary(str(_build(name, source, mkl)))
                 _use_blas(lib)
                 for sym in symbols:
-                    jax.ffi.register_ffi_target(f"jaxkv_{sym}", jax.ffi.pycapsule(getattr(lib, sym)),
-                                                platform="cpu")
+                    jax.ffi.register_ffi_target(
+                        f"jaxkv_{sym}", jax.ffi.pycapsule(getattr(lib, sym)), platform="cpu"
+                    )
                 ok = True
             except Exception as e:  # the XLA path still serves; say why once
                 _REASONS[name] = f"{type(e).__name__}: {e}"
         if not ok and enabled():
             import warnings
-            warnings.warn(f"jaxkv: native CPU kernels '{name}' unavailable, using XLA's "
-                          f"({_REASONS[name]})", RuntimeWarning, stacklevel=3)
+
+            warnings.warn(
+                f"jaxkv: native CPU kernels '{name}' unavailable, using XLA's ({_REASONS[name]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         _LOADED[name] = ok
         return ok
 

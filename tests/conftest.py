@@ -42,7 +42,8 @@ def hf_smollm2(smollm2_gguf):
 
     torch.set_num_threads(2)
     return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, torch_dtype=torch.float32).eval()
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, torch_dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 layers (entrypoints, training, core, checkpoints, worker, model, jaxkv's
 top-level modules, pallas_kernels), no import cycle between modules,
 scripts import nothing from tests, and every source file stays about 300
-lines or is a named exception with its reason. Imports inside functions
+lines (400 as formatted) or is a named exception with its reason. Imports inside functions
 count too."""
 
 import ast
@@ -13,24 +13,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxkv", "checkpoints", "pallas_kernels")
 # Top to bottom: a package may import only the ones below it.
-LAYERS = ("jaxkv.api", "jaxkv.entrypoints", "jaxkv.training", "jaxkv.core", "checkpoints",
-          "jaxkv.worker", "jaxkv.model", "jaxkv.base", "pallas_kernels")
-MAX_LINES = 300
+LAYERS = (
+    "jaxkv.api",
+    "jaxkv.entrypoints",
+    "jaxkv.training",
+    "jaxkv.core",
+    "checkpoints",
+    "jaxkv.worker",
+    "jaxkv.model",
+    "jaxkv.base",
+    "pallas_kernels",
+)
+# About 300 lines as the code is written by hand; ruff's formatter spreads a
+# call that does not fit one argument a line, so the bound is 400 of its lines.
+MAX_LINES = 400
 # Longer files, each one concern that reads best whole: (the most lines, why).
 LONGER = {
-    "jaxkv/core/engine.py": (400, "LLMEngine: the public API and the wiring of its collaborators"),
-    "jaxkv/core/scheduling/scheduler.py": (380, "one scheduling pass: decodes, chunks, preemption"),
-    "jaxkv/core/scheduling/block_manager.py": (360, "block tables: allocation, prefix hits, "
-                                                    "copy-on-write, the hybrid pool's rings"),
-    "jaxkv/core/spec/eagle.py": (340, "the EAGLE-3 proposer: its head's cache and its calls"),
-    "jaxkv/config.py": (360, "every engine option in one dataclass, with its help text"),
-    "jaxkv/model/memory.py": (340, "the KV size formula and the planner, term by term"),
-    "jaxkv/training/trainer.py": (340, "the EAGLE-3 objective, its optimizer and checkpoints"),
-    "checkpoints/peft_adapter.py": (340, "every check of an untrusted adapter folder"),
-    "checkpoints/safetensors_io.py": (340, "the Hugging Face name map and its transforms"),
-    "scripts/bench/moe.py": (340, "one benchmark, four measurements against their peers"),
-    "scripts/probe/offline.py": (340, "the offline probe's cases and their judging"),
-    "scripts/probe/serve.py": (340, "the HTTP probe's client, judge and run"),
+    "jaxkv/core/engine.py": (480, "LLMEngine: the public API and the wiring of its collaborators"),
+    "jaxkv/config.py": (440, "every engine option in one dataclass, each with its help text"),
+    "jaxkv/model/memory.py": (430, "the KV size formula and the planner, term by term"),
+    "scripts/probe/offline.py": (470, "the offline probe's cases and their judging"),
+    "scripts/probe/serve.py": (450, "the HTTP probe's client, judge and run"),
+    "scripts/probe/checkpoint_builders.py": (430, "one writer per hostile checkpoint"),
+    "scripts/bench/moe.py": (460, "one benchmark, four measurements against their peers"),
+    "scripts/bench/attention_gpu.py": (450, "the GPU kernels' correctness and timing in one run"),
+    "scripts/bench/paging.py": (430, "the paging benchmark and its contiguous peer"),
 }
 
 
@@ -55,7 +62,7 @@ def _imports(path: Path, module: str, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names)
@@ -128,11 +135,13 @@ def test_imports_point_down_the_layers():
     pkg_graph: dict[str, set[str]] = {}
     for m, deps in _graph().items():
         pkg_graph.setdefault(_package(m), set()).update(
-            _package(d) for d in deps if _package(d) != _package(m))
+            _package(d) for d in deps if _package(d) != _package(m)
+        )
     print({k: sorted(v) for k, v in sorted(pkg_graph.items())})
     assert set(pkg_graph) <= set(LAYERS), sorted(set(pkg_graph) - set(LAYERS))
-    up = sorted((a, b) for a, deps in pkg_graph.items() for b in deps
-                if LAYERS.index(b) <= LAYERS.index(a))
+    up = sorted(
+        (a, b) for a, deps in pkg_graph.items() for b in deps if LAYERS.index(b) <= LAYERS.index(a)
+    )
     assert up == []
     assert _cycles(pkg_graph) == []
 
@@ -145,8 +154,11 @@ def test_scripts_import_nothing_from_tests():
     for f in (ROOT / "scripts").rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
                     else [node.module or ""]
+                )
                 assert not any(n == "tests" or n.startswith("tests.") for n in names), f
 
 
@@ -162,7 +174,9 @@ def test_source_files_stay_short(folder):
 
 def test_each_longer_file_is_longer():
     """An exception whose file shrank below the rule, or went away, goes too."""
-    stale = {name for name in LONGER
-             if not (ROOT / name).is_file()
-             or len((ROOT / name).read_text().splitlines()) <= MAX_LINES}
+    stale = {
+        name
+        for name in LONGER
+        if not (ROOT / name).is_file() or len((ROOT / name).read_text().splitlines()) <= MAX_LINES
+    }
     assert stale == set()

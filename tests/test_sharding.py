@@ -62,8 +62,24 @@ def test_tensor_parallel_pallas_interpret_matches_one_device():
     # attention, in this process.
     from tests.helpers.sharding_worker import load, run
 
-    proc = start_worker(["tp", "--tp", "4", "--backend", "pallas", "--max-tokens", "4",
-                    "--prompts", "8", "--num-pages", "12", "--layers", "1"], devices=4)
+    proc = start_worker(
+        [
+            "tp",
+            "--tp",
+            "4",
+            "--backend",
+            "pallas",
+            "--max-tokens",
+            "4",
+            "--prompts",
+            "8",
+            "--num-pages",
+            "12",
+            "--layers",
+            "1",
+        ],
+        devices=4,
+    )
     try:  # the oracle runs while the worker compiles
         oracle = run(load(None, layers=1), 1, "reference", 4, 8, num_pages=12)
     except BaseException:
@@ -77,8 +93,14 @@ def test_two_processes_match_one_device(one_device):
     """Process 0 schedules with overlap (`jaxkv generate` on two processes,
     in test_cli_generate_on_two_processes_matches_one, runs without)."""
     port = free_port()
-    args = ["job", "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}",
-            "--async-scheduling"]
+    args = [
+        "job",
+        "--num-processes",
+        "2",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--async-scheduling",
+    ]
     procs = [start_worker(args + ["--process-id", str(i)], devices=2) for i in (0, 1)]
     try:
         got = worker_result(procs[0], timeout=900)
@@ -123,31 +145,46 @@ def test_collectives_are_megatrons_only():
         "for k in (ProgramKey('decode', 4, 4), ProgramKey('mixed', 64, 8)):\n"
         "    txt = eng.runner.lower(k).compile().as_text()\n"
         "    print(json.dumps(re.findall(r'= (\\S+?)\\{\\S* (all-gather|all-reduce|"
-        "reduce-scatter|all-to-all|collective-permute)(?:-start)?\\(', txt)))\n")
+        "reduce-scatter|all-to-all|collective-permute)(?:-start)?\\(', txt)))\n"
+    )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     decode, mixed = (json.loads(l) for l in proc.stdout.splitlines()[-2:])
     E, V, L = TINY.hidden_size, TINY.vocab_size, TINY.num_layers
     for ops, T, S in ((decode, 4, 4), (mixed, 64, 8)):
-        want = sorted([[f"f32[{T},{E}]", "all-gather"], [f"f32[{S},{V}]", "all-gather"]]
-                      + [[f"f32[{T},{E}]", "all-reduce"]] * 2 * L)
+        want = sorted(
+            [[f"f32[{T},{E}]", "all-gather"], [f"f32[{S},{V}]", "all-gather"]]
+            + [[f"f32[{T},{E}]", "all-reduce"]] * 2 * L
+        )
         assert sorted(ops) == want
 
 
-@pytest.mark.parametrize("heads,kv,tp,message", [
-    (9, 3, 2, "9 query heads cannot be split over 2"),
-    (8, 4, 3, "8 query heads cannot be split over 3"),
-    (8, 2, 8, None),
-    (12, 3, 6, None),
-    (8, 4, 2, None),
-    (12, 4, 6, "6 shards cannot hold whole copies of the model's 4 KV heads"),
-    (12, 6, 4, "6 KV heads cannot be split over 4"),
-])
+@pytest.mark.parametrize(
+    "heads,kv,tp,message",
+    [
+        (9, 3, 2, "9 query heads cannot be split over 2"),
+        (8, 4, 3, "8 query heads cannot be split over 3"),
+        (8, 2, 8, None),
+        (12, 3, 6, None),
+        (8, 4, 2, None),
+        (12, 4, 6, "6 shards cannot hold whole copies of the model's 4 KV heads"),
+        (12, 6, 4, "6 KV heads cannot be split over 4"),
+    ],
+)
 def test_splits_that_cannot_give_whole_heads_are_refused(heads, kv, tp, message):
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=96, intermediate_size=96,
-                      num_layers=1, num_heads=heads, num_kv_heads=kv, head_dim=8)
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=8,
+    )
     if message is None:
         stored = check_tensor_parallel(cfg, tp)
         assert stored == max(kv, tp) and stored % tp == 0
@@ -159,9 +196,16 @@ def test_splits_that_cannot_give_whole_heads_are_refused(heads, kv, tp, message)
 def test_llama3_8b_per_device_table():
     """The planner's per-device figures for a Llama-3-8B-shaped model, by
     hand: 8.03e9 parameters, bfloat16."""
-    cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
-                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                      head_dim=128)
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+    )
     one = memory.per_device_bytes(cfg, 1, "bfloat16")["params"]
     assert one == memory.weight_bytes(cfg, "bfloat16") + 64 * 4  # + rotary frequencies
     for tp in (4, 8):
@@ -179,18 +223,49 @@ def test_cli_generate_on_two_processes_matches_one(tmp_path):
 
     _, path = make_hf_model("llama", tmp_path)  # 4 heads, 2 KV heads
     save_tiny_tokenizer(path)
-    args = ["generate", "the cache is a page of the model", "--raw", "--model", str(path),
-            "--num-pages", "32", "--page-size", "8", "--max-tokens", "12", "--no-warmup"]
-    one = subprocess.run([sys.executable, "-m", "jaxkv", *args], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    args = [
+        "generate",
+        "the cache is a page of the model",
+        "--raw",
+        "--model",
+        str(path),
+        "--num-pages",
+        "32",
+        "--page-size",
+        "8",
+        "--max-tokens",
+        "12",
+        "--no-warmup",
+    ]
+    one = subprocess.run(
+        [sys.executable, "-m", "jaxkv", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     port = free_port()
-    job = ["--tensor-parallel-size", "4", "--num-processes", "2",
-           "--coordinator-address", f"127.0.0.1:{port}"]
+    job = [
+        "--tensor-parallel-size",
+        "4",
+        "--num-processes",
+        "2",
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+    ]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxkv", *args, *job, "--process-id", str(i)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxkv", *args, *job, "--process-id", str(i)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=600) for p in procs]
     finally:
@@ -200,8 +275,10 @@ def test_cli_generate_on_two_processes_matches_one(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     # gloo (CPU collectives) prints its connections on stdout: "[Gloo] Rank ..."
     # (its lines from several threads may interleave and split: drop any piece of one)
-    text = [[l for l in o.splitlines() if not l.startswith("[Gloo]") and "peer ranks" not in l]
-            for o, _ in outs]
+    text = [
+        [l for l in o.splitlines() if not l.startswith("[Gloo]") and "peer ranks" not in l]
+        for o, _ in outs
+    ]
     assert text[0] == one.stdout.splitlines() and one.stdout.strip()
     assert text[1] == []  # the follower prints nothing
 
@@ -212,16 +289,46 @@ def test_estimate_per_device(capsys):
 
     from jaxkv.entrypoints import cli
     from tests.helpers.model_utils import make_hf_model
+
     with tempfile.TemporaryDirectory() as d:
         _, path = make_hf_model("llama", Path(d))
-        assert cli.main(["estimate", "--model", str(path), "--tensor-parallel-size", "2",
-                         "--context", "32", "--kv-dtype", "float32",
-                         "--weight-dtype", "float32"]) == 0
+        assert (
+            cli.main(
+                [
+                    "estimate",
+                    "--model",
+                    str(path),
+                    "--tensor-parallel-size",
+                    "2",
+                    "--context",
+                    "32",
+                    "--kv-dtype",
+                    "float32",
+                    "--weight-dtype",
+                    "float32",
+                ]
+            )
+            == 0
+        )
     out = capsys.readouterr().out
     # 3 pages (2 for 32 tokens, the trash page) x 16 tokens x 2 layers x 2 (K, V)
     # x 2 KV heads x 16 x 4 bytes = 24,576; 12,288 per device with one head each.
     assert "| kv | 24,576 (0.00 GiB) | 12,288 (0.00 GiB) |" in out
     assert "| KV heads (KVH) | 1 |" in out
-    assert cli.main(["estimate", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
-                     "--tensor-parallel-size", "2"]) == 2
+    assert (
+        cli.main(
+            [
+                "estimate",
+                "--layers",
+                "2",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--tensor-parallel-size",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "needs --model" in capsys.readouterr().err

@@ -23,10 +23,12 @@ PROMPTS = [
 
 MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Hi 👋"},
-     {"role": "assistant", "content": "Hello."},
-     {"role": "user", "content": "  spaces  and\nnewlines  "}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi 👋"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "  spaces  and\nnewlines  "},
+    ],
 ]
 
 
@@ -69,8 +71,12 @@ def test_chat_template_matches_transformers(smol, hf_smol):
     for messages in MESSAGES:
         for gen in (True, False):
             text = smol.apply_chat_template(messages, add_generation_prompt=gen)
-            assert text == hf_smol.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-            ids = hf_smol.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)["input_ids"]
+            assert text == hf_smol.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=gen
+            )
+            ids = hf_smol.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)[
+                "input_ids"
+            ]
             assert smol.encode(text, add_special_tokens=False) == ids
     assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
 
@@ -81,7 +87,9 @@ def _llama_cpp_smollm_split(text: str) -> list[str]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = bytes_to_unicode()
-    gpt2 = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+    gpt2 = regex.compile(
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+    )
     pieces = []
     for chunk in regex.split(r"(\p{N})", text):
         pieces.extend(gpt2.findall(chunk))
@@ -113,13 +121,22 @@ def tiny_gguf_info(extra_merges=(), **overrides):
         "tokenizer.ggml.pre": "gpt2",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (256 + len(merged)) + [4],
-        "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o", "Ġ w", "1 2", "3 4", "12 3",
-                                  *extra_merges],
+        "tokenizer.ggml.merges": [
+            "h e",
+            "l l",
+            "he ll",
+            "hell o",
+            "Ġ w",
+            "1 2",
+            "3 4",
+            "12 3",
+            *extra_merges,
+        ],
         "tokenizer.ggml.bos_token_id": 0,
         "tokenizer.ggml.eos_token_id": 1,
         "tokenizer.ggml.add_bos_token": True,
         "tokenizer.chat_template": "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}"
-                                   "{% endfor %}",
+        "{% endfor %}",
     }
     info.update(overrides)
     return info
@@ -132,7 +149,9 @@ def test_tiny_gguf_bpe_by_hand():
     # h e l l o -> he l l o -> he ll o -> hell o -> hello
     assert tok.encode("hello") == [0, idx["hello"]]
     assert tok.encode("hello", add_special_tokens=False) == [idx["hello"]]
-    assert tok.encode(" world", add_special_tokens=False) == [idx[c] for c in ("Ġw", "o", "r", "l", "d")]
+    assert tok.encode(" world", add_special_tokens=False) == [
+        idx[c] for c in ("Ġw", "o", "r", "l", "d")
+    ]
     assert tok.encode("<|user|>hello<think>") == [0, 2, idx["hello"], idx["<think>"]]
     assert tok.decode(tok.encode("<|user|>hello world")) == "hello world"
     assert tok.decode(tok.encode("<|user|>hi"), skip_special_tokens=False) == "<s><|user|>hi"
@@ -143,8 +162,10 @@ def test_tiny_gguf_bpe_by_hand():
 def test_tiny_gguf_merge_order():
     """Merge ranks decide: Ġ w o r l d with "o r" first gives Ġw or l d; with
     "Ġw o" first it gives Ġwo r -> Ġwor l d."""
-    for merges, want in [(["o r", "Ġw o", "Ġwo r"], ["Ġw", "or", "l", "d"]),
-                         (["Ġw o", "Ġwo r", "o r"], ["Ġwor", "l", "d"])]:
+    for merges, want in [
+        (["o r", "Ġw o", "Ġwo r"], ["Ġw", "or", "l", "d"]),
+        (["Ġw o", "Ġwo r", "o r"], ["Ġwor", "l", "d"]),
+    ]:
         info = tiny_gguf_info(extra_merges=merges)
         idx = {t: i for i, t in enumerate(info["tokenizer.ggml.tokens"])}
         tok = tokenizer_from_gguf(info)
@@ -154,11 +175,37 @@ def test_tiny_gguf_merge_order():
 def spm_gguf_info():
     """A llama.cpp "llama" (SentencePiece) vocabulary: unk/bos/eos, the 256 byte
     fallback tokens, scored pieces and one extra control token."""
-    pieces = {"\u2581": -1.0, "h": -2, "e": -2, "l": -2, "o": -2, "w": -2, "r": -2, "d": -2, "i": -2,
-              "!": -3, "he": -1.5, "ll": -1.2, "\u2581h": -1.4, "\u2581he": -1.1, "llo": -1.0,
-              "hell": -1.05, "\u2581hello": -0.5, "\u2581w": -1.3, "or": -1.6, "\u2581wor": -0.9,
-              "ld": -1.7, "\u2581world": -0.4, "\u2581\u2581": -2.5}
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces) + ["<|user|>"]
+    pieces = {
+        "\u2581": -1.0,
+        "h": -2,
+        "e": -2,
+        "l": -2,
+        "o": -2,
+        "w": -2,
+        "r": -2,
+        "d": -2,
+        "i": -2,
+        "!": -3,
+        "he": -1.5,
+        "ll": -1.2,
+        "\u2581h": -1.4,
+        "\u2581he": -1.1,
+        "llo": -1.0,
+        "hell": -1.05,
+        "\u2581hello": -0.5,
+        "\u2581w": -1.3,
+        "or": -1.6,
+        "\u2581wor": -0.9,
+        "ld": -1.7,
+        "\u2581world": -0.4,
+        "\u2581\u2581": -2.5,
+    }
+    tokens = (
+        ["<unk>", "<s>", "</s>"]
+        + [f"<0x{b:02X}>" for b in range(256)]
+        + list(pieces)
+        + ["<|user|>"]
+    )
     return {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
@@ -175,8 +222,13 @@ def write_tokenizer_gguf(path, info):
     from gguf import GGUFValueType, GGUFWriter
 
     w = GGUFWriter(str(path), "llama")
-    for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", 32),
-                       ("feed_forward_length", 64), ("attention.head_count", 4)]:
+    for key, value in [
+        ("block_count", 1),
+        ("context_length", 64),
+        ("embedding_length", 32),
+        ("feed_forward_length", 64),
+        ("attention.head_count", 4),
+    ]:
         w.add_uint32(f"llama.{key}", value)
     for key, value in info.items():
         if value is None:
@@ -204,8 +256,16 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path):
     write_tokenizer_gguf(tmp_path / "spm.gguf", info)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
     ours = tokenizer_from_gguf(info)
-    for text in ["hello world", " hello  world!", "hello\nworld \u00e9\U0001f600", "<|user|>hello world</s>",
-                 "", "  ", "hi", "world hello<s>x"]:
+    for text in [
+        "hello world",
+        " hello  world!",
+        "hello\nworld \u00e9\U0001f600",
+        "<|user|>hello world</s>",
+        "",
+        "  ",
+        "hi",
+        "world hello<s>x",
+    ]:
         ids = ours.encode(text)
         assert ids == theirs.encode(text), text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
@@ -213,7 +273,12 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path):
     # by hand: BOS, then the highest-scored pieces; \n and \u00e9 fall back to bytes
     assert ours.encode("hello world") == [1, idx["\u2581hello"], idx["\u2581world"]]
     assert ours.encode("i\n\u00e9", add_special_tokens=False) == [
-        idx["\u2581"], idx["i"], idx["<0x0A>"], idx["<0xC3>"], idx["<0xA9>"]]
+        idx["\u2581"],
+        idx["i"],
+        idx["<0x0A>"],
+        idx["<0xC3>"],
+        idx["<0xA9>"],
+    ]
 
 
 @pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
@@ -231,15 +296,20 @@ def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
     assert ours.encode("1234", add_special_tokens=False) == [idx[t] for t in ids]
     for text in PROMPTS + ["hello world", "HELLO  world\n\n\tx", "1234567 abc12 x²"]:
         assert ours.encode(text) == theirs.encode(text), text
-        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
+        assert ours.decode(ours.encode(text)) == theirs.decode(
+            theirs.encode(text), skip_special_tokens=True
+        )
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("tokenizer.ggml.model", "bert", "bert"),
-    ("tokenizer.ggml.tokens", [], "tokens"),
-    ("tokenizer.ggml.model", "llama", "scores"),  # SentencePiece without scores
-    ("tokenizer.ggml.pre", "mystery-pre", "mystery-pre"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("tokenizer.ggml.model", "bert", "bert"),
+        ("tokenizer.ggml.tokens", [], "tokens"),
+        ("tokenizer.ggml.model", "llama", "scores"),  # SentencePiece without scores
+        ("tokenizer.ggml.pre", "mystery-pre", "mystery-pre"),
+    ],
+)
 def test_unsupported_gguf_tokenizer(key, value, match):
     with pytest.raises(ValueError, match=match):
         tokenizer_from_gguf(tiny_gguf_info(**{key: value}))
@@ -280,8 +350,15 @@ TRICKY_TEMPLATE = """\
 def hf_dir(smol, tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_tok")
     (d / "tokenizer.json").write_text(smol.tokenizer.to_str())
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TRICKY_TEMPLATE}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": TRICKY_TEMPLATE,
+            }
+        )
+    )
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     return d
 
@@ -294,8 +371,9 @@ def test_from_hf_dir_matches_transformers(hf_dir):
     assert ours.bos_token_id == 1 and ours.eos_token_ids == (2, 0)
     for messages in MESSAGES:
         for gen in (True, False):
-            assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \
-                theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.apply_chat_template(
+                messages, add_generation_prompt=gen
+            ) == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
     for text in PROMPTS:
         assert ours.encode(text) == theirs.encode(text)
     with pytest.raises(ValueError, match="unknown role tool"):
@@ -306,9 +384,14 @@ def test_hf_dir_token_dicts_and_template_file(hf_dir, tmp_path):
     import shutil
 
     d = shutil.copytree(hf_dir, tmp_path / "d")
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"__type": "AddedToken", "content": "<|im_start|>"},
-         "eos_token": {"__type": "AddedToken", "content": "<|im_end|>"}}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"__type": "AddedToken", "content": "<|im_start|>"},
+                "eos_token": {"__type": "AddedToken", "content": "<|im_end|>"},
+            }
+        )
+    )
     (d / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
     tok = Tokenizer.from_hf_dir(d)
     assert tok.bos_token_id == 1 and tok.eos_token_ids == (2, 0)
@@ -319,7 +402,10 @@ def test_no_template_and_sandbox():
     tok = tokenizer_from_gguf(tiny_gguf_info(**{"tokenizer.chat_template": None}))
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
-    evil = tokenizer_from_gguf(tiny_gguf_info(**{
-        "tokenizer.chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}))
+    evil = tokenizer_from_gguf(
+        tiny_gguf_info(
+            **{"tokenizer.chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}
+        )
+    )
     with pytest.raises(ValueError):
         evil.apply_chat_template([{"role": "user", "content": "x"}])

@@ -35,8 +35,13 @@ class Executor:
 
     def plan(self, scheduled: Sequence, num_steps: int) -> tuple[StepPlan, list[int]]:
         b = self.runner.buckets
-        plan, stuck = build_plan(scheduled, num_steps, pages_per_seq=b.pages_per_seq,
-                                 vocab_size=self.vocab_size, history_width=b.history_width)
+        plan, stuck = build_plan(
+            scheduled,
+            num_steps,
+            pages_per_seq=b.pages_per_seq,
+            vocab_size=self.vocab_size,
+            history_width=b.history_width,
+        )
         if self.evictor is not None:
             self.evictor.annotate(plan, scheduled)
         return plan, stuck
@@ -77,6 +82,6 @@ class Executor:
             self.draft.mirror(plan, self.runner.key_for(plan))
         toks = sc.seq.all_token_ids
         targets = np.zeros(sc.num_rows, np.int32)
-        nxt = toks[sc.start + 1:sc.start + sc.num_rows + 1]
-        targets[:len(nxt)] = nxt
+        nxt = toks[sc.start + 1 : sc.start + sc.num_rows + 1]
+        targets[: len(nxt)] = nxt
         return self.runner.score(plan, targets), stuck

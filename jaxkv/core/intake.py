@@ -24,8 +24,17 @@ from jaxkv.worker.stop import StopRule
 
 
 class RequestIntake:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 tokenizer, grammars, scheduler, outputs, loras=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        tokenizer,
+        grammars,
+        scheduler,
+        outputs,
+        loras=None,
+    ):
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -39,9 +48,15 @@ class RequestIntake:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
 
-    def add(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-            request_id: str | None = None, *, cache_salt: str | None = None,
-            lora_request=None) -> str:
+    def add(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_request=None,
+    ) -> str:
         """See `LLMEngine.add_request`."""
         if request_id is None:
             rid = str(next(self._ids))
@@ -70,8 +85,9 @@ class RequestIntake:
             seq.finish("error", error=err)
             self.reports.append(seq)
             return rid
-        seq.stop = StopRule.for_request(params, self.model_config.eos_token_ids, len(ids),
-                                        self.max_model_len)
+        seq.stop = StopRule.for_request(
+            params, self.model_config.eos_token_ids, len(ids), self.max_model_len
+        )
         seq.rules = self._rules(params)
         self._ready(seq)
         self.scheduler.add(seq)
@@ -103,22 +119,31 @@ class RequestIntake:
         parent.fork_pending = False
         self.scheduler.fork(parent, [self._child(parent, i) for i in range(1, parent.params.n)])
 
-    def check(self, prompt, params: SamplingParams,
-              cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+    def check(
+        self, prompt, params: SamplingParams, cache_salt: str | None = None
+    ) -> tuple[str | None, list[int]]:
         """See `LLMEngine.check_request`."""
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
         c = self.config
-        check_request(ids, params, vocab_size=self.model_config.vocab_size,
-                      max_model_len=self.max_model_len, has_tokenizer=self.tokenizer is not None,
-                      max_prefill=None if c.enable_chunked_prefill else c.max_num_batched_tokens)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
-                                       or not is_unicode(cache_salt)):
+        check_request(
+            ids,
+            params,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            has_tokenizer=self.tokenizer is not None,
+            max_prefill=None if c.enable_chunked_prefill else c.max_num_batched_tokens,
+        )
+        if cache_salt is not None and (
+            not isinstance(cache_salt, str) or not cache_salt or not is_unicode(cache_salt)
+        ):
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         if params.n > c.max_num_seqs:
             raise ValueError(f"n: {params.n} sequences exceed max_num_seqs {c.max_num_seqs}")
         if params.n > 1 and c.kv_eviction in ("snapkv", "h2o"):
-            raise ValueError(f"n: kv_eviction={c.kv_eviction!r} compacts a sequence's pages, "
-                             f"which n > 1 answers would share; ask for n=1")
+            raise ValueError(
+                f"n: kv_eviction={c.kv_eviction!r} compacts a sequence's pages, "
+                f"which n > 1 answers would share; ask for n=1"
+            )
         if params.structured_outputs is not None:
             self.grammars.matcher(params.structured_outputs)  # compiles (cached) or names the error
         if params.bad_words and self.tokenizer is None:
@@ -131,8 +156,9 @@ class RequestIntake:
         if lora_request is None:
             return None
         if self.loras is None:
-            raise ValueError("lora_request: this engine runs without LoRA (start it with "
-                             "enable_lora=True)")
+            raise ValueError(
+                "lora_request: this engine runs without LoRA (start it with enable_lora=True)"
+            )
         return self.loras.resolve(lora_request)
 
     def abort(self, request_id: str) -> None:

@@ -46,7 +46,7 @@ class TextState:
         self.pieces.append(piece)
         self.length += len(piece)
         self.unsent += piece
-        self.tail = window[-self.hold:] if self.hold else ""
+        self.tail = window[-self.hold :] if self.hold else ""
         return window, start
 
 
@@ -99,14 +99,18 @@ class OutputProcessor:
             if stuck and i in stuck:
                 count = 0
                 why = getattr(s.rules, "error", None) or "the rules allow none"
-                s.finish("error", error=f"structured_outputs: no token can continue the "
-                                        f"output ({why})")
+                s.finish(
+                    "error", error=f"structured_outputs: no token can continue the output ({why})"
+                )
             toks, lps, fin = tokens[i], logprobs[i], finite[i]
             for k in range(count):
                 if not fin[k]:
-                    s.finish("error", error=f"logits: not finite (NaN or inf) at output token "
-                                            f"{s.num_output_tokens}: the model's weights or "
-                                            "activations overflow")
+                    s.finish(
+                        "error",
+                        error=f"logits: not finite (NaN or inf) at output token "
+                        f"{s.num_output_tokens}: the model's weights or "
+                        "activations overflow",
+                    )
                     break
                 if s.logprobs is None:
                     accept(s, toks[k], lps[k])
@@ -123,8 +127,9 @@ class OutputProcessor:
     def start(self, s: Sequence) -> None:
         """Ready a queued sequence's text state (with a tokenizer)."""
         if self.tokenizer is not None:
-            s.text = TextState(Detokenizer(self.tokenizer, s.params.skip_special_tokens),
-                               s.params.stop_list)
+            s.text = TextState(
+                Detokenizer(self.tokenizer, s.params.skip_special_tokens), s.params.stop_list
+            )
 
     def accept(self, s: Sequence, tok: int, logprob: float, top_ids=None, top_lps=None) -> None:
         """Append a sampled token to `s` and apply its stop rules (it may
@@ -134,8 +139,9 @@ class OutputProcessor:
             s.t_first_token = time.perf_counter()
         if s.logprobs is not None:
             n = s.params.logprobs
-            s.logprobs.append(Logprob(tok, logprob, dict(zip(top_ids[:n].tolist(),
-                                                              top_lps[:n].tolist()))))
+            s.logprobs.append(
+                Logprob(tok, logprob, dict(zip(top_ids[:n].tolist(), top_lps[:n].tolist())))
+            )
         ts = s.text
         piece = ts.detok.step(tok) if ts is not None else ""
         reason = s.stop.on_token(tok, s.num_output_tokens)
@@ -167,8 +173,9 @@ class OutputProcessor:
                 ts.add(rest)
         s.finish(reason, stop_reason=stop_reason, error=error)
 
-    def prompt_logprobs(self, s: Sequence, start: int, num_rows: int, target_lps, top_ids,
-                        top_lps) -> None:
+    def prompt_logprobs(
+        self, s: Sequence, start: int, num_rows: int, target_lps, top_ids, top_lps
+    ) -> None:
         """Record the prompt log-probabilities of rows [start, start +
         num_rows): row r scores prompt token r + 1 (entries already recorded,
         e.g. before a preemption, are kept)."""
@@ -179,8 +186,13 @@ class OutputProcessor:
             if pos >= len(prompt):
                 break
             if pos == len(s.prompt_logprobs):
-                s.prompt_logprobs.append(Logprob(int(prompt[pos]), float(target_lps[r]), {
-                    int(t): float(v) for t, v in zip(top_ids[r, :n], top_lps[r, :n])}))
+                s.prompt_logprobs.append(
+                    Logprob(
+                        int(prompt[pos]),
+                        float(target_lps[r]),
+                        {int(t): float(v) for t, v in zip(top_ids[r, :n], top_lps[r, :n])},
+                    )
+                )
 
     def output(self, s: Sequence) -> RequestOutput:
         """The request's output now (one CompletionOutput per sequence of an
@@ -192,29 +204,42 @@ class OutputProcessor:
             finished = s.finished
             errors = [s.error] if s.error else []
             first = s.t_first_token
-            metrics = dict(arrival=s.t_arrival, first_token=first,
-                           finish=s.t_finish if finished else None,
-                           num_preemptions=s.num_preemptions, spec_proposed=s.spec_proposed,
-                           spec_accepted=s.spec_accepted)
+            metrics = dict(
+                arrival=s.t_arrival,
+                first_token=first,
+                finish=s.t_finish if finished else None,
+                num_preemptions=s.num_preemptions,
+                spec_proposed=s.spec_proposed,
+                spec_accepted=s.spec_accepted,
+            )
         else:
             comps = [self._completion(c) for c in children]
             finished = all(c.finished for c in children)
             errors = list(dict.fromkeys(c.error for c in children if c.error))
             ends = [c.t_finish for c in children if c.t_finish is not None]
             firsts = [c.t_first_token for c in children if c.t_first_token is not None]
-            metrics = dict(arrival=s.t_arrival, first_token=min(firsts) if firsts else None,
-                           finish=max(ends) if finished and ends else None,
-                           num_preemptions=sum(c.num_preemptions for c in children),
-                           spec_proposed=sum(c.spec_proposed for c in children),
-                           spec_accepted=sum(c.spec_accepted for c in children))
+            metrics = dict(
+                arrival=s.t_arrival,
+                first_token=min(firsts) if firsts else None,
+                finish=max(ends) if finished and ends else None,
+                num_preemptions=sum(c.num_preemptions for c in children),
+                spec_proposed=sum(c.spec_proposed for c in children),
+                spec_accepted=sum(c.spec_accepted for c in children),
+            )
         plp = s.prompt_logprobs
         return RequestOutput(
-            request_id=s.request_id, prompt=s.prompt,
-            prompt_token_ids=s.prompt_token_ids.tolist, outputs=comps, finished=finished,
-            error="; ".join(errors) or None, num_cached_tokens=s.num_cached_tokens,
+            request_id=s.request_id,
+            prompt=s.prompt,
+            prompt_token_ids=s.prompt_token_ids.tolist,
+            outputs=comps,
+            finished=finished,
+            error="; ".join(errors) or None,
+            num_cached_tokens=s.num_cached_tokens,
             metrics=metrics,
             prompt_logprobs=functools.partial(_prefix, plp, len(plp))
-            if plp is not None and len(plp) == s.num_prompt_tokens else None)
+            if plp is not None and len(plp) == s.num_prompt_tokens
+            else None,
+        )
 
     def _completion(self, s: Sequence) -> CompletionOutput:
         ts = s.text
@@ -237,15 +262,22 @@ class OutputProcessor:
             ts.sent += new
             text = functools.partial(_join, ts.pieces, len(ts.pieces), chars)
         out = s.output_token_ids
-        delta_ids = out[s.sent_tokens:].tolist()
+        delta_ids = out[s.sent_tokens :].tolist()
         s.sent_tokens = s.num_output_tokens
         lps = s.logprobs
         delta_lps = None
         if lps is not None:
-            delta_lps = lps[s.sent_logprobs:]
+            delta_lps = lps[s.sent_logprobs :]
             s.sent_logprobs = len(lps)
             lps = functools.partial(_prefix, lps, len(lps))
-        return CompletionOutput(index=s.index, text=text, token_ids=out.tolist,
-                                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                                logprobs=lps, delta_text=delta_text, delta_token_ids=delta_ids,
-                                delta_logprobs=delta_lps)
+        return CompletionOutput(
+            index=s.index,
+            text=text,
+            token_ids=out.tolist,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            logprobs=lps,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            delta_logprobs=delta_lps,
+        )

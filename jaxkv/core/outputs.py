@@ -33,13 +33,30 @@ class CompletionOutput:
     since the previous output. Any field may be given a value or, for the
     cumulative three, a zero-argument function that builds it."""
 
-    __slots__ = ("index", "_text", "_token_ids", "finish_reason", "stop_reason", "_logprobs",
-                 "delta_text", "delta_token_ids", "delta_logprobs")
+    __slots__ = (
+        "index",
+        "_text",
+        "_token_ids",
+        "finish_reason",
+        "stop_reason",
+        "_logprobs",
+        "delta_text",
+        "delta_token_ids",
+        "delta_logprobs",
+    )
 
-    def __init__(self, index: int, text: Any = "", token_ids: Any = (),
-                 finish_reason: str | None = None, stop_reason: int | str | None = None,
-                 logprobs: Any = None, delta_text: str = "", delta_token_ids: Any = (),
-                 delta_logprobs: list[Logprob] | None = None):
+    def __init__(
+        self,
+        index: int,
+        text: Any = "",
+        token_ids: Any = (),
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+        logprobs: Any = None,
+        delta_text: str = "",
+        delta_token_ids: Any = (),
+        delta_logprobs: list[Logprob] | None = None,
+    ):
         self.index = index
         self._text = text
         self._token_ids = token_ids if callable(token_ids) else list(token_ids)
@@ -69,16 +86,26 @@ class CompletionOutput:
         return self._logprobs
 
     def _fields(self) -> tuple:
-        return (self.index, self.text, self.token_ids, self.finish_reason, self.stop_reason,
-                self.logprobs, self.delta_text, self.delta_token_ids)
+        return (
+            self.index,
+            self.text,
+            self.token_ids,
+            self.finish_reason,
+            self.stop_reason,
+            self.logprobs,
+            self.delta_text,
+            self.delta_token_ids,
+        )
 
     def __eq__(self, other) -> bool:
         return isinstance(other, CompletionOutput) and self._fields() == other._fields()
 
     def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
-                f"token_ids={self.token_ids}, finish_reason={self.finish_reason!r}, "
-                f"stop_reason={self.stop_reason!r}, delta_text={self.delta_text!r})")
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={self.token_ids}, finish_reason={self.finish_reason!r}, "
+            f"stop_reason={self.stop_reason!r}, delta_text={self.delta_text!r})"
+        )
 
 
 class RequestOutput:
@@ -87,17 +114,35 @@ class RequestOutput:
     None for the first; set once the prompt is computed) may be given as
     functions that build them on first read."""
 
-    __slots__ = ("request_id", "prompt", "_prompt_token_ids", "outputs", "finished", "error",
-                 "num_cached_tokens", "metrics", "_prompt_logprobs")
+    __slots__ = (
+        "request_id",
+        "prompt",
+        "_prompt_token_ids",
+        "outputs",
+        "finished",
+        "error",
+        "num_cached_tokens",
+        "metrics",
+        "_prompt_logprobs",
+    )
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Any,
-                 outputs: list[CompletionOutput], finished: bool, error: str | None = None,
-                 num_cached_tokens: int = 0, metrics: dict[str, Any] | None = None,
-                 prompt_logprobs: Any = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Any,
+        outputs: list[CompletionOutput],
+        finished: bool,
+        error: str | None = None,
+        num_cached_tokens: int = 0,
+        metrics: dict[str, Any] | None = None,
+        prompt_logprobs: Any = None,
+    ):
         self.request_id = request_id
         self.prompt = prompt
-        self._prompt_token_ids = (prompt_token_ids if callable(prompt_token_ids)
-                                  else list(prompt_token_ids))
+        self._prompt_token_ids = (
+            prompt_token_ids if callable(prompt_token_ids) else list(prompt_token_ids)
+        )
         self.outputs = outputs
         self.finished = finished
         self.error = error
@@ -118,5 +163,7 @@ class RequestOutput:
         return self._prompt_logprobs
 
     def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "
-                f"error={self.error!r}, outputs={self.outputs})")
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "
+            f"error={self.error!r}, outputs={self.outputs})"
+        )

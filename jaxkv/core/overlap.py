@@ -47,6 +47,7 @@ def overlap_default(config: EngineConfig) -> bool:
     if config.async_scheduling is not None:
         return config.async_scheduling
     import jax
+
     return jax.default_backend() != "cpu"
 
 
@@ -68,7 +69,8 @@ class Overlap:
         sched = self.scheduler
         return self.enabled and all(
             can_speculate(s) and s.params.prompt_logprobs is None and not s.fork_pending
-            for s in itertools.chain(sched.running, sched.waiting))
+            for s in itertools.chain(sched.running, sched.waiting)
+        )
 
     def dispatch(self, sched: SchedulerOutput, prev: InFlight | None) -> InFlight:
         """Enqueue `sched` on the device. A sequence of `prev` (in flight)

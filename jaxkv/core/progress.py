@@ -37,14 +37,32 @@ class Progress:
     chain hash of full computed page i (with prefix caching), `root` the
     parent hash of page 0 (`page_pool.salted_root`)."""
 
-    __slots__ = ("pages", "num_pages", "hashes", "root", "num_reserved", "num_computed",
-                 "inflight_steps", "inflight_tokens", "inflight_end", "evicted", "score_from")
+    __slots__ = (
+        "pages",
+        "num_pages",
+        "hashes",
+        "root",
+        "num_reserved",
+        "num_computed",
+        "inflight_steps",
+        "inflight_tokens",
+        "inflight_end",
+        "evicted",
+        "score_from",
+    )
 
-    def __init__(self, pages, num_reserved: int, num_computed: int, hashes: list[bytes],
-                 root: bytes = ROOT_HASH, capacity: int = 0):
+    def __init__(
+        self,
+        pages,
+        num_reserved: int,
+        num_computed: int,
+        hashes: list[bytes],
+        root: bytes = ROOT_HASH,
+        capacity: int = 0,
+    ):
         self.num_pages = len(pages)
         self.pages = np.zeros(max(capacity, self.num_pages, 1), np.int32)
-        self.pages[:self.num_pages] = pages
+        self.pages[: self.num_pages] = pages
         self.hashes = hashes
         self.root = root
         self.num_reserved = num_reserved
@@ -61,28 +79,29 @@ class Progress:
         return self.num_computed if self.inflight_end < self.num_computed else self.inflight_end
 
     def page_list(self) -> list[int]:
-        return self.pages[:self.num_pages].tolist()
+        return self.pages[: self.num_pages].tolist()
 
     def add_pages(self, pages: list[int]) -> None:
         n = self.num_pages + len(pages)
         if n > len(self.pages):
             grown = np.zeros(max(n, 2 * len(self.pages)), np.int32)
-            grown[:self.num_pages] = self.pages[:self.num_pages]
+            grown[: self.num_pages] = self.pages[: self.num_pages]
             self.pages = grown
-        self.pages[self.num_pages:n] = pages
+        self.pages[self.num_pages : n] = pages
         self.num_pages = n
 
     def drop_pages(self, keep: int) -> list[int]:
         """Cut the table to `keep` pages; returns the pages cut."""
-        cut = self.pages[keep:self.num_pages].tolist()
-        self.pages[keep:self.num_pages] = 0
+        cut = self.pages[keep : self.num_pages].tolist()
+        self.pages[keep : self.num_pages] = 0
         self.num_pages = min(self.num_pages, keep)
         return cut
 
     def copy(self) -> Progress:
         """A fork's record: the same pages, counts and hashes."""
-        c = Progress([], self.num_reserved, self.num_computed, list(self.hashes), self.root,
-                     len(self.pages))
+        c = Progress(
+            [], self.num_reserved, self.num_computed, list(self.hashes), self.root, len(self.pages)
+        )
         c.pages[:] = self.pages
         c.num_pages = self.num_pages
         return c

@@ -31,8 +31,16 @@ class Sequence:
     """Tokens (prompt, then output), the stop rule, status and finish reason,
     and what has been streamed out so far."""
 
-    def __init__(self, request_id, prompt: str | None, prompt_token_ids,
-                 params: SamplingParams, seed: int, stop=None, cache_salt: str | None = None):
+    def __init__(
+        self,
+        request_id,
+        prompt: str | None,
+        prompt_token_ids,
+        params: SamplingParams,
+        seed: int,
+        stop=None,
+        cache_salt: str | None = None,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         n = len(prompt_token_ids)
@@ -62,7 +70,8 @@ class Sequence:
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
         # prompt_logprobs: entry i for prompt token i (None for the first).
         self.prompt_logprobs: list[Logprob | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.text = None  # jaxkv.core.output_processor.TextState (with a tokenizer)
         self.sent_tokens = 0
         self.sent_logprobs = 0
@@ -84,8 +93,15 @@ class Sequence:
         """Sequence `index` of this n > 1 request: the same prompt and
         settings, its own seed stream and rules; keyed (request id, index),
         so no caller's request id can collide with it."""
-        c = Sequence((self.request_id, index), self.prompt, self.prompt_token_ids, self.params,
-                     seed, stop=self.stop, cache_salt=self.cache_salt)
+        c = Sequence(
+            (self.request_id, index),
+            self.prompt,
+            self.prompt_token_ids,
+            self.params,
+            seed,
+            stop=self.stop,
+            cache_salt=self.cache_salt,
+        )
         c.index, c.parent, c.rules = index, self, rules
         c.lora, c.lora_slot = self.lora, self.lora_slot
         c.prompt_logprobs = None  # the parent's serve the request
@@ -97,7 +113,7 @@ class Sequence:
     def append_token(self, token: int) -> None:
         if self._len == len(self._ids):
             grown = np.zeros(2 * len(self._ids), np.int32)
-            grown[:self._len] = self._ids[:self._len]
+            grown[: self._len] = self._ids[: self._len]
             self._ids = grown
         self._ids[self._len] = token
         self._len += 1
@@ -106,15 +122,15 @@ class Sequence:
     @property
     def all_token_ids(self) -> np.ndarray:
         """Prompt and output tokens [num_tokens] (a view)."""
-        return self._ids[:self._len]
+        return self._ids[: self._len]
 
     @property
     def prompt_token_ids(self) -> np.ndarray:
-        return self._ids[:self.num_prompt_tokens]
+        return self._ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> np.ndarray:
-        return self._ids[self.num_prompt_tokens:self._len]
+        return self._ids[self.num_prompt_tokens : self._len]
 
     @property
     def last_token(self) -> int:
@@ -140,8 +156,11 @@ class Sequence:
     def scores_prompt(self, start: int) -> bool:
         """Whether a chunk from `start` still has prompt log-probabilities to
         compute."""
-        return (self.prompt_logprobs is not None and start < self.num_prompt_tokens
-                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+        return (
+            self.prompt_logprobs is not None
+            and start < self.num_prompt_tokens
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def prefill_target(self) -> int:

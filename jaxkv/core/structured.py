@@ -53,42 +53,57 @@ def check_spec(spec: Any) -> None:
     """ValueError naming `structured_outputs` unless `spec` has the right
     form (whether a grammar compiles is checked by `Grammars`)."""
     if not isinstance(spec, dict):
-        raise ValueError(f"structured_outputs: must be an object with one of {', '.join(KINDS)}, "
-                         f"got {type(spec).__name__}")
+        raise ValueError(
+            f"structured_outputs: must be an object with one of {', '.join(KINDS)}, "
+            f"got {type(spec).__name__}"
+        )
     kinds = [k for k in KINDS if spec.get(k) is not None]
     extra = sorted(set(spec) - set(KINDS))
     if len(kinds) != 1 or extra:
-        raise ValueError(f"structured_outputs: needs exactly one of {', '.join(KINDS)}"
-                         + (f" (unknown: {', '.join(map(str, extra))})" if extra else ""))
+        raise ValueError(
+            f"structured_outputs: needs exactly one of {', '.join(KINDS)}"
+            + (f" (unknown: {', '.join(map(str, extra))})" if extra else "")
+        )
     kind, v = kinds[0], spec[kinds[0]]
     if kind == "json":
         if isinstance(v, str):
             try:
                 v = json.loads(v)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs: json is not a valid JSON schema ({e})") \
-                    from None
+                raise ValueError(
+                    f"structured_outputs: json is not a valid JSON schema ({e})"
+                ) from None
         if not isinstance(v, (dict, bool)):
             raise ValueError("structured_outputs: json must be a JSON schema object")
         n = len(json.dumps(v))
         if n > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"structured_outputs: json schema of {n} characters; at most "
-                             f"{MAX_GRAMMAR_CHARS} are compiled")
+            raise ValueError(
+                f"structured_outputs: json schema of {n} characters; at most "
+                f"{MAX_GRAMMAR_CHARS} are compiled"
+            )
     elif kind in ("regex", "grammar"):
         if not isinstance(v, str) or not v:
             raise ValueError(f"structured_outputs: {kind} must be a non-empty string")
         if len(v) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"structured_outputs: {kind} of {len(v)} characters; at most "
-                             f"{MAX_GRAMMAR_CHARS} are compiled")
+            raise ValueError(
+                f"structured_outputs: {kind} of {len(v)} characters; at most "
+                f"{MAX_GRAMMAR_CHARS} are compiled"
+            )
     elif kind == "choice":
-        if not isinstance(v, (list, tuple)) or not v or not all(
-                isinstance(c, str) and c for c in v):
-            raise ValueError("structured_outputs: choice must be a non-empty list of "
-                             "non-empty strings")
+        if (
+            not isinstance(v, (list, tuple))
+            or not v
+            or not all(isinstance(c, str) and c for c in v)
+        ):
+            raise ValueError(
+                "structured_outputs: choice must be a non-empty list of non-empty strings"
+            )
         if len(v) > MAX_CHOICES or sum(map(len, v)) > MAX_CHOICE_CHARS:
-            raise ValueError(f"structured_outputs: choice has {len(v)} entries of "
-                             f"{sum(map(len, v))} characters; at most {MAX_CHOICES} entries "
-                             f"and {MAX_CHOICE_CHARS} characters")
+            raise ValueError(
+                f"structured_outputs: choice has {len(v)} entries of "
+                f"{sum(map(len, v))} characters; at most {MAX_CHOICES} entries "
+                f"and {MAX_CHOICE_CHARS} characters"
+            )
     elif v is not True:
         raise ValueError("structured_outputs: json_object must be true")
 
@@ -106,8 +121,11 @@ def grammar_source(spec: dict) -> str:
     if kind == "regex":
         return LLMatcher.grammar_from_regex(v)
     if kind == "choice":  # one regex: the lexer's automaton, not thousands of parser items
-        return LLMatcher.grammar_from_regex("(" + "|".join(
-            "".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in v) + ")")
+        return LLMatcher.grammar_from_regex(
+            "("
+            + "|".join("".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in v)
+            + ")"
+        )
     return LLMatcher.grammar_from_lark(v)
 
 
@@ -130,17 +148,21 @@ class Grammars:
             try:
                 import llguidance
             except ImportError:
-                raise ValueError("structured_outputs: needs the llguidance package "
-                                 "(pip install llguidance)") from None
+                raise ValueError(
+                    "structured_outputs: needs the llguidance package (pip install llguidance)"
+                ) from None
             if self._tokenizer is None:
                 raise ValueError("structured_outputs: this model has no tokenizer")
             try:
                 self._lltok = llguidance.LLTokenizer(
-                    self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size,
-                    eos_token=self._eos[0] if self._eos else None)
+                    self._tokenizer.tokenizer.to_str(),
+                    n_vocab=self.vocab_size,
+                    eos_token=self._eos[0] if self._eos else None,
+                )
             except (ValueError, TypeError, RuntimeError) as e:
-                raise ValueError(f"structured_outputs: llguidance cannot use this model's "
-                                 f"tokenizer ({e})") from None
+                raise ValueError(
+                    f"structured_outputs: llguidance cannot use this model's tokenizer ({e})"
+                ) from None
         return self._lltok
 
     def matcher(self, spec: dict):
@@ -159,6 +181,7 @@ class Grammars:
             if m is not None:
                 self._cache.move_to_end(src)
                 return m.deep_copy()
+
         # Compiled outside the lock: a large grammar in a server's handler
         # thread never stalls the engine thread's lookups.
         def compile_and_probe():
@@ -175,7 +198,6 @@ class Grammars:
                 self._cache.popitem(last=False)
         return m.deep_copy()
 
-
     def _probe(self, m) -> None:
         """Walk a new grammar's first tokens (the lowest allowed each time):
         a grammar too complex for the parser fails here, at intake, not
@@ -187,8 +209,10 @@ class Grammars:
             t0 = time.perf_counter()
             fill_next_token_bitmask(m, mask, 0)
             if time.perf_counter() - t0 > MAX_MASK_SECONDS:
-                raise ValueError(f"structured_outputs: the grammar is too complex (one token's "
-                                 f"mask took over {MAX_MASK_SECONDS * 1000:.0f} ms)")
+                raise ValueError(
+                    f"structured_outputs: the grammar is too complex (one token's "
+                    f"mask took over {MAX_MASK_SECONDS * 1000:.0f} ms)"
+                )
             words = np.flatnonzero(mask[0])
             if not m.is_error() and len(words) and not m.is_stopped():
                 w = int(words[0])
@@ -196,8 +220,10 @@ class Grammars:
                 if t < self.vocab_size and m.consume_token(t):
                     continue
             if m.is_error():
-                raise ValueError(f"structured_outputs: the grammar is too complex or invalid "
-                                 f"({grammar_error(m)})")
+                raise ValueError(
+                    f"structured_outputs: the grammar is too complex or invalid "
+                    f"({grammar_error(m)})"
+                )
             return
 
 
@@ -225,8 +251,9 @@ def on_large_stack(fn, timeout: float):
             threading.stack_size(old)
     t.join(timeout)
     if t.is_alive():
-        raise ValueError(f"structured_outputs: the grammar is too complex (compiling it took "
-                         f"over {timeout:g} s)")
+        raise ValueError(
+            f"structured_outputs: the grammar is too complex (compiling it took over {timeout:g} s)"
+        )
     if "err" in box:
         raise box["err"]
     return box["out"]
@@ -250,8 +277,9 @@ class TokenRules:
     def __init__(self, params, grammars: Grammars | None, tokenizer, vocab_size: int):
         so = params.structured_outputs
         self.matcher = grammars.matcher(so) if so is not None else None
-        self.allowed = (_bits(params.allowed_token_ids, vocab_size)
-                        if params.allowed_token_ids else None)
+        self.allowed = (
+            _bits(params.allowed_token_ids, vocab_size) if params.allowed_token_ids else None
+        )
         bad = set()
         for w in params.bad_words or ():
             if tokenizer is None:
@@ -269,6 +297,7 @@ class TokenRules:
         on entry); False if no token is allowed."""
         if self.matcher is not None:
             from llguidance.numpy import fill_next_token_bitmask
+
             fill_next_token_bitmask(self.matcher, bitmask, row)
             if self.matcher.is_error():
                 self.error = grammar_error(self.matcher)
@@ -277,7 +306,7 @@ class TokenRules:
         words = bitmask[row].view(np.uint32)
         for seq in self.bad_words:  # ban a word's last token once its start is out
             k = len(seq) - 1
-            if len(output_ids) >= k and tuple(output_ids[len(output_ids) - k:]) == seq[:-1]:
+            if len(output_ids) >= k and tuple(output_ids[len(output_ids) - k :]) == seq[:-1]:
                 t = seq[-1]
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         return bool(bitmask[row].any())
@@ -288,6 +317,8 @@ class TokenRules:
         if self.matcher is None:
             return None
         if not self.matcher.consume_token(int(token)):
-            return (f"structured_outputs: token {token} was sampled outside the grammar "
-                    f"({grammar_error(self.matcher)})")
+            return (
+                f"structured_outputs: token {token} was sampled outside the grammar "
+                f"({grammar_error(self.matcher)})"
+            )
         return "stop" if self.matcher.is_stopped() else None

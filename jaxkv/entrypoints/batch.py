@@ -30,7 +30,7 @@ def _done_count(out_path: Path) -> int:
     if not out_path.exists():
         return 0
     data = out_path.read_bytes()
-    keep = data[:data.rfind(b"\n") + 1]
+    keep = data[: data.rfind(b"\n") + 1]
     if len(keep) != len(data):
         out_path.write_bytes(keep)
     return keep.count(b"\n")
@@ -99,11 +99,19 @@ def _parse_line(rec: Any, defaults: dict[str, Any], tokenizer) -> tuple[Any, Sam
     params = SamplingParams(**fields)
     if "messages" in rec:
         msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in msgs):
-            raise ValueError("messages: must be a non-empty list of {'role': str, "
-                             "'content': str} objects")
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
+            raise ValueError(
+                "messages: must be a non-empty list of {'role': str, 'content': str} objects"
+            )
         if tokenizer is None:
             raise ValueError("messages: this model has no chat template")
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
@@ -124,20 +132,31 @@ def _adapter(rec: dict, engine, model_names) -> str | None:
         return None
     known = engine.loras.names() if engine.loras is not None else []
     if model not in known:
-        raise ValueError(f"model: {model!r} is neither the base model ({', '.join(model_names)}) "
-                         f"nor a LoRA adapter (adapters: {', '.join(known) or 'none'})")
+        raise ValueError(
+            f"model: {model!r} is neither the base model ({', '.join(model_names)}) "
+            f"nor a LoRA adapter (adapters: {', '.join(known) or 'none'})"
+        )
     return model
 
 
-def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = None,
-              progress: bool = True, model_names=()) -> dict[str, int]:
+def run_batch(
+    engine,
+    in_path,
+    out_path,
+    *,
+    defaults: dict[str, Any] | None = None,
+    progress: bool = True,
+    model_names=(),
+) -> dict[str, int]:
     """Generate for every line of `in_path` into `out_path`; returns counts.
     `model_names`: what a line's "model" may say for the base model."""
     in_path, out_path = Path(in_path), Path(out_path)
     lines = read_lines(in_path)
     done = _done_count(out_path)
     if done > len(lines):
-        raise ValueError(f"{out_path}: has {done} records but {in_path} has only {len(lines)} lines")
+        raise ValueError(
+            f"{out_path}: has {done} records but {in_path} has only {len(lines)} lines"
+        )
     defaults = dict(defaults or {})
     pending: dict[int, dict] = {}  # index -> record skeleton
     rid_of: dict[str, int] = {}
@@ -150,8 +169,12 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
             if isinstance(raw, dict) and "id" in raw:
                 rec["id"] = _checked_id(raw["id"])
             prompt, params = _parse_line(raw, defaults, engine.tokenizer)
-            rid = engine.add_request(prompt, params, request_id=f"batch-{i}",
-                                     lora_request=_adapter(raw, engine, model_names))
+            rid = engine.add_request(
+                prompt,
+                params,
+                request_id=f"batch-{i}",
+                lora_request=_adapter(raw, engine, model_names),
+            )
             rid_of[rid] = i
         except UnicodeDecodeError as e:
             rec.update(error=f"line is not valid UTF-8 (byte {e.start})", finish_reason="error")
@@ -163,12 +186,14 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
     bar = None
     if progress:
         from tqdm.auto import tqdm
+
         bar = tqdm(total=len(lines), initial=done, desc="batch", unit="req", dynamic_ncols=True)
     t0 = time.perf_counter()
     gen_tokens = 0
     counts = {"written": 0, "errors": 0, "skipped": done}
     nxt = done
     with out_path.open("a", encoding="utf-8") as f:
+
         def flush():
             nonlocal nxt
             while nxt in pending and ("finish_reason" in pending[nxt]):
@@ -194,19 +219,31 @@ def run_batch(engine, in_path, out_path, *, defaults: dict[str, Any] | None = No
                 if o.error:
                     rec.update(error=o.error, finish_reason="error")
                 else:
-                    rec.update(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
-                               prompt_tokens=len(o.prompt_token_ids),
-                               completion_tokens=len(c.token_ids),
-                               cached_prompt_tokens=o.num_cached_tokens,
-                               ttft_s=round(m["first_token"] - m["arrival"], 4)
-                               if m.get("first_token") else None,
-                               latency_s=round(m["finish"] - m["arrival"], 4))
+                    rec.update(
+                        text=c.text,
+                        token_ids=c.token_ids,
+                        finish_reason=c.finish_reason,
+                        prompt_tokens=len(o.prompt_token_ids),
+                        completion_tokens=len(c.token_ids),
+                        cached_prompt_tokens=o.num_cached_tokens,
+                        ttft_s=round(m["first_token"] - m["arrival"], 4)
+                        if m.get("first_token")
+                        else None,
+                        latency_s=round(m["finish"] - m["arrival"], 4),
+                    )
                     if len(o.outputs) > 1:  # n > 1: every answer, by index
-                        rec.update(completion_tokens=sum(len(x.token_ids) for x in o.outputs),
-                                   outputs=[dict(index=x.index, text=x.text,
-                                                 token_ids=x.token_ids,
-                                                 finish_reason=x.finish_reason)
-                                            for x in o.outputs])
+                        rec.update(
+                            completion_tokens=sum(len(x.token_ids) for x in o.outputs),
+                            outputs=[
+                                dict(
+                                    index=x.index,
+                                    text=x.text,
+                                    token_ids=x.token_ids,
+                                    finish_reason=x.finish_reason,
+                                )
+                                for x in o.outputs
+                            ],
+                        )
             if bar is not None:
                 el = time.perf_counter() - t0
                 bar.set_postfix_str(f"{gen_tokens / el:.1f} tok/s")

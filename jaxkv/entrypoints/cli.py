@@ -33,16 +33,22 @@ def _engine_args(p: argparse.ArgumentParser, **defaults) -> None:
     from jaxkv.config import EngineConfig
 
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name (smollm2-135m-instruct, fetched and converted once into "
-                        "$JAXKV_CACHE, default ~/.cache/jaxkv) or a path: Hugging Face folder, "
-                        "GGUF file or jaxkv checkpoint (default: %(default)s)")
-    add_options(g, EngineConfig, prefix=ENGINE, defaults=defaults,
-                rename={"seed": "engine-seed"})
-    g.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="speculative decoding with this draft model (same vocabulary): "
-                        "short for --speculative-config '{\"method\": \"draft_model\", "
-                        "\"model\": PATH, \"num_speculative_tokens\": 4}'")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model name (smollm2-135m-instruct, fetched and converted once into "
+        "$JAXKV_CACHE, default ~/.cache/jaxkv) or a path: Hugging Face folder, "
+        "GGUF file or jaxkv checkpoint (default: %(default)s)",
+    )
+    add_options(g, EngineConfig, prefix=ENGINE, defaults=defaults, rename={"seed": "engine-seed"})
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="speculative decoding with this draft model (same vocabulary): "
+        'short for --speculative-config \'{"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 4}\'',
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
 
 
@@ -50,8 +56,12 @@ def _sampling_args(p: argparse.ArgumentParser, title: str = "sampling", **defaul
     from jaxkv.core.sampling_params import SamplingParams
 
     g = p.add_argument_group(title)
-    add_options(g, SamplingParams, prefix=SAMPLING,
-                defaults={"max_tokens": 128, "temperature": 0.0, **defaults})
+    add_options(
+        g,
+        SamplingParams,
+        prefix=SAMPLING,
+        defaults={"max_tokens": 128, "temperature": 0.0, **defaults},
+    )
 
 
 def _make_engine(a):
@@ -62,8 +72,11 @@ def _make_engine(a):
     if getattr(a, "draft_model", None):
         if kw.get("speculative_config") is not None:
             raise ValueError("--draft-model: give it or --speculative-config, not both")
-        kw["speculative_config"] = {"method": "draft_model", "model": a.draft_model,
-                                    "num_speculative_tokens": 4}
+        kw["speculative_config"] = {
+            "method": "draft_model",
+            "model": a.draft_model,
+            "num_speculative_tokens": 4,
+        }
     loras = lora_requests(getattr(a, "lora_modules", None))
     if loras and not kw.get("enable_lora"):
         raise ValueError("--lora-modules: LoRA is off; add --enable-lora")
@@ -119,7 +132,8 @@ def cmd_generate(a) -> int:
         # sequences of at most prompt bytes + 256 (chat template) + max_tokens.
         a.engine_max_num_seqs = min(a.engine_max_num_seqs, a.sampling_n)
         a.engine_max_model_len = a.engine_max_model_len or (
-            len(a.prompt.encode()) + 256 + a.sampling_max_tokens)
+            len(a.prompt.encode()) + 256 + a.sampling_max_tokens
+        )
     engine = _make_engine(a)
     params = _params(a)
     prompt = a.prompt
@@ -169,12 +183,17 @@ def cmd_batch(a) -> int:
     from jaxkv.entrypoints.batch import run_batch
 
     engine = _make_engine(a)
-    defaults = {k: v for k, v in values(a, SamplingParams, prefix=SAMPLING).items()
-                if v is not None}
-    counts = run_batch(engine, a.input, a.output, defaults=defaults, progress=not a.quiet,
-                       model_names=[a.model])
-    print(f"wrote {counts['written']} records ({counts['errors']} errors), "
-          f"skipped {counts['skipped']} already done", file=sys.stderr)
+    defaults = {
+        k: v for k, v in values(a, SamplingParams, prefix=SAMPLING).items() if v is not None
+    }
+    counts = run_batch(
+        engine, a.input, a.output, defaults=defaults, progress=not a.quiet, model_names=[a.model]
+    )
+    print(
+        f"wrote {counts['written']} records ({counts['errors']} errors), "
+        f"skipped {counts['skipped']} already done",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -193,19 +212,27 @@ def cmd_serve(a) -> int:
 
 def cmd_convert(a) -> int:
     from checkpoints.convert import convert
+
     convert(a.src, a.dst, a.dtype, verify_checksums=a.verify_checksums)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxkv", description="LLM inference in JAX on a paged KV cache.")
+    p = argparse.ArgumentParser(
+        prog="jaxkv", description="LLM inference in JAX on a paged KV cache."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="answer one prompt",
-                       description="Answer one prompt (with the model's chat template unless --raw).")
+    g = sub.add_parser(
+        "generate",
+        help="answer one prompt",
+        description="Answer one prompt (with the model's chat template unless --raw).",
+    )
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    g.add_argument("--raw", action="store_true", help="send the prompt as is, without chat template")
+    g.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without chat template"
+    )
     _engine_args(g, warmup=False)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -216,11 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("batch", help="generate for a JSONL file, resumable",
-                       description="Each input line: {\"prompt\": ...} or {\"messages\": [...]} plus "
-                                   "optional SamplingParams fields and \"model\" (a LoRA "
-                                   "adapter of --lora-modules). Output: one JSON record per "
-                                   "input line, in order; re-running resumes.")
+    b = sub.add_parser(
+        "batch",
+        help="generate for a JSONL file, resumable",
+        description='Each input line: {"prompt": ...} or {"messages": [...]} plus '
+        'optional SamplingParams fields and "model" (a LoRA '
+        "adapter of --lora-modules). Output: one JSON record per "
+        "input line, in order; re-running resumes.",
+    )
     b.add_argument("input", help="input JSONL")
     b.add_argument("output", help="output JSONL (appended to when resuming)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -229,28 +259,43 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(b, "sampling, for lines that do not set it")
     b.set_defaults(func=cmd_batch)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                       description="POST /v1/completions, /v1/chat/completions (stream: SSE), "
-                                   "/v1/responses, /tokenize, /detokenize, with --enable-lora "
-                                   "/v1/load_lora_adapter, /v1/unload_lora_adapter; GET "
-                                   "/v1/models, /health, /metrics.")
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="POST /v1/completions, /v1/chat/completions (stream: SSE), "
+        "/v1/responses, /tokenize, /detokenize, with --enable-lora "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter; GET "
+        "/v1/models, /health, /metrics.",
+    )
     add_serve_options(s)
     _engine_args(s)
     add_lora_modules(s)
     s.set_defaults(func=cmd_serve)
 
-    v = sub.add_parser("convert", help="convert a checkpoint to jaxkv's format",
-                       description="SRC: Hugging Face folder, GGUF file or jaxkv checkpoint.")
+    v = sub.add_parser(
+        "convert",
+        help="convert a checkpoint to jaxkv's format",
+        description="SRC: Hugging Face folder, GGUF file or jaxkv checkpoint.",
+    )
     v.add_argument("src")
     v.add_argument("dst")
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="stored weight dtype (default: %(default)s)")
-    v.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                   help="do not check a jaxkv SRC's tensor checksums (faster)")
+    v.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="stored weight dtype (default: %(default)s)",
+    )
+    v.add_argument(
+        "--no-verify-checksums",
+        dest="verify_checksums",
+        action="store_false",
+        help="do not check a jaxkv SRC's tensor checksums (faster)",
+    )
     v.set_defaults(func=cmd_convert)
 
     add_estimate_command(sub)
     from jaxkv.training.train_draft import add_command as add_train_draft
+
     add_train_draft(sub)
 
     return p
@@ -259,8 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
-                        format="%(message)s")
+    logging.basicConfig(
+        level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
+        format="%(message)s",
+    )
     if a.command in ("generate", "chat", "batch", "serve"):
         from jaxkv.config import EngineConfig
         from jaxkv.paths import enable_compilation_cache, uses_program_store

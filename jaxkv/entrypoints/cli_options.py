@@ -42,8 +42,15 @@ def _base_type(hint) -> tuple[type, bool]:
     return args[0], False
 
 
-def add_options(group, cls, *, prefix: str, defaults: Mapping[str, Any] | None = None,
-                skip: tuple[str, ...] = (), rename: Mapping[str, str] | None = None) -> None:
+def add_options(
+    group,
+    cls,
+    *,
+    prefix: str,
+    defaults: Mapping[str, Any] | None = None,
+    skip: tuple[str, ...] = (),
+    rename: Mapping[str, str] | None = None,
+) -> None:
     """Add one option per field of dataclass `cls` to `group`; values land in
     the namespace as `prefix + field name`. `defaults` overrides the
     dataclass defaults for this command; `rename` the option names."""
@@ -55,15 +62,20 @@ def add_options(group, cls, *, prefix: str, defaults: Mapping[str, Any] | None =
         flag = "--" + rename.get(f.name, f.name).replace("_", "-")
         default = defaults.get(f.name, f.default)
         kind, is_list = _base_type(hints[f.name])
-        kw: dict[str, Any] = dict(dest=prefix + f.name, default=default,
-                                  help=f.metadata["help"] + " (default: %(default)s)")
+        kw: dict[str, Any] = dict(
+            dest=prefix + f.name,
+            default=default,
+            help=f.metadata["help"] + " (default: %(default)s)",
+        )
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif is_list:
             kw.update(action="append", type=kind, default=None)
             kw["help"] = f.metadata["help"]
         else:
-            kw["type"] = {"bytes": parse_size, "json": parse_json}.get(f.metadata.get("parse"), kind)
+            kw["type"] = {"bytes": parse_size, "json": parse_json}.get(
+                f.metadata.get("parse"), kind
+            )
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
         group.add_argument(flag, **kw)
@@ -84,25 +96,36 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     t = text.strip()
     if t.startswith("{"):
         d = parse_json(t)
-        ok = (isinstance(d, dict) and not set(d) - {"name", "path", "base_model_name"}
-              and all(isinstance(d.get(k), str) and d[k] for k in ("name", "path")))
+        ok = (
+            isinstance(d, dict)
+            and not set(d) - {"name", "path", "base_model_name"}
+            and all(isinstance(d.get(k), str) and d[k] for k in ("name", "path"))
+        )
         if not ok:
-            raise argparse.ArgumentTypeError(f"{text!r}: the JSON form is {{\"name\": NAME, "
-                                             "\"path\": PATH}")
+            raise argparse.ArgumentTypeError(
+                f'{text!r}: the JSON form is {{"name": NAME, "path": PATH}}'
+            )
         return d["name"], d["path"]
     name, sep, path = t.partition("=")
     if not (sep and name and path):
-        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=PATH (or JSON {{\"name\": NAME, "
-                                         "\"path\": PATH}})")
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: give NAME=PATH (or JSON {{"name": NAME, "path": PATH}}}})'
+        )
     return name, path
 
 
 def add_lora_modules(parser) -> None:
     """--lora-modules NAME=PATH ...: LoRA adapters loaded at start (vLLM's option)."""
-    parser.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module,
-                        default=None, metavar="NAME=PATH",
-                        help="LoRA adapters (PEFT folders) loaded at start, ids 1, 2, ... in "
-                             "order; a request's `model` names one (needs --enable-lora)")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) loaded at start, ids 1, 2, ... in "
+        "order; a request's `model` names one (needs --enable-lora)",
+    )
 
 
 def lora_requests(modules) -> list:

@@ -47,8 +47,14 @@ class LLM:
         """Process 0 of several: release the followers (done at exit too)."""
         self.engine.shutdown()
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        lora_request=None,
+    ) -> list[RequestOutput]:
         """One output per prompt, in order. Prompts: a string, a list of
         strings, or dicts {"prompt": ...} / {"prompt_token_ids": [...]} (a list
         of ints alone is read as one tokenized prompt). A bad prompt gets an
@@ -56,18 +62,23 @@ class LLM:
         `lora_request`: a `LoRARequest` (engine option enable_lora) for every
         prompt, or a list of them (None: the base model) one per prompt."""
         if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for "
-                                 f"{len(prompts)} prompts")
+                raise ValueError(
+                    f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts"
+                )
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else (
-            [lora_request] * len(prompts))
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, (list, tuple))
+            else ([lora_request] * len(prompts))
+        )
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         with self._lock:
@@ -78,6 +89,7 @@ class LLM:
         bar = None
         if use_tqdm or (use_tqdm is None and len(prompts) >= 16):
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(prompts), desc="generate", unit="req", dynamic_ncols=True)
         generated = [0]
 
@@ -105,26 +117,50 @@ class LLM:
                 eng.step()
         return [final[i] for i in ids]
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, *,
-             use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        lora_request=None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of
         {"role", "content"} dicts) or a list of them, then generate. A
         malformed conversation raises ValueError before anything runs."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("messages: this model has no chat template (a base model?); "
-                             "use generate() with a prompt")
+            raise ValueError(
+                "messages: this model has no chat template (a base model?); "
+                "use generate() with a prompt"
+            )
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError(f"messages: must be a non-empty list of {{'role', 'content'}} dicts "
-                             f"or a list of such lists, got {type(messages).__name__}")
+            raise ValueError(
+                f"messages: must be a non-empty list of {{'role', 'content'}} dicts "
+                f"or a list of such lists, got {type(messages).__name__}"
+            )
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         for i, c in enumerate(convs):
-            if not isinstance(c, (list, tuple)) or not c or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in c):
-                raise ValueError(f"messages: conversation {i} must be a non-empty list of "
-                                 "{'role': str, 'content': str} dicts")
-        prompts = [{"prompt_token_ids": self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
-            add_special_tokens=False)} for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
-                             lora_request=lora_request)
+            if (
+                not isinstance(c, (list, tuple))
+                or not c
+                or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in c
+                )
+            ):
+                raise ValueError(
+                    f"messages: conversation {i} must be a non-empty list of "
+                    "{'role': str, 'content': str} dicts"
+                )
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.encode(
+                    self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                    add_special_tokens=False,
+                )
+            }
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

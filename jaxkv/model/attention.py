@@ -37,10 +37,19 @@ class AttentionSpec:
 
     def fingerprint(self) -> tuple:
         """What a compiled program depends on (the mesh by its shape)."""
-        mesh = None if self.mesh is None else (tuple(self.mesh.shape.items()),
-                                               self.mesh.devices.shape)
-        return (self.backend, self.sliding_window, self.num_sink_tokens, mesh, self.platform,
-                self.ring_pages, self.local_layers, self.score_rows)
+        mesh = (
+            None if self.mesh is None else (tuple(self.mesh.shape.items()), self.mesh.devices.shape)
+        )
+        return (
+            self.backend,
+            self.sliding_window,
+            self.num_sink_tokens,
+            mesh,
+            self.platform,
+            self.ring_pages,
+            self.local_layers,
+            self.score_rows,
+        )
 
     @classmethod
     def for_engine(cls, model: ModelConfig, engine: EngineConfig, mesh=None) -> AttentionSpec:
@@ -53,14 +62,20 @@ class AttentionSpec:
         _check_kv_format(engine, mesh)
         if engine.kv_eviction in ("snapkv", "h2o"):
             if any(w is not None for w in model.windows):
-                raise ValueError(f"kv_eviction={engine.kv_eviction!r}: this model's layers "
-                                 f"slide a window; importance eviction runs on models without one")
-            rows = (engine.max_num_seqs * engine.snapkv_window
-                    if engine.kv_eviction == "snapkv" else None)
+                raise ValueError(
+                    f"kv_eviction={engine.kv_eviction!r}: this model's layers "
+                    f"slide a window; importance eviction runs on models without one"
+                )
+            rows = (
+                engine.max_num_seqs * engine.snapkv_window
+                if engine.kv_eviction == "snapkv"
+                else None
+            )
             return cls(engine.attention_backend, None, 0, mesh, score_rows=rows)
         if engine.kv_eviction == "streaming":
-            return cls(engine.attention_backend, engine.streaming_window, engine.num_sink_tokens,
-                       mesh)
+            return cls(
+                engine.attention_backend, engine.streaming_window, engine.num_sink_tokens, mesh
+            )
         return cls(engine.attention_backend, model.uniform_window, 0, mesh)
 
     def layer_window(self, own: int | None) -> tuple[int | None, int]:
@@ -77,8 +92,15 @@ def _check_kv_format(engine: EngineConfig, mesh) -> None:
     from pallas_kernels.ragged_paged_attention import check_format, resolve
 
     kv = engine.kv_dtype or engine.dtype
-    fmt = ("int4" if kv == "int4" else "int8" if kv == "int8" else
-           "fp8" if kv.startswith("fp8") else "float")
+    fmt = (
+        "int4"
+        if kv == "int4"
+        else "int8"
+        if kv == "int8"
+        else "fp8"
+        if kv.startswith("fp8")
+        else "float"
+    )
     import jax
 
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
@@ -116,18 +138,38 @@ def local_view(batch, ring: int, page_size: int) -> LocalBatch:
     W = batch.block_tables.shape[1]
     base = batch.ring_base
     tables = base[:, None] + (jnp.arange(W, dtype=jnp.int32) % ring)[None, :]
-    seq = jnp.clip(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T, dtype=jnp.int32), side="right"),
-                   0, S - 1)
+    seq = jnp.clip(
+        jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T, dtype=jnp.int32), side="right"),
+        0,
+        S - 1,
+    )
     pos = batch.positions
     slots = (base[seq] + (pos // page_size) % ring) * page_size + pos % page_size
     slots = jnp.where(batch.slot_mapping < page_size, batch.slot_mapping, slots)
-    return LocalBatch(slots.astype(jnp.int32), batch.kv_lens, tables.astype(jnp.int32), batch.cu_q_lens,
-                      batch.num_seqs)
+    return LocalBatch(
+        slots.astype(jnp.int32),
+        batch.kv_lens,
+        tables.astype(jnp.int32),
+        batch.cu_q_lens,
+        batch.num_seqs,
+    )
 
 
-def attend(q, k, v, cache: KVCache, layer: int, batch, spec: AttentionSpec, *,
-           all_decode: bool | None = None, soft_cap: float | None = None,
-           sm_scale: float | None = None, window: int | None = None, sinks=None):
+def attend(
+    q,
+    k,
+    v,
+    cache: KVCache,
+    layer: int,
+    batch,
+    spec: AttentionSpec,
+    *,
+    all_decode: bool | None = None,
+    soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    sinks=None,
+):
     """Write this step's k, v [T, KVH, D] into layer `layer` of the cache at
     batch.slot_mapping, then attend q [T, H, D] to it -> (o [T, H, D], cache).
     `batch` carries slot_mapping [T], kv_lens [S], block_tables [S, W],
@@ -137,38 +179,55 @@ def attend(q, k, v, cache: KVCache, layer: int, batch, spec: AttentionSpec, *,
     joined with the engine's by `AttentionSpec.layer_window`), `sinks` [H]
     (learned sink logits). Under `spec.mesh` each shard writes and reads its
     own KV heads (q's heads, the sinks and the cache's split alike over "model")."""
-    meta = (batch.slot_mapping, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
-            batch.num_seqs)
+    meta = (batch.slot_mapping, batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs)
     arrays = layer_arrays(cache, layer)
     window, num_sink_tokens = spec.layer_window(window)
     fn = functools.partial(
-        _write_and_attend, spec=spec, all_decode=all_decode, soft_cap=soft_cap,
-        sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]), window=window,
-        num_sink_tokens=num_sink_tokens)
+        _write_and_attend,
+        spec=spec,
+        all_decode=all_decode,
+        soft_cap=soft_cap,
+        sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]),
+        window=window,
+        num_sink_tokens=num_sink_tokens,
+    )
     if spec.mesh is not None:
         import jax
         from jax.sharding import PartitionSpec as P
 
         heads, rep = P(None, "model"), P()
         pages = tuple(None if a is None else P("model") for a in arrays)
-        fn = jax.shard_map(fn, mesh=spec.mesh,
-                           in_specs=(heads, heads, heads, pages, rep, P() if sinks is None else P("model")),
-                           out_specs=(heads, pages), check_vma=False)
+        fn = jax.shard_map(
+            fn,
+            mesh=spec.mesh,
+            in_specs=(heads, heads, heads, pages, rep, P() if sinks is None else P("model")),
+            out_specs=(heads, pages),
+            check_vma=False,
+        )
     o, arrays = fn(q, k, v, arrays, meta, sinks)
     cache = replace_layer(cache, layer, *arrays)
     if cache.scores is not None:  # importance eviction: the attention each key receives
         from jaxkv.model.kv_scores import accumulate_scores
 
-        acc = accumulate_scores(cache.scores[layer], q, arrays[0], arrays[2], batch,
-                                sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]),
-                                soft_cap=soft_cap, max_rows=spec.score_rows)
-        cache = dataclasses.replace(cache, scores=cache.scores[:layer] + (acc,)
-                                    + cache.scores[layer + 1:])
+        acc = accumulate_scores(
+            cache.scores[layer],
+            q,
+            arrays[0],
+            arrays[2],
+            batch,
+            sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]),
+            soft_cap=soft_cap,
+            max_rows=spec.score_rows,
+        )
+        cache = dataclasses.replace(
+            cache, scores=cache.scores[:layer] + (acc,) + cache.scores[layer + 1 :]
+        )
     return o, cache
 
 
-def _write_and_attend(q, k, v, arrays, meta, sinks, *, spec, all_decode, soft_cap, sm_scale, window,
-                      num_sink_tokens):
+def _write_and_attend(
+    q, k, v, arrays, meta, sinks, *, spec, all_decode, soft_cap, sm_scale, window, num_sink_tokens
+):
     from pallas_kernels import ragged_paged_attention
 
     slots, kv_lens, block_tables, cu_q_lens, num_seqs = meta
@@ -186,9 +245,21 @@ def _write_and_attend(q, k, v, arrays, meta, sinks, *, spec, all_decode, soft_ca
     if sinks is not None:
         kw.update(sinks=sinks)
     o = ragged_paged_attention(
-        q, kp, vp, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, backend=spec.backend,
-        all_decode=all_decode, platform=spec.platform, **kw)
+        q,
+        kp,
+        vp,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=window,
+        soft_cap=soft_cap,
+        backend=spec.backend,
+        all_decode=all_decode,
+        platform=spec.platform,
+        **kw,
+    )
     if head_scale is not None:
         o = (o.astype(head_scale.dtype) * head_scale).astype(o.dtype)
     return o, (kp, vp, ks, vs)

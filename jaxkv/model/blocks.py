@@ -35,8 +35,15 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 # The block types the native matmul reads: (values, bytes) per block.
-TYPES = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q8_0: (32, 34),
-         Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210)}
+TYPES = {
+    Q.Q4_0: (32, 18),
+    Q.Q4_1: (32, 20),
+    Q.Q5_0: (32, 22),
+    Q.Q8_0: (32, 34),
+    Q.Q4_K: (256, 144),
+    Q.Q5_K: (256, 176),
+    Q.Q6_K: (256, 210),
+}
 
 
 def readable(qtype, cols: int) -> bool:
@@ -54,9 +61,11 @@ class BlockWeight:
         qtype = Q(qtype)
         values, nbytes = TYPES.get(qtype, (32, 0))
         if not readable(qtype, cols) or raw.shape != (rows, cols // values * nbytes):
-            raise ValueError(f"BlockWeight: {qtype.name} rows of {cols} values (a multiple of "
-                             f"{values}) expected as [{rows}, {cols // values * nbytes}] bytes, "
-                             f"got {list(raw.shape)}")
+            raise ValueError(
+                f"BlockWeight: {qtype.name} rows of {cols} values (a multiple of "
+                f"{values}) expected as [{rows}, {cols // values * nbytes}] bytes, "
+                f"got {list(raw.shape)}"
+            )
         self.raw = raw
         self.qtype = qtype
         self.rows = rows
@@ -65,7 +74,9 @@ class BlockWeight:
 
     def dequantize(self) -> np.ndarray:
         """[rows, cols] float32, by the gguf library."""
-        return np.asarray(dequantize(self.raw, self.qtype), np.float32).reshape(self.rows, self.cols)
+        return np.asarray(dequantize(self.raw, self.qtype), np.float32).reshape(
+            self.rows, self.cols
+        )
 
 
 def available() -> bool:
@@ -93,9 +104,15 @@ def keep_gguf_blocks(cfg) -> bool:
     if not cfg.gguf_blocks:
         return False
     cpu = backend() not in PALLAS_BACKENDS
-    why = ("one device" if cfg.tensor_parallel_size != 1 or (cfg.num_processes or 1) != 1 else
-           "dtype float32 on CPU" if cpu and cfg.dtype != "float32" else
-           "the native CPU matmul" if cpu and not available() else None)
+    why = (
+        "one device"
+        if cfg.tensor_parallel_size != 1 or (cfg.num_processes or 1) != 1
+        else "dtype float32 on CPU"
+        if cpu and cfg.dtype != "float32"
+        else "the native CPU matmul"
+        if cpu and not available()
+        else None
+    )
     if why:
         raise ValueError(f"gguf_blocks: the weights kept in GGUF blocks need {why}")
     return True
@@ -126,12 +143,14 @@ def matmul(x, raw, qtype: int, round_x: bool | None = None):
     if not available():
         from pallas_kernels import native
 
-        raise RuntimeError("GGUF blocks (gguf_blocks) need the native CPU matmul: "
-                           f"{native.unavailable('cpu_matmul')}")
+        raise RuntimeError(
+            "GGUF blocks (gguf_blocks) need the native CPU matmul: "
+            f"{native.unavailable('cpu_matmul')}"
+        )
     out = jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("jaxkv_block_matmul", out)(x.astype(jnp.float32), raw,
-                                                       type=np.int32(qtype),
-                                                       round_x=np.int32(round_x))
+    return jax.ffi.ffi_call("jaxkv_block_matmul", out)(
+        x.astype(jnp.float32), raw, type=np.int32(qtype), round_x=np.int32(round_x)
+    )
 
 
 class BlockDense(nnx.Module):
@@ -159,8 +178,15 @@ class BlockDense(nnx.Module):
             elif int(p.qtype) in plane_types:
                 pl = to_planes(p.raw, int(p.qtype), p.rows, p.cols)
                 kinds.append(-int(p.qtype))
-                params.append(nnx.List([nnx.Param(jnp.asarray(a))
-                                        for a in (pl.q, pl.d, pl.m, pl.qh) if a is not None]))
+                params.append(
+                    nnx.List(
+                        [
+                            nnx.Param(jnp.asarray(a))
+                            for a in (pl.q, pl.d, pl.m, pl.qh)
+                            if a is not None
+                        ]
+                    )
+                )
             else:
                 kinds.append(0)
                 params.append(nnx.Param(jnp.asarray(p.dequantize().T)))
@@ -180,8 +206,11 @@ class BlockDense(nnx.Module):
                 arrays = [a[...] for a in p]
                 extra = {FORMATS[fmt][2][0]: arrays[2]} if len(arrays) > 2 else {}
                 planes = block_matmul.Planes(q=arrays[0], d=arrays[1], fmt=fmt, **extra)
-                outs.append(block_matmul.matmul(x, planes, backend=self.backend,
-                                                interpret=INTERPRET).astype(x.dtype))
+                outs.append(
+                    block_matmul.matmul(
+                        x, planes, backend=self.backend, interpret=INTERPRET
+                    ).astype(x.dtype)
+                )
             else:
                 outs.append(jnp.einsum("TI,IO->TO", x, p[...].astype(x.dtype)))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)

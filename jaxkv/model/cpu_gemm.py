@@ -47,8 +47,11 @@ def available() -> bool:
     `jaxkv.model.blocks`) is built and registered (once per process)."""
     from pallas_kernels import native
 
-    return native.load("cpu_matmul", Path(__file__).with_name("cpu_matmul.cc"),
-                       ("sgemm", "block_matmul", "grouped_sgemm"))
+    return native.load(
+        "cpu_matmul",
+        Path(__file__).with_name("cpu_matmul.cc"),
+        ("sgemm", "block_matmul", "grouped_sgemm"),
+    )
 
 
 def projections() -> str:
@@ -70,9 +73,13 @@ def projections() -> str:
 def use_native(num_rows: int, platform: str | None, mesh) -> bool:
     """Whether a step of `num_rows` rows, compiled for `platform` (None:
     JAX's default backend) on `mesh` (None: one device), takes this path."""
-    return (num_rows >= MIN_ROWS and mesh is None
-            and (platform or jax.default_backend()) == "cpu" and projections() == "blas"
-            and available())
+    return (
+        num_rows >= MIN_ROWS
+        and mesh is None
+        and (platform or jax.default_backend()) == "cpu"
+        and projections() == "blas"
+        and available()
+    )
 
 
 def use_native_grouped(platform: str | None) -> bool:
@@ -86,8 +93,10 @@ def use_native_grouped(platform: str | None) -> bool:
 def matmul(x, w):
     """x [T, N_in] float32 @ w [N_in, N_out] float32 -> [T, N_out] float32."""
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"cpu_gemm.matmul takes float32 [T, N_in] @ [N_in, N_out], got "
-                         f"{x.dtype}{list(x.shape)} @ {w.dtype}{list(w.shape)}")
+        raise ValueError(
+            f"cpu_gemm.matmul takes float32 [T, N_in] @ [N_in, N_out], got "
+            f"{x.dtype}{list(x.shape)} @ {w.dtype}{list(w.shape)}"
+        )
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call("jaxkv_sgemm", out)(x, w)
 
@@ -98,7 +107,9 @@ def grouped_matmul(x, w, sizes):
     `jax.lax.ragged_dot`'s result, each group one sgemm (XLA's CPU lowering
     multiplies every row by every group's weights and masks)."""
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
-        raise ValueError(f"cpu_gemm.grouped_matmul takes float32 [M, K] @ [G, K, N], got "
-                         f"{x.dtype}{list(x.shape)} @ {w.dtype}{list(w.shape)}")
+        raise ValueError(
+            f"cpu_gemm.grouped_matmul takes float32 [M, K] @ [G, K, N], got "
+            f"{x.dtype}{list(x.shape)} @ {w.dtype}{list(w.shape)}"
+        )
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
     return jax.ffi.ffi_call("jaxkv_grouped_sgemm", out)(x, w, sizes.astype(jnp.int32))

@@ -74,65 +74,104 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
 
     @classmethod
-    def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None,
-                   aux_layers: tuple[int, ...] | None = None) -> Eagle3Config:
+    def for_target(
+        cls,
+        target: ModelConfig,
+        draft_vocab_size: int | None = None,
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> Eagle3Config:
         """A head shaped like one of the target's layers (as EAGLE-3 heads
         are), reading its default feature layers."""
-        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-                   num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
-                   head_dim=target.head_dim, vocab_size=target.vocab_size,
-                   draft_vocab_size=min(draft_vocab_size or target.vocab_size, target.vocab_size),
-                   target_hidden_size=target.hidden_size,
-                   aux_layers=tuple(aux_layers or default_aux_layers(target.num_layers)),
-                   rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-                   rope_scaling=target.rope_scaling,
-                   max_position_embeddings=target.max_position_embeddings)
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=min(draft_vocab_size or target.vocab_size, target.vocab_size),
+            target_hidden_size=target.hidden_size,
+            aux_layers=tuple(aux_layers or default_aux_layers(target.num_layers)),
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+        )
 
     def check_target(self, target: ModelConfig) -> None:
         """ValueError naming what does not fit `target`: its vocabulary,
         its hidden size (the width of the features), its layers."""
         if self.vocab_size != target.vocab_size:
-            raise ValueError(f"eagle3 head: vocab_size {self.vocab_size} differs from the "
-                             f"target's vocabulary of {target.vocab_size} tokens")
+            raise ValueError(
+                f"eagle3 head: vocab_size {self.vocab_size} differs from the "
+                f"target's vocabulary of {target.vocab_size} tokens"
+            )
         if self.target_hidden_size != target.hidden_size:
-            raise ValueError(f"eagle3 head: it reads features of width target_hidden_size "
-                             f"{self.target_hidden_size}, the target's hidden size is "
-                             f"{target.hidden_size}")
-        if len(self.aux_layers) != 3 or not all(0 <= j <= target.num_layers
-                                                for j in self.aux_layers):
-            raise ValueError(f"eagle3 head: eagle_aux_hidden_state_layer_ids must be three "
-                             f"layer ids in 0..{target.num_layers}, got {list(self.aux_layers)}")
+            raise ValueError(
+                f"eagle3 head: it reads features of width target_hidden_size "
+                f"{self.target_hidden_size}, the target's hidden size is "
+                f"{target.hidden_size}"
+            )
+        if len(self.aux_layers) != 3 or not all(
+            0 <= j <= target.num_layers for j in self.aux_layers
+        ):
+            raise ValueError(
+                f"eagle3 head: eagle_aux_hidden_state_layer_ids must be three "
+                f"layer ids in 0..{target.num_layers}, got {list(self.aux_layers)}"
+            )
 
     def model_config(self) -> ModelConfig:
         """A one-layer `ModelConfig` of the head's attention (its KV cache,
         RoPE and scale come from it)."""
-        return ModelConfig(architecture="llama", vocab_size=self.draft_vocab_size,
-                           hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_layers=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                           head_dim=self.head_dim, rope_theta=self.rope_theta,
-                           rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
-                           max_position_embeddings=self.max_position_embeddings)
+        return ModelConfig(
+            architecture="llama",
+            vocab_size=self.draft_vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+        )
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's shape (embed optional)."""
-        E, F, H, K, D = (self.hidden_size, self.intermediate_size, self.num_heads,
-                         self.num_kv_heads, self.head_dim)
-        return {"fc": (3 * self.target_hidden_size, E), "input_norm": (E,),
-                "hidden_norm": (E,), "wqkv": (2 * E, (H + 2 * K) * D), "wo": (H * D, E),
-                "post_norm": (E,), "w_gate_up": (E, 2 * F), "w_down": (F, E),
-                "final_norm": (E,), "lm_head": (E, self.draft_vocab_size),
-                "d2t": (self.draft_vocab_size,)}
+        E, F, H, K, D = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        return {
+            "fc": (3 * self.target_hidden_size, E),
+            "input_norm": (E,),
+            "hidden_norm": (E,),
+            "wqkv": (2 * E, (H + 2 * K) * D),
+            "wo": (H * D, E),
+            "post_norm": (E,),
+            "w_gate_up": (E, 2 * F),
+            "w_down": (F, E),
+            "final_norm": (E,),
+            "lm_head": (E, self.draft_vocab_size),
+            "d2t": (self.draft_vocab_size,),
+        }
 
 
-def random_params(cfg: Eagle3Config, seed: int = 0, embed: np.ndarray | None = None,
-                  d2t: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def random_params(
+    cfg: Eagle3Config, seed: int = 0, embed: np.ndarray | None = None, d2t: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """Random head weights (norm scales near 1), float32; `d2t` zeros (the
     draft vocabulary is the target's first Vd tokens) unless given."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in cfg.shapes().items():
         if name == "d2t":
-            out[name] = (np.zeros(shape, np.int32) if d2t is None else np.asarray(d2t, np.int32))
+            out[name] = np.zeros(shape, np.int32) if d2t is None else np.asarray(d2t, np.int32)
         elif name.endswith("norm"):
             out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
@@ -157,8 +196,9 @@ def target_head(model) -> np.ndarray:
     from jaxkv.model import q8
 
     cfg = model.config
-    if isinstance(model.embed, q8.Q8Table) or (cfg.tie_word_embeddings
-                                               and not hasattr(model, "lm_head")):
+    if isinstance(model.embed, q8.Q8Table) or (
+        cfg.tie_word_embeddings and not hasattr(model, "lm_head")
+    ):
         return target_embed(model).T
     eye = jnp.eye(cfg.hidden_size, dtype=model.final_norm[...].dtype)
     return np.asarray(model.lm_head(eye), np.float32)
@@ -190,9 +230,9 @@ def project_qkv(cfg: Eagle3Config, params, x, positions, inv_freq):
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = x @ params["wqkv"]
     lead = qkv.shape[:-1]
-    q = qkv[..., :H * D].reshape(*lead, H, D)
-    k = qkv[..., H * D:(H + K) * D].reshape(*lead, K, D)
-    v = qkv[..., (H + K) * D:].reshape(*lead, K, D)
+    q = qkv[..., : H * D].reshape(*lead, H, D)
+    k = qkv[..., H * D : (H + K) * D].reshape(*lead, K, D)
+    v = qkv[..., (H + K) * D :].reshape(*lead, K, D)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -208,8 +248,7 @@ def layer_output(cfg: Eagle3Config, params, o, residual):
 def draft_logits(cfg: Eagle3Config, params, pre):
     """Logits over the draft vocabulary [.., Vd], float32."""
     h = rms_norm(pre, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("...e,ev->...v", h, params["lm_head"],
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum("...e,ev->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def to_target(params, draft_ids):
@@ -220,8 +259,19 @@ def to_target(params, draft_ids):
 # ------------------------------------------------------------ on the paged cache
 
 
-def paged_call(cfg: Eagle3Config, params, embed, cache, batch, attention, tokens, hidden, *,
-               fuse: bool, all_decode: bool | None):
+def paged_call(
+    cfg: Eagle3Config,
+    params,
+    embed,
+    cache,
+    batch,
+    attention,
+    tokens,
+    hidden,
+    *,
+    fuse: bool,
+    all_decode: bool | None,
+):
     """The head over a ragged batch (a `StepBatch`: positions, slot mapping,
     block tables of the target's pool): writes its K/V into its one-layer
     cache and returns (pre [T, E], cache). tokens [T] target ids; hidden
@@ -230,8 +280,9 @@ def paged_call(cfg: Eagle3Config, params, embed, cache, batch, attention, tokens
     x, residual = layer_inputs(cfg, params, embed_tokens(params, embed, tokens), hidden, fuse)
     inv_freq = jnp.asarray(rope_frequencies(mc))
     q, k, v = project_qkv(cfg, params, x, batch.positions, inv_freq)
-    o, cache = attend(q, k, v, cache, 0, batch, attention, all_decode=all_decode,
-                      sm_scale=mc.sm_scale)
+    o, cache = attend(
+        q, k, v, cache, 0, batch, attention, all_decode=all_decode, sm_scale=mc.sm_scale
+    )
     o = o.astype(x.dtype).reshape(o.shape[0], -1)
     return layer_output(cfg, params, o, residual), cache
 
@@ -262,7 +313,7 @@ def unrolled_logits(cfg: Eagle3Config, params, embed, feats, tokens, mask, steps
     keys, outs = [], []  # steps >= 1: each anchor's own k, v [B, T, K, D]
     k0 = v0 = None
     for j in range(steps):
-        nxt = jnp.concatenate([tokens[:, j + 1:], jnp.zeros((B, j + 1), tokens.dtype)], axis=1)
+        nxt = jnp.concatenate([tokens[:, j + 1 :], jnp.zeros((B, j + 1), tokens.dtype)], axis=1)
         x, residual = layer_inputs(cfg, params, embed_tokens(params, embed, nxt), hidden, fuse)
         q, k, v = project_qkv(cfg, params, x, pos + j, inv_freq)
         q = q.reshape(B, T, K, G, D)

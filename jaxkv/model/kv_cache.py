@@ -41,8 +41,14 @@ import jax.numpy as jnp
 from jaxkv.config import CacheConfig, ModelConfig
 from pallas_kernels.ragged_paged_attention.kv_formats import FP8_DTYPES, quantize_vectors
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-           "int8": jnp.int8, "int4": jnp.uint8, **FP8_DTYPES}
+_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "int8": jnp.int8,
+    "int4": jnp.uint8,
+    **FP8_DTYPES,
+}
 # An fp8 scale maps the calibrating step's largest |value| to 1/FP8_HEADROOM
 # of the format's largest finite value.
 FP8_HEADROOM = 4.0
@@ -105,8 +111,10 @@ class KVCache:
 def layer_pages(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
     """Pages of each layer: `local_pages` for the sliding layers of a hybrid
     pool, `num_pages` for the rest."""
-    return tuple(cache.local_pages if cache.local_pages and w is not None else cache.num_pages
-                 for w in model.windows)
+    return tuple(
+        cache.local_pages if cache.local_pages and w is not None else cache.num_pages
+        for w in model.windows
+    )
 
 
 def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
@@ -124,9 +132,14 @@ def cache_shapes(model: ModelConfig, cache: CacheConfig) -> KVCache:
     q = cache.kv_dtype in ("int8", "int4") or fp8
     X = getattr(model, "num_experts", 0)
     acc = tuple(jax.ShapeDtypeStruct((K, P, ps), jnp.float32) for P in pages)
-    return KVCache(k=layers, v=layers, k_scale=scales if q else None, v_scale=scales if q else None,
-                   routed=jax.ShapeDtypeStruct((X,), jnp.int32) if X else None,
-                   scores=acc if cache.scores else None)
+    return KVCache(
+        k=layers,
+        v=layers,
+        k_scale=scales if q else None,
+        v_scale=scales if q else None,
+        routed=jax.ShapeDtypeStruct((X,), jnp.int32) if X else None,
+        scores=acc if cache.scores else None,
+    )
 
 
 def cache_shardings(shapes: KVCache, sharding):
@@ -163,18 +176,25 @@ def preset_fp8_scales(cache: KVCache, scales) -> KVCache:
     if scales is None or not cache.fp8:
         return cache
     scales = np.asarray(scales, np.float32)
-    if scales.shape != (cache.num_layers, 2) or not np.all(scales > 0) \
-            or not np.all(np.isfinite(scales)):
-        raise ValueError(f"the checkpoint's fp8 KV scales must be [L, 2] = "
-                         f"[{cache.num_layers}, 2] positive finite values, got "
-                         f"{scales.shape}: {scales.ravel()[:4]}")
+    if (
+        scales.shape != (cache.num_layers, 2)
+        or not np.all(scales > 0)
+        or not np.all(np.isfinite(scales))
+    ):
+        raise ValueError(
+            f"the checkpoint's fp8 KV scales must be [L, 2] = "
+            f"[{cache.num_layers}, 2] positive finite values, got "
+            f"{scales.shape}: {scales.ravel()[:4]}"
+        )
 
     def put(old, s):
         return jax.device_put(np.full(old.shape, s, np.float32), old.sharding)
 
     return dataclasses.replace(
-        cache, k_scale=tuple(put(x, s) for x, s in zip(cache.k_scale, scales[:, 0])),
-        v_scale=tuple(put(x, s) for x, s in zip(cache.v_scale, scales[:, 1])))
+        cache,
+        k_scale=tuple(put(x, s) for x, s in zip(cache.k_scale, scales[:, 0])),
+        v_scale=tuple(put(x, s) for x, s in zip(cache.v_scale, scales[:, 1])),
+    )
 
 
 def write_pages(k, v, k_scale, v_scale, new_k, new_v, slot_mapping):
@@ -189,8 +209,9 @@ def write_pages(k, v, k_scale, v_scale, new_k, new_v, slot_mapping):
     nv = jnp.swapaxes(new_v, 0, 1)
     if k_scale is not None and k_scale.ndim == 1:  # fp8, one scale per KV head
         live = slot_mapping >= ps  # not the trash page
-        (nk, k_scale), (nv, v_scale) = (_fp8(x, s, live, k.dtype) for x, s in
-                                        ((nk, k_scale), (nv, v_scale)))
+        (nk, k_scale), (nv, v_scale) = (
+            _fp8(x, s, live, k.dtype) for x, s in ((nk, k_scale), (nv, v_scale))
+        )
     elif k_scale is not None:
         fmt = "int4" if k.dtype == jnp.uint8 else "int8"
         nk, sk = quantize_vectors(nk, fmt)
@@ -216,31 +237,50 @@ def _fp8(x, scale, live, dtype):
 def layer_arrays(cache: KVCache, layer: int) -> tuple:
     """(k, v, k_scale, v_scale) of one layer; the scales None unless quantized."""
     q = cache.quantized
-    return (cache.k[layer], cache.v[layer], cache.k_scale[layer] if q else None,
-            cache.v_scale[layer] if q else None)
+    return (
+        cache.k[layer],
+        cache.v[layer],
+        cache.k_scale[layer] if q else None,
+        cache.v_scale[layer] if q else None,
+    )
 
 
 def replace_layer(cache: KVCache, layer: int, k, v, k_scale=None, v_scale=None) -> KVCache:
     """`cache` with one layer's arrays replaced."""
-    def put(t, x):
-        return None if t is None else t[:layer] + (x,) + t[layer + 1:]
 
-    return dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v),
-                               k_scale=put(cache.k_scale, k_scale), v_scale=put(cache.v_scale, v_scale))
+    def put(t, x):
+        return None if t is None else t[:layer] + (x,) + t[layer + 1 :]
+
+    return dataclasses.replace(
+        cache,
+        k=put(cache.k, k),
+        v=put(cache.v, v),
+        k_scale=put(cache.k_scale, k_scale),
+        v_scale=put(cache.v_scale, v_scale),
+    )
 
 
 def copy_pages(cache: KVCache, src, dst, layers: tuple[int, ...] | None = None) -> KVCache:
     """Copy whole pages src[N] -> dst[N] in every layer, or in `layers` only
     (a hybrid pool's page ids belong to one group of layers). fp8's per-head
     scales are not per page and stay."""
+
     def cp(t):
         if t is None:
             return None
-        return tuple(x.at[:, dst].set(x[:, src]) if (layers is None or i in layers) and x.ndim > 1
-                     else x for i, x in enumerate(t))
+        return tuple(
+            x.at[:, dst].set(x[:, src]) if (layers is None or i in layers) and x.ndim > 1 else x
+            for i, x in enumerate(t)
+        )
 
-    return dataclasses.replace(cache, k=cp(cache.k), v=cp(cache.v), k_scale=cp(cache.k_scale),
-                               v_scale=cp(cache.v_scale), scores=cp(cache.scores))
+    return dataclasses.replace(
+        cache,
+        k=cp(cache.k),
+        v=cp(cache.v),
+        k_scale=cp(cache.k_scale),
+        v_scale=cp(cache.v_scale),
+        scores=cp(cache.scores),
+    )
 
 
 def paged_leaves(cache: KVCache) -> tuple:
@@ -267,8 +307,15 @@ def put_pages(cache: KVCache, pages, data) -> KVCache:
     def put(t):
         if t is None:
             return None
-        return tuple(x.at[:, pages].set(jnp.moveaxis(next(it), 0, 1).astype(x.dtype))
-                     if x.ndim > 1 else x for x in t)
+        return tuple(
+            x.at[:, pages].set(jnp.moveaxis(next(it), 0, 1).astype(x.dtype)) if x.ndim > 1 else x
+            for x in t
+        )
 
-    return dataclasses.replace(cache, k=put(cache.k), v=put(cache.v),
-                               k_scale=put(cache.k_scale), v_scale=put(cache.v_scale))
+    return dataclasses.replace(
+        cache,
+        k=put(cache.k),
+        v=put(cache.v),
+        k_scale=put(cache.k_scale),
+        v_scale=put(cache.v_scale),
+    )

@@ -42,8 +42,17 @@ def _row_keys(kp, ks, table):
     return k.reshape(KVH, -1, k.shape[-1])
 
 
-def accumulate_scores(scores, q, kp, ks, batch, *, sm_scale: float,
-                      soft_cap: float | None = None, max_rows: int | None = None):
+def accumulate_scores(
+    scores,
+    q,
+    kp,
+    ks,
+    batch,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    max_rows: int | None = None,
+):
     """`scores` [KVH, P, page_size] plus the attention this step's scoring
     rows give each key of their sequence. q [T, H, D] (as attention takes
     it), kp / ks the layer's pages and scales after this step's writes;
@@ -116,6 +125,11 @@ def compact_pages(cache, table, src, n_keep):
             out.append(x.at[:, dpage, doff].set(kept))
         return tuple(out)
 
-    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v),
-                               k_scale=move(cache.k_scale), v_scale=move(cache.v_scale),
-                               scores=move(cache.scores))
+    return dataclasses.replace(
+        cache,
+        k=move(cache.k),
+        v=move(cache.v),
+        k_scale=move(cache.k_scale),
+        v_scale=move(cache.v_scale),
+        scores=move(cache.scores),
+    )

@@ -31,7 +31,8 @@ def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
     scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
     smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
+        rs.high_freq_factor - rs.low_freq_factor
+    )
     mid = (wavelen >= high_wl) & (wavelen <= low_wl)
     scaled = np.where(mid, (1 - smooth) * scaled / rs.factor + smooth * scaled, scaled)
     return scaled.astype(np.float32)
@@ -53,7 +54,9 @@ def yarn_frequencies(inv: np.ndarray, theta: float, D: int, rs) -> np.ndarray:
     low, high = max(low, 0), min(high, D - 1)
     if high == low:
         high = high + 1e-3  # a step rather than a ramp, not a division by zero
-    ramp = np.clip((np.arange(D // 2, dtype=np.float32) - low) / (high - low), 0, 1)  # float32 as the reference
+    ramp = np.clip(
+        (np.arange(D // 2, dtype=np.float32) - low) / (high - low), 0, 1
+    )  # float32 as the reference
     return inv / rs.factor * ramp + inv * (1 - ramp)
 
 

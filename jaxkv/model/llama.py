@@ -48,12 +48,19 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, prefix: str, init: Init, quantize: str | None):
         E, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         wk = init(f"{prefix}.wk", (E, K, D))  # first: random_init draws in this order
-        self.wqkv = _dense([init(f"{prefix}.wq", (E, H, D)), wk, init(f"{prefix}.wv", (E, K, D))],
-                           E, quantize)
+        self.wqkv = _dense(
+            [init(f"{prefix}.wq", (E, H, D)), wk, init(f"{prefix}.wv", (E, K, D))], E, quantize
+        )
         if config.attention_bias:
-            self.bqkv = nnx.Param(jnp.concatenate([
-                init(f"{prefix}.bq", (H, D)).reshape(-1), init(f"{prefix}.bk", (K, D)).reshape(-1),
-                init(f"{prefix}.bv", (K, D)).reshape(-1)]))
+            self.bqkv = nnx.Param(
+                jnp.concatenate(
+                    [
+                        init(f"{prefix}.bq", (H, D)).reshape(-1),
+                        init(f"{prefix}.bk", (K, D)).reshape(-1),
+                        init(f"{prefix}.bv", (K, D)).reshape(-1),
+                    ]
+                )
+            )
         self.wo = _dense([init(f"{prefix}.wo", (H, D, E))], H * D, quantize)
         if config.attention_out_bias:
             self.bo = nnx.Param(init(f"{prefix}.bo", (E,)))
@@ -63,8 +70,11 @@ class Attention(nnx.Module):
         if config.attention_sinks:
             self.sinks = nnx.Param(init(f"{prefix}.sinks", (H,)).astype(jnp.float32))
         if config.kv_cache_scales:  # the checkpoint's fp8 KV scales [k, v], read at cache set-up
-            self.kv_scale = nnx.Variable(jnp.stack(
-                [init(f"{prefix}.k_scale", ()), init(f"{prefix}.v_scale", ())]).astype(jnp.float32))
+            self.kv_scale = nnx.Variable(
+                jnp.stack([init(f"{prefix}.k_scale", ()), init(f"{prefix}.v_scale", ())]).astype(
+                    jnp.float32
+                )
+            )
         self.bias = config.attention_bias
         self.out_bias = config.attention_out_bias
 
@@ -83,7 +93,9 @@ class Block(nnx.Module):
             self.moe = MoE(config, p, init, quantize)
             return
         # w_gate_up [E, 2F]: gate and up side by side, one matmul.
-        self.w_gate_up = _dense([init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], E, quantize)
+        self.w_gate_up = _dense(
+            [init(f"{p}.w_gate", (E, F)), init(f"{p}.w_up", (E, F))], E, quantize
+        )
         self.w_down = _dense([init(f"{p}.w_down", (F, E))], F, quantize)
 
 
@@ -94,10 +106,11 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, init: Init, quantize: str | None = None):
         self.config = config
         V, E = config.vocab_size, config.hidden_size
-        embed = init("embed", (V, E))  # a GGUF's Q8_0 blocks, kept (jaxkv.model.q8), never quantized
+        embed = init(
+            "embed", (V, E)
+        )  # a GGUF's Q8_0 blocks, kept (jaxkv.model.q8), never quantized
         self.embed = q8.Q8Table(embed) if isinstance(embed, q8.Q8Blocks) else nnx.Param(embed)
-        self.layers = nnx.List([Block(config, i, init, quantize)
-                                for i in range(config.num_layers)])
+        self.layers = nnx.List([Block(config, i, init, quantize) for i in range(config.num_layers)])
         self.final_norm = nnx.Param(init("final_norm", (E,)))
         if not config.tie_word_embeddings:
             self.lm_head = Dense(init("lm_head", (E, V)), quantize)
@@ -116,8 +129,14 @@ class Llama(nnx.Module):
         self.aux_layers: tuple[int, ...] = ()
 
     @classmethod
-    def from_params(cls, config: ModelConfig, params: Mapping[str, np.ndarray], *,
-                    dtype=jnp.float32, quantize: str | None = None) -> Llama:
+    def from_params(
+        cls,
+        config: ModelConfig,
+        params: Mapping[str, np.ndarray],
+        *,
+        dtype=jnp.float32,
+        quantize: str | None = None,
+    ) -> Llama:
         """Build from a flat name -> array dict (checkpoints.* loaders).
         `quantize="int8"`: weight-only int8 matmul weights (jaxkv.quant)."""
         check_params(config, params)
@@ -130,7 +149,9 @@ class Llama(nnx.Module):
 
         def init(name, shape):
             if name.endswith("norm"):  # scale near 1 in either convention (w, 1 + w)
-                return jnp.asarray(1.0 - config.norm_offset + 0.1 * rng.standard_normal(shape), dtype)
+                return jnp.asarray(
+                    1.0 - config.norm_offset + 0.1 * rng.standard_normal(shape), dtype
+                )
             if name.endswith("sinks"):
                 return jnp.asarray(rng.standard_normal(shape), dtype)
             if name.endswith(("k_scale", "v_scale")):  # fp8 KV scales: |k|, |v| up to ~20
@@ -152,8 +173,15 @@ class Llama(nnx.Module):
             return None
         return np.stack([np.asarray(layer.attn.kv_scale[...]) for layer in self.layers])
 
-    def __call__(self, cache: KVCache, batch, attention: AttentionSpec, *,
-                 all_decode: bool | None = None, features: bool = False):
+    def __call__(
+        self,
+        cache: KVCache,
+        batch,
+        attention: AttentionSpec,
+        *,
+        all_decode: bool | None = None,
+        features: bool = False,
+    ):
         """One ragged step: returns (logits [S, V] float32 at each sequence's
         logits_indices row, updated cache), and with `features` a third
         output: the `aux_layers` inputs side by side, [T, len(aux_layers) E]
@@ -169,10 +197,14 @@ class Llama(nnx.Module):
         Hl, Kl = H // G, K // G
         mesh = attention.mesh
         blocks = isinstance(self.embed, q8.Q8Table)
-        x = _constrain(self.embed.rows(batch.token_ids, self.final_norm[...].dtype) if blocks
-                       else self.embed[...][batch.token_ids], mesh)  # [T, E], whole rows everywhere
+        x = _constrain(
+            self.embed.rows(batch.token_ids, self.final_norm[...].dtype)
+            if blocks
+            else self.embed[...][batch.token_ids],
+            mesh,
+        )  # [T, E], whole rows everywhere
         if cfg.embed_scale:  # sqrt(E) rounded to the model dtype first, as Gemma does
-            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         T = x.shape[0]
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
         act = activation(cfg.hidden_act)
@@ -185,10 +217,16 @@ class Llama(nnx.Module):
         rotate = cache.rotated(cfg)
         native = cpu_gemm.use_native(T, attention.platform, mesh)  # MKL sgemm on CPU
         # Hybrid pool: the sliding layers read and write their own rings of pages.
-        local = local_view(batch, attention.ring_pages, cache.page_size) if attention.ring_pages else None
+        local = (
+            local_view(batch, attention.ring_pages, cache.page_size)
+            if attention.ring_pages
+            else None
+        )
         routed = None
         lora = getattr(self, "lora", None)  # adapters in slots (jaxkv.model.lora)
-        rows = None if lora is None else lora.rows(batch.lora_slot, x.dtype, mesh, attention.platform)
+        rows = (
+            None if lora is None else lora.rows(batch.lora_slot, x.dtype, mesh, attention.platform)
+        )
         feats = {}
         tables = {}  # (local, scale) -> rope_tables, computed once a step
         for i, layer in enumerate(self.layers):
@@ -202,9 +240,9 @@ class Llama(nnx.Module):
             if a.bias:
                 qkv = qkv + a.bqkv[...]
             qkv = qkv.reshape(T, G, (Hl + 2 * Kl) * D)
-            q = qkv[:, :, :Hl * D].reshape(T, H, D)
-            k = qkv[:, :, Hl * D:(Hl + Kl) * D].reshape(T, K, D)
-            v = qkv[:, :, (Hl + Kl) * D:].reshape(T, K, D)
+            q = qkv[:, :, : Hl * D].reshape(T, H, D)
+            k = qkv[:, :, Hl * D : (Hl + Kl) * D].reshape(T, K, D)
+            v = qkv[:, :, (Hl + Kl) * D :].reshape(T, K, D)
             if cfg.qk_norm:
                 q = rms_norm(q, a.q_norm[...], eps, off)
                 k = rms_norm(k, a.k_norm[...], eps, off)
@@ -216,11 +254,20 @@ class Llama(nnx.Module):
             if rotate:  # q.k unchanged; int8 loses less to outlier channels
                 q, k, v = (rotate_blocks(t, rot).astype(t.dtype) for t in (q, k, v))
             window = cfg.layer_window(i)
-            o, cache = attend(q, k, v, cache, i, local if i in attention.local_layers else batch,
-                              attention, all_decode=all_decode,
-                              soft_cap=cfg.attn_logit_softcap, sm_scale=cfg.sm_scale,
-                              window=window,
-                              sinks=a.sinks[...] if cfg.attention_sinks else None)
+            o, cache = attend(
+                q,
+                k,
+                v,
+                cache,
+                i,
+                local if i in attention.local_layers else batch,
+                attention,
+                all_decode=all_decode,
+                soft_cap=cfg.attn_logit_softcap,
+                sm_scale=cfg.sm_scale,
+                window=window,
+                sinks=a.sinks[...] if cfg.attention_sinks else None,
+            )
             if rotate:  # values were rotated: rotate the output back
                 o = rotate_blocks(o, rot)
             o = o.astype(x.dtype)
@@ -232,9 +279,17 @@ class Llama(nnx.Module):
                 o = rms_norm(o, layer.post_attn_norm[...], eps, off)
             x = x + o
             h = rms_norm(x, layer.mlp_norm[...], eps, off)
-            if hasattr(layer, "moe"):  # routed counts over the rows that are tokens (not the trash page's)
-                m, n = layer.moe(h, act, mesh, self.expert_parallel, batch.slot_mapping >= cache.page_size,
-                                 cpu_gemm.use_native_grouped(attention.platform))
+            if hasattr(
+                layer, "moe"
+            ):  # routed counts over the rows that are tokens (not the trash page's)
+                m, n = layer.moe(
+                    h,
+                    act,
+                    mesh,
+                    self.expert_parallel,
+                    batch.slot_mapping >= cache.page_size,
+                    cpu_gemm.use_native_grouped(attention.platform),
+                )
                 routed = n if routed is None else routed + n
             else:
                 gu = layer.w_gate_up(h, native)
@@ -286,4 +341,5 @@ def _constrain(x, mesh, *spec):
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(
-        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    )

@@ -42,8 +42,15 @@ from flax import nnx
 from jaxkv.config import ModelConfig
 
 # PEFT module names -> jaxkv's targets, and which are the MLP's.
-HF_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-              "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+HF_TARGETS = {
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
 MLP_TARGETS = ("gate", "up", "down")
 # Targets that read one input, whose shrink is one matmul.
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -52,8 +59,13 @@ GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down"
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(N_in, N_out) of each projection a LoRA may target in `config`'s
     decoder (the MLP's only when every layer is dense)."""
-    E, H, K, D, F = (config.hidden_size, config.num_heads, config.num_kv_heads,
-                     config.head_dim, config.intermediate_size)
+    E, H, K, D, F = (
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+    )
     shapes = {"q": (E, H * D), "k": (E, K * D), "v": (E, K * D), "o": (H * D, E)}
     if not any(config.layer_sparse(i) for i in range(config.num_layers)):
         shapes.update(gate=(E, F), up=(E, F), down=(F, E))
@@ -130,8 +142,16 @@ class LoRAStack(nnx.Module):
         order = jnp.argsort(key, stable=True)
         mask = (key[:, None] == jnp.arange(M)[None, :]).astype(dtype)
         native = cpu_gemm.use_native_grouped(platform) and dtype == jnp.float32
-        return Rows(order, jnp.argsort(order), sizes, jnp.any(lora_slot > 0),
-                    jnp.all(key[1:] >= key[:-1]), mask, grouped=mesh is None, native=native)
+        return Rows(
+            order,
+            jnp.argsort(order),
+            sizes,
+            jnp.any(lora_slot > 0),
+            jnp.all(key[1:] >= key[:-1]),
+            mask,
+            grouped=mesh is None,
+            native=native,
+        )
 
     def __call__(self, g: str, i: int, x, rows: Rows, groups: int = 1):
         """Layer i's update of target group g (`GROUPS`) for rows x [T, N_in]:
@@ -147,14 +167,19 @@ class LoRAStack(nnx.Module):
 
         def update(x):
             if rows.grouped:
-                dot = (_grouped if rows.native and x.dtype == a.dtype == jnp.float32
-                       else jax.lax.ragged_dot)
+                dot = (
+                    _grouped
+                    if rows.native and x.dtype == a.dtype == jnp.float32
+                    else jax.lax.ragged_dot
+                )
                 s = dot(_permuted(x, rows.order, rows.in_order), a, rows.sizes)  # the base's give 0
-                ys = [dot(s[:, p * R:(p + 1) * R], b, rows.sizes) for p, b in enumerate(bs)]
+                ys = [dot(s[:, p * R : (p + 1) * R], b, rows.sizes) for p, b in enumerate(bs)]
             else:
                 s = jnp.einsum("TI,MIC->TMC", x, a) * rows.mask[:, :, None]
-                ys = [jnp.einsum("TMR,MRO->TO", s[:, :, p * R:(p + 1) * R], b)
-                      for p, b in enumerate(bs)]
+                ys = [
+                    jnp.einsum("TMR,MRO->TO", s[:, :, p * R : (p + 1) * R], b)
+                    for p, b in enumerate(bs)
+                ]
             y = jnp.concatenate([y.reshape(T, groups, -1) for y in ys], axis=2).reshape(T, -1)
             if rows.grouped:  # row order again (a gather: no slow scatter)
                 y = _permuted(y, rows.back, rows.in_order)

@@ -30,8 +30,16 @@ from collections.abc import Mapping
 from typing import Any
 
 # Element sizes (bits) of the KV dtypes `CacheConfig.kv_dtype` accepts.
-DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4,
-              "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8}
+DTYPE_BITS = {
+    "float32": 32,
+    "bfloat16": 16,
+    "float16": 16,
+    "int8": 8,
+    "int4": 4,
+    "fp8": 8,
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+}
 DTYPE_BYTES = {k: v // 8 for k, v in DTYPE_BITS.items() if v >= 8}  # weights' dtypes too
 # The scale per (token, KV head), for K and for V: float32 for int8,
 # bfloat16 for int4 (34 bytes a token and head at D 64, half of int8's 68).
@@ -45,7 +53,9 @@ def dtype_bits(dtype: str) -> int:
     try:
         return DTYPE_BITS[dtype]
     except KeyError:
-        raise ValueError(f"dtype: unsupported KV dtype {dtype!r}; supported: {sorted(DTYPE_BITS)}") from None
+        raise ValueError(
+            f"dtype: unsupported KV dtype {dtype!r}; supported: {sorted(DTYPE_BITS)}"
+        ) from None
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -57,8 +67,11 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def _default_scale_bytes(dtype: str, scale_bytes_per_token_head: int | None) -> int:
-    return scale_bytes_per_token_head if scale_bytes_per_token_head is not None else (
-        INT8_SCALE_BYTES if dtype == "int8" else INT4_SCALE_BYTES if dtype == "int4" else 0)
+    return (
+        scale_bytes_per_token_head
+        if scale_bytes_per_token_head is not None
+        else (INT8_SCALE_BYTES if dtype == "int8" else INT4_SCALE_BYTES if dtype == "int4" else 0)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +103,14 @@ class KVBreakdown:
     @property
     def scale_bytes(self) -> int:
         """2 x L x KVH x tokens x B x scale bytes (int8 and int4)."""
-        return (2 * self.num_layers * self.num_kv_heads * self.tokens * self.batch
-                * self.scale_bytes_per_token_head)
+        return (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * self.tokens
+            * self.batch
+            * self.scale_bytes_per_token_head
+        )
 
     @property
     def fixed_bytes(self) -> int:
@@ -105,8 +124,12 @@ class KVBreakdown:
     @property
     def bytes_per_token(self) -> int:
         """Cost of one more token of one sequence."""
-        return (2 * self.num_layers * self.num_kv_heads
-                * (self.head_dim * self.bits_per_element // 8 + self.scale_bytes_per_token_head))
+        return (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * (self.head_dim * self.bits_per_element // 8 + self.scale_bytes_per_token_head)
+        )
 
     def table(self) -> str:
         """The terms as a markdown table."""
@@ -127,28 +150,52 @@ class KVBreakdown:
         return "\n".join(["| term | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
 
 
-def kv_cache_breakdown(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
-                       batch: int = 1, dtype: str = "float16",
-                       scale_bytes_per_token_head: int | None = None) -> KVBreakdown:
+def kv_cache_breakdown(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tokens: int,
+    batch: int = 1,
+    dtype: str = "float16",
+    scale_bytes_per_token_head: int | None = None,
+) -> KVBreakdown:
     """The KV size formula's terms. `scale_bytes_per_token_head` defaults to
     4 (a float32 scale) for int8, 2 (bfloat16) for int4 and 0 otherwise."""
-    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                    ("head_dim", head_dim)):
+    for name, v in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
         if v <= 0:
             raise ValueError(f"{name}: must be positive, got {v}")
     if tokens < 0 or batch < 0:
         raise ValueError(f"tokens and batch must be non-negative, got {tokens}, {batch}")
-    return KVBreakdown(num_layers, num_kv_heads, head_dim, tokens, batch, dtype, dtype_bits(dtype),
-                       _default_scale_bytes(dtype, scale_bytes_per_token_head))
+    return KVBreakdown(
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        tokens,
+        batch,
+        dtype,
+        dtype_bits(dtype),
+        _default_scale_bytes(dtype, scale_bytes_per_token_head),
+    )
 
 
-def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
-                   batch: int = 1, dtype: str = "float16",
-                   scale_bytes_per_token_head: int | None = None) -> int:
+def kv_cache_bytes(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tokens: int,
+    batch: int = 1,
+    dtype: str = "float16",
+    scale_bytes_per_token_head: int | None = None,
+) -> int:
     """Bytes of K and V (and their scales) for `batch` sequences of `tokens`:
     2 x L x KVH x D x tokens x batch x bytes_per_element (+ scales)."""
-    return kv_cache_breakdown(num_layers, num_kv_heads, head_dim, tokens, batch, dtype,
-                              scale_bytes_per_token_head).total_bytes
+    return kv_cache_breakdown(
+        num_layers, num_kv_heads, head_dim, tokens, batch, dtype, scale_bytes_per_token_head
+    ).total_bytes
 
 
 def _geometry(model: Any) -> tuple[int, int, int]:
@@ -173,15 +220,22 @@ def _kv_tokens(model: Any, budget_bytes: int, weight_bytes: int, dtype: str) -> 
     return max(budget_bytes - weight_bytes, 0) // bytes_per_token(model, dtype)
 
 
-def _usable_pages(model: Any, budget_bytes: int, weight_bytes: int, dtype: str,
-                  page_size: int) -> int:
+def _usable_pages(
+    model: Any, budget_bytes: int, weight_bytes: int, dtype: str, page_size: int
+) -> int:
     """Whole pages that fit beside the weights, less the trash page."""
     per_page = bytes_per_token(model, dtype) * page_size
     return max(max(budget_bytes - weight_bytes, 0) // per_page - 1, 0)
 
 
-def max_batch(model: Any, context: int, budget_bytes: int, weight_bytes: int = 0,
-              dtype: str = "float16", page_size: int | None = None) -> int:
+def max_batch(
+    model: Any,
+    context: int,
+    budget_bytes: int,
+    weight_bytes: int = 0,
+    dtype: str = "float16",
+    page_size: int | None = None,
+) -> int:
     """Most sequences of `context` tokens whose KV fits in `budget_bytes`
     after `weight_bytes` of weights (and whatever else the caller subtracts).
 
@@ -191,11 +245,19 @@ def max_batch(model: Any, context: int, budget_bytes: int, weight_bytes: int = 0
         raise ValueError(f"context: must be positive, got {context}")
     if page_size is None:
         return _kv_tokens(model, budget_bytes, weight_bytes, dtype) // context
-    return _usable_pages(model, budget_bytes, weight_bytes, dtype, page_size) // -(-context // page_size)
+    return _usable_pages(model, budget_bytes, weight_bytes, dtype, page_size) // -(
+        -context // page_size
+    )
 
 
-def max_context(model: Any, batch: int, budget_bytes: int, weight_bytes: int = 0,
-                dtype: str = "float16", page_size: int | None = None) -> int:
+def max_context(
+    model: Any,
+    batch: int,
+    budget_bytes: int,
+    weight_bytes: int = 0,
+    dtype: str = "float16",
+    page_size: int | None = None,
+) -> int:
     """Longest context (tokens per sequence) that `batch` sequences can all
     hold in `budget_bytes` after `weight_bytes`. With `page_size`, a multiple
     of it, after the reserved trash page. Not capped by the model's maximum
@@ -207,8 +269,14 @@ def max_context(model: Any, batch: int, budget_bytes: int, weight_bytes: int = 0
     return _usable_pages(model, budget_bytes, weight_bytes, dtype, page_size) // batch * page_size
 
 
-def pages_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                     page_size: int, dtype: str = "float16") -> int:
+def pages_for_budget(
+    budget_bytes: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: str = "float16",
+) -> int:
     """Pages of `page_size` tokens that fit in `budget_bytes`: the value for
     `CacheConfig.num_pages`, trash page 0 included (so one fewer is usable)."""
     if page_size <= 0:
@@ -225,13 +293,18 @@ def mlp_params(cfg: Any) -> dict[str, int]:
     expert's gate). With `moe_bias` (gpt-oss) each expert adds its
     2Fm + E biases to "experts" and the router its X."""
     E, L = cfg.hidden_size, cfg.num_layers
-    X, Fm, Fs = (getattr(cfg, k, 0) for k in ("num_experts", "moe_intermediate_size",
-                                               "shared_expert_intermediate_size"))
+    X, Fm, Fs = (
+        getattr(cfg, k, 0)
+        for k in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+    )
     sparse = sum(1 for i in range(L) if cfg.layer_sparse(i)) if X else 0
     bias = bool(getattr(cfg, "moe_bias", False))
-    return {"dense": (L - sparse) * 3 * E * cfg.intermediate_size,
-            "experts": sparse * X * (3 * E * Fm + bias * (2 * Fm + E)),
-            "shared": sparse * 3 * E * Fs, "router": sparse * (E * X + (E if Fs else 0) + bias * X)}
+    return {
+        "dense": (L - sparse) * 3 * E * cfg.intermediate_size,
+        "experts": sparse * X * (3 * E * Fm + bias * (2 * Fm + E)),
+        "shared": sparse * 3 * E * Fs,
+        "router": sparse * (E * X + (E if Fs else 0) + bias * X),
+    }
 
 
 def param_count(cfg: Any) -> int:
@@ -271,9 +344,14 @@ def weight_bytes(cfg: Any, dtype: str = "bfloat16") -> int:
     return param_count(cfg) * dtype_bytes(dtype)
 
 
-def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                     kv_dtype: str | None = None, num_pages: int = 0,
-                     page_size: int = 16) -> dict[str, int]:
+def per_device_bytes(
+    cfg: Any,
+    tensor_parallel_size: int = 1,
+    dtype: str = "bfloat16",
+    kv_dtype: str | None = None,
+    num_pages: int = 0,
+    page_size: int = 16,
+) -> dict[str, int]:
     """What one device holds when a `ModelConfig`'s model is split
     `tensor_parallel_size` ways (`jaxkv.sharding`'s table): {"params",
     "experts", "kv", "total"} bytes ("experts" is part of "params").
@@ -297,14 +375,21 @@ def per_device_bytes(cfg: Any, tensor_parallel_size: int = 1, dtype: str = "bflo
     if cfg.attention_bias:
         split += (H + 2 * K) * D // t
     whole = 2 * E + (E if cfg.attention_out_bias else 0)
-    whole += (2 * D if getattr(cfg, "qk_norm", False) else 0) + (2 * E if getattr(cfg, "post_norms", False) else 0)
+    whole += (2 * D if getattr(cfg, "qk_norm", False) else 0) + (
+        2 * E if getattr(cfg, "post_norms", False) else 0
+    )
     b = dtype_bytes(dtype)
     mlp = mlp_params(cfg)
     # Tensor parallel keeps each expert's down bias [E] whole (moe_bias).
-    whole_bias = 0 if ep or not getattr(cfg, "moe_bias", False) else (
-        sum(map(cfg.layer_sparse, range(cfg.num_layers))) * cfg.num_experts * E)
+    whole_bias = (
+        0
+        if ep or not getattr(cfg, "moe_bias", False)
+        else (sum(map(cfg.layer_sparse, range(cfg.num_layers))) * cfg.num_experts * E)
+    )
     experts = ((mlp["experts"] - whole_bias) // t + whole_bias) * b
-    params = (cfg.num_layers * (split + whole) + (mlp["dense"] + mlp["shared"]) // t + mlp["router"]) * b
+    params = (
+        cfg.num_layers * (split + whole) + (mlp["dense"] + mlp["shared"]) // t + mlp["router"]
+    ) * b
     params += experts + E * b + (D // 2) * 4
     if getattr(cfg, "attention_sinks", False):  # float32, split with the query heads
         params += cfg.num_layers * (H // t) * 4

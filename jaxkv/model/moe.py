@@ -89,17 +89,26 @@ class MoE(nnx.Module):
 
     def __init__(self, config: ModelConfig, prefix: str, init: Callable, quantize: str | None):
         if quantize is not None:
-            raise ValueError(f"quantize: {quantize!r} is not supported for mixture-of-experts layers "
-                             f"({config.architecture}); load the model unquantized")
-        E, X, Fm, Fs = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
-                        config.shared_expert_intermediate_size)
+            raise ValueError(
+                f"quantize: {quantize!r} is not supported for mixture-of-experts layers "
+                f"({config.architecture}); load the model unquantized"
+            )
+        E, X, Fm, Fs = (
+            config.hidden_size,
+            config.num_experts,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+        )
         p = f"{prefix}."
         self.router = nnx.Param(init(p + "router", (E, X)))
         self.experts_gate_up = nnx.Param(init(p + "experts_gate_up", (X, E, 2 * Fm)))
         self.experts_down = nnx.Param(init(p + "experts_down", (X, Fm, E)))
         if Fs:  # gate | up side by side, one matmul, as the dense MLP
-            self.shared_w_gate_up = nnx.Param(jnp.concatenate(
-                [init(p + "shared_w_gate", (E, Fs)), init(p + "shared_w_up", (E, Fs))], axis=1))
+            self.shared_w_gate_up = nnx.Param(
+                jnp.concatenate(
+                    [init(p + "shared_w_gate", (E, Fs)), init(p + "shared_w_up", (E, Fs))], axis=1
+                )
+            )
             self.shared_w_down = nnx.Param(init(p + "shared_w_down", (Fs, E)))
             self.shared_expert_gate = nnx.Param(init(p + "shared_expert_gate", (E,)))
         if config.moe_bias:
@@ -111,7 +120,9 @@ class MoE(nnx.Module):
         self.swiglu_limit = config.swiglu_limit
         self.swiglu_alpha = config.swiglu_alpha
 
-    def __call__(self, h, act, mesh=None, expert_parallel: bool = False, valid=None, native: bool = False):
+    def __call__(
+        self, h, act, mesh=None, expert_parallel: bool = False, valid=None, native: bool = False
+    ):
         """h [T, E] (normed) -> ([T, E] in h's dtype, routed [X] int32: the
         choices of each expert among the `valid` rows, all when None); under
         `mesh`, split over its "model" axis as the module docstring says;
@@ -119,27 +130,64 @@ class MoE(nnx.Module):
         where the weights are float32."""
         shared = None
         if hasattr(self, "shared_w_gate_up"):
-            shared = (self.shared_w_gate_up[...], self.shared_w_down[...], self.shared_expert_gate[...])
+            shared = (
+                self.shared_w_gate_up[...],
+                self.shared_w_down[...],
+                self.shared_expert_gate[...],
+            )
         bias = None
         if hasattr(self, "router_bias"):
-            bias = (self.router_bias[...], self.experts_gate_up_bias[...], self.experts_down_bias[...])
-        fn = functools.partial(moe_mlp, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, act=act,
-                               return_choices=True, swiglu_limit=self.swiglu_limit,
-                               swiglu_alpha=self.swiglu_alpha, native=native)
-        args = (h, self.router[...], self.experts_gate_up[...], self.experts_down[...], shared, bias)
+            bias = (
+                self.router_bias[...],
+                self.experts_gate_up_bias[...],
+                self.experts_down_bias[...],
+            )
+        fn = functools.partial(
+            moe_mlp,
+            top_k=self.top_k,
+            norm_topk_prob=self.norm_topk_prob,
+            act=act,
+            return_choices=True,
+            swiglu_limit=self.swiglu_limit,
+            swiglu_alpha=self.swiglu_alpha,
+            native=native,
+        )
+        args = (
+            h,
+            self.router[...],
+            self.experts_gate_up[...],
+            self.experts_down[...],
+            shared,
+            bias,
+        )
         if mesh is None:
             out, choices = fn(*args)
         else:
             from jax.sharding import PartitionSpec as P
 
-            experts = (P("model"), P("model")) if expert_parallel else (P(None, None, "model"),
-                                                                        P(None, "model"))
+            experts = (
+                (P("model"), P("model"))
+                if expert_parallel
+                else (P(None, None, "model"), P(None, "model"))
+            )
             shared_spec = None if shared is None else (P(None, "model"), P("model"), P())
-            bias_spec = None if bias is None else ((P(), P("model"), P("model")) if expert_parallel
-                                                   else (P(), P(None, "model"), P()))
+            bias_spec = (
+                None
+                if bias is None
+                else (
+                    (P(), P("model"), P("model"))
+                    if expert_parallel
+                    else (P(), P(None, "model"), P())
+                )
+            )
             body = functools.partial(_moe_shard, fn=fn, expert_parallel=expert_parallel)
-            out, choices = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), *experts, shared_spec, bias_spec),
-                                         out_specs=(P(), P()), check_vma=False)(*args)
+            out, choices = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), P(), *experts, shared_spec, bias_spec),
+                out_specs=(P(), P()),
+                check_vma=False,
+            )(*args)
         return out, routed_counts(choices, valid, self.router.shape[1])
 
 
@@ -148,7 +196,11 @@ def _moe_shard(h, router, gate_up, down, shared, bias, *, fn, expert_parallel: b
     first = jax.lax.axis_index("model") * gate_up.shape[0] if expert_parallel else 0
     if bias is not None and not expert_parallel:  # the whole down bias: added once, by device 0
         router_bias, gate_up_bias, down_bias = bias
-        bias = (router_bias, gate_up_bias, jnp.where(jax.lax.axis_index("model") == 0, down_bias, 0))
+        bias = (
+            router_bias,
+            gate_up_bias,
+            jnp.where(jax.lax.axis_index("model") == 0, down_bias, 0),
+        )
     out, choices = fn(h, router, gate_up, down, shared, bias, first_expert=first, partial=True)
     return jax.lax.psum(out, "model").astype(h.dtype), choices  # choices: the same everywhere
 
@@ -183,8 +235,19 @@ def swiglu(g, u, act, limit: float | None = None, alpha: float = 1.702):
     return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
 
 
-def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0, bias=None, limit=None,
-                    alpha=1.702, native: bool = False):
+def grouped_experts(
+    h,
+    experts,
+    weights,
+    gate_up,
+    down,
+    act,
+    first_expert=0,
+    bias=None,
+    limit=None,
+    alpha=1.702,
+    native: bool = False,
+):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]): h [T, E],
     experts / weights [T, k], gate_up [X, E, 2Fm], down [X, Fm, E] -> [T, E]
     float32, as grouped matmuls over the rows sorted by expert. With expert
@@ -207,7 +270,9 @@ def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0, bia
     sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # [X], rows per expert (0: idle)
     rows = h[order // k]  # [Tk, E]
     gu = dot(rows, gate_up, sizes)  # [Tk, 2Fm]
-    ids = jnp.minimum(flat[order], X - 1)  # each sorted row's expert (rows held elsewhere: masked below)
+    ids = jnp.minimum(
+        flat[order], X - 1
+    )  # each sorted row's expert (rows held elsewhere: masked below)
     if bias is not None:
         gu = gu + bias[0][ids]
     g, u = jnp.split(gu, 2, axis=-1)
@@ -219,9 +284,24 @@ def grouped_experts(h, experts, weights, gate_up, down, act, first_expert=0, bia
     return jnp.einsum("TKE,TK->TE", y.astype(jnp.float32), weights)
 
 
-def moe_mlp(h, router, gate_up, down, shared=None, bias=None, *, top_k: int, norm_topk_prob: bool, act,
-            first_expert=0, partial: bool = False, return_choices: bool = False,
-            swiglu_limit: float | None = None, swiglu_alpha: float = 1.702, native: bool = False):
+def moe_mlp(
+    h,
+    router,
+    gate_up,
+    down,
+    shared=None,
+    bias=None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    act,
+    first_expert=0,
+    partial: bool = False,
+    return_choices: bool = False,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
+    native: bool = False,
+):
     """The sparse layer's MLP: h [T, E] -> [T, E] in h's dtype (float32 and
     this device's part of the sum when `partial`), and each token's experts
     [T, k] too when `return_choices`. `shared`: (w_gate_up [E, 2Fs],
@@ -229,8 +309,19 @@ def moe_mlp(h, router, gate_up, down, shared=None, bias=None, *, top_k: int, nor
     gate_up [X, 2Fm], down [X, E]) biases; `swiglu_limit`, `swiglu_alpha`:
     the experts' clamped `swiglu`; `native`: as `grouped_experts`."""
     weights, experts = route(h, router, top_k, norm_topk_prob, None if bias is None else bias[0])
-    out = grouped_experts(h, experts, weights, gate_up, down, act, first_expert,
-                          None if bias is None else bias[1:], swiglu_limit, swiglu_alpha, native)
+    out = grouped_experts(
+        h,
+        experts,
+        weights,
+        gate_up,
+        down,
+        act,
+        first_expert,
+        None if bias is None else bias[1:],
+        swiglu_limit,
+        swiglu_alpha,
+        native,
+    )
     if shared is not None:
         w_gate_up, w_down, gate = shared
         g, u = jnp.split(h @ w_gate_up, 2, axis=-1)

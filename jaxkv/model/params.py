@@ -94,15 +94,34 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def moe_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     """The tensors of a sparse layer's MLP (names under prefix `p`)."""
-    E, X, Fm, Fs = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
-                    config.shared_expert_intermediate_size)
-    shapes = {p + "router": (E, X), p + "experts_gate_up": (X, E, 2 * Fm), p + "experts_down": (X, Fm, E)}
+    E, X, Fm, Fs = (
+        config.hidden_size,
+        config.num_experts,
+        config.moe_intermediate_size,
+        config.shared_expert_intermediate_size,
+    )
+    shapes = {
+        p + "router": (E, X),
+        p + "experts_gate_up": (X, E, 2 * Fm),
+        p + "experts_down": (X, Fm, E),
+    }
     if config.moe_bias:
-        shapes.update({p + "router_bias": (X,), p + "experts_gate_up_bias": (X, 2 * Fm),
-                       p + "experts_down_bias": (X, E)})
+        shapes.update(
+            {
+                p + "router_bias": (X,),
+                p + "experts_gate_up_bias": (X, 2 * Fm),
+                p + "experts_down_bias": (X, E),
+            }
+        )
     if Fs:
-        shapes.update({p + "shared_w_gate": (E, Fs), p + "shared_w_up": (E, Fs), p + "shared_w_down": (Fs, E),
-                       p + "shared_expert_gate": (E,)})
+        shapes.update(
+            {
+                p + "shared_w_gate": (E, Fs),
+                p + "shared_w_up": (E, Fs),
+                p + "shared_w_down": (Fs, E),
+                p + "shared_expert_gate": (E,),
+            }
+        )
     return shapes
 
 
@@ -119,8 +138,11 @@ def shape_problems(want: Mapping[str, tuple], got: Mapping[str, tuple]) -> list[
     kind; empty when `got` matches `want` (name -> shape) exactly."""
     missing = sorted(set(want) - set(got))
     unexpected = sorted(set(got) - set(want))
-    wrong = sorted(f"{k}: expected {want[k]}, got {tuple(got[k])}"
-                   for k in set(want) & set(got) if tuple(got[k]) != tuple(want[k]))
+    wrong = sorted(
+        f"{k}: expected {want[k]}, got {tuple(got[k])}"
+        for k in set(want) & set(got)
+        if tuple(got[k]) != tuple(want[k])
+    )
     problems = []
     if missing:
         problems.append(f"missing tensors: {missing}")

@@ -22,13 +22,21 @@ def engine_pool(config, model, mesh=None):
     num_pages = plan_num_pages(config, model, kv_dtype, config.tensor_parallel_size)
     # A hybrid pool: the sliding layers' rings per seat (jaxkv.core.scheduling.seats).
     local, ring, local_pages = hybrid_plan(config, model)
-    cache = CacheConfig(num_pages=num_pages, page_size=config.page_size, kv_dtype=kv_dtype,
-                        local_pages=local_pages,
-                        scores=config.kv_eviction in ("snapkv", "h2o"))
-    attention = dataclasses.replace(AttentionSpec.for_engine(model, config, mesh),
-                                    ring_pages=ring, local_layers=local)
-    return cache, attention, max_model_len(config, model, attention,
-                                           (num_pages - 1) * config.page_size)
+    cache = CacheConfig(
+        num_pages=num_pages,
+        page_size=config.page_size,
+        kv_dtype=kv_dtype,
+        local_pages=local_pages,
+        scores=config.kv_eviction in ("snapkv", "h2o"),
+    )
+    attention = dataclasses.replace(
+        AttentionSpec.for_engine(model, config, mesh), ring_pages=ring, local_layers=local
+    )
+    return (
+        cache,
+        attention,
+        max_model_len(config, model, attention, (num_pages - 1) * config.page_size),
+    )
 
 
 def _free_device_memory() -> int | None:
@@ -74,7 +82,11 @@ def hybrid_plan(config, model_config) -> tuple[tuple[int, ...], int, int]:
     if not config.hybrid_kv_cache or config.kv_eviction or len(slide) != 1 or None not in windows:
         return (), 0, 0
     ring = ring_pages(slide.pop(), config.max_num_batched_tokens, config.page_size)
-    return tuple(i for i, w in enumerate(windows) if w is not None), ring, 1 + config.max_num_seqs * ring
+    return (
+        tuple(i for i, w in enumerate(windows) if w is not None),
+        ring,
+        1 + config.max_num_seqs * ring,
+    )
 
 
 def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
@@ -91,8 +103,18 @@ def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
     if c.num_pages is not None:
         return c.num_pages
     local, _, local_pages = hybrid_plan(c, m)  # its rings first; the global layers page the rest
-    reserved = kv_cache_bytes(len(local), m.num_kv_heads // shards, m.head_dim, c.page_size,
-                              local_pages, dtype=kv_dtype) if local else 0
+    reserved = (
+        kv_cache_bytes(
+            len(local),
+            m.num_kv_heads // shards,
+            m.head_dim,
+            c.page_size,
+            local_pages,
+            dtype=kv_dtype,
+        )
+        if local
+        else 0
+    )
     m = dataclasses.replace(m, num_layers=m.num_layers - len(local), layer_types=()) if local else m
     geom = (m.num_layers, m.num_kv_heads // shards, m.head_dim)
     budget = None if c.kv_cache_memory is None else c.kv_cache_memory - reserved
@@ -102,17 +124,21 @@ def plan_num_pages(config, model_config, kv_dtype: str, shards: int = 1) -> int:
             budget = int(free * c.gpu_memory_utilization) - reserved
         else:
             page = kv_cache_bytes(*geom, c.page_size, dtype=kv_dtype)
-            max_len = min(c.max_model_len or m.max_position_embeddings,
-                          m.max_position_embeddings)
+            max_len = min(c.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
             want = (c.max_num_seqs * -(-max_len // c.page_size) + 1) * page  # + trash page
             avail = host_available_memory()
-            cap = HOST_POOL_MAX if avail is None else min(
-                HOST_POOL_MAX, int(avail * c.gpu_memory_utilization))
+            cap = (
+                HOST_POOL_MAX
+                if avail is None
+                else min(HOST_POOL_MAX, int(avail * c.gpu_memory_utilization))
+            )
             budget = max(min(want, cap), 2 * page)
     pages = pages_for_budget(budget, *geom, c.page_size, kv_dtype)
     if pages < 2:
         rings = f" beside {reserved} bytes of sliding-layer rings (hybrid pool)" if reserved else ""
-        raise ValueError(f"kv_cache_memory: {max(budget, 0)} bytes hold fewer than 2 KV pages{rings}")
+        raise ValueError(
+            f"kv_cache_memory: {max(budget, 0)} bytes hold fewer than 2 KV pages{rings}"
+        )
     return int(pages)
 
 
@@ -127,6 +153,8 @@ def max_model_len(config, model_config, attention, pool_tokens: int) -> int:
     if window is None:
         return min(n, pool_tokens)
     if window + sinks + 2 * config.page_size > pool_tokens:
-        raise ValueError(f"num_pages: the pool ({pool_tokens} tokens) cannot hold one "
-                         f"attention window of {window} tokens")
+        raise ValueError(
+            f"num_pages: the pool ({pool_tokens} tokens) cannot hold one "
+            f"attention window of {window} tokens"
+        )
     return n

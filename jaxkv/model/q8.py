@@ -39,8 +39,10 @@ class Q8Blocks:
         rows, cols = shape
         raw = np.ascontiguousarray(raw, np.uint8)
         if cols % BLOCK or raw.size != rows * cols // BLOCK * BLOCK_BYTES:
-            raise ValueError(f"Q8Blocks: [{rows}, {cols}] needs {rows * cols // BLOCK * BLOCK_BYTES} "
-                             f"bytes of Q8_0 blocks, got {raw.size}")
+            raise ValueError(
+                f"Q8Blocks: [{rows}, {cols}] needs {rows * cols // BLOCK * BLOCK_BYTES} "
+                f"bytes of Q8_0 blocks, got {raw.size}"
+            )
         self.raw = raw.reshape(rows, cols // BLOCK * BLOCK_BYTES)
         self.shape = (rows, cols)
 
@@ -83,5 +85,9 @@ class Q8Table(nnx.Module):
         as `blocks.matmul` rounds it, `JAXKV_GGUF_ROUND_X`)."""
         if native:
             return blocks.matmul(h, self.raw[...], int(Q.Q8_0))
-        return jnp.einsum("SE,VE->SV", h.astype(jnp.float32), dequantize(self.raw[...], self.cols),
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "SE,VE->SV",
+            h.astype(jnp.float32),
+            dequantize(self.raw[...], self.cols),
+            preferred_element_type=jnp.float32,
+        )

@@ -53,8 +53,12 @@ def rotate_blocks(x, block: int):
     symmetric, so the same call also rotates back."""
     *lead, N = x.shape
     h = jnp.asarray(hadamard(block))
-    y = jnp.einsum("...nb,bc->...nc", x.astype(jnp.float32).reshape(*lead, N // block, block),
-                   h, precision=jax.lax.Precision.HIGHEST)
+    y = jnp.einsum(
+        "...nb,bc->...nc",
+        x.astype(jnp.float32).reshape(*lead, N // block, block),
+        h,
+        precision=jax.lax.Precision.HIGHEST,
+    )
     return y.reshape(*lead, N)
 
 
@@ -84,9 +88,12 @@ class Dense(nnx.Module):
             n_in, n_out = w.shape
             b = self.block = min(n_in & -n_in, W8A8_BLOCK)
             h = jnp.asarray(hadamard(b))  # symmetric: R^T w is h @ each block of w
-            wr = jnp.einsum("bc,ncO->nbO", h,
-                            jnp.asarray(w, jnp.float32).reshape(n_in // b, b, n_out),
-                            precision=jax.lax.Precision.HIGHEST)
+            wr = jnp.einsum(
+                "bc,ncO->nbO",
+                h,
+                jnp.asarray(w, jnp.float32).reshape(n_in // b, b, n_out),
+                precision=jax.lax.Precision.HIGHEST,
+            )
             q, s = quantize_weight(wr.reshape(n_in, n_out))
             self.w8 = nnx.Param(q)
             self.w8_scale = nnx.Param(s)
@@ -105,8 +112,9 @@ class Dense(nnx.Module):
             return w8a8_matmul(x, self.w8[...], self.w8_scale[...], self.block)
         if self.scale is None:
             return jnp.einsum("TI,IO->TO", x, self.w[...])
-        y = jnp.einsum("TI,IO->TO", x, self.w[...].astype(x.dtype),
-                       preferred_element_type=jnp.float32)
+        y = jnp.einsum(
+            "TI,IO->TO", x, self.w[...].astype(x.dtype), preferred_element_type=jnp.float32
+        )
         return (y * self.scale[...]).astype(x.dtype)
 
     @property
@@ -129,4 +137,3 @@ def w8a8_matmul(x, w8, w8_scale, block: int):
     xq = jnp.round(xf / xs).astype(jnp.int8)
     y = jax.lax.dot_general(xq, w8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
     return (y[:T].astype(jnp.float32) * xs[:T] * w8_scale).astype(x.dtype)
-

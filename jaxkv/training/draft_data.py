@@ -32,15 +32,15 @@ def read_prompts(path: str | os.PathLike) -> list:
             elif isinstance(d, dict) and isinstance(d.get("messages"), list):
                 out.append(d["messages"])
             else:
-                raise ValueError(f'{path}:{n}: expected {{"prompt": str}} or '
-                                 f'{{"messages": [...]}}')
+                raise ValueError(f'{path}:{n}: expected {{"prompt": str}} or {{"messages": [...]}}')
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
 
 
-def answer(engine, tokenizer, prompts: Sequence, max_tokens: int
-           ) -> tuple[list[list[int]], list[int]]:
+def answer(
+    engine, tokenizer, prompts: Sequence, max_tokens: int
+) -> tuple[list[list[int]], list[int]]:
     """Each prompt (chat-templated when the tokenizer has a template) with
     the engine's greedy answer: (token id lists, each prompt's length)."""
     from jaxkv.core.sampling_params import SamplingParams
@@ -50,21 +50,33 @@ def answer(engine, tokenizer, prompts: Sequence, max_tokens: int
     for p in prompts:
         if tokenizer is not None and tokenizer.chat_template:
             msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            ids.append(tokenizer.encode(tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=True), add_special_tokens=False))
+            ids.append(
+                tokenizer.encode(
+                    tokenizer.apply_chat_template(msgs, add_generation_prompt=True),
+                    add_special_tokens=False,
+                )
+            )
         elif tokenizer is not None:
             ids.append(tokenizer.encode(p if isinstance(p, str) else p[-1]["content"]))
         else:
             ids.append(list(p))
     rid = [engine.add_request({"prompt_token_ids": x}, params) for x in ids]
     done = engine.run_to_completion()
-    return ([list(x) + list(done[r].outputs[0].token_ids) for x, r in zip(ids, rid)],
-            [len(x) for x in ids])
+    return (
+        [list(x) + list(done[r].outputs[0].token_ids) for x, r in zip(ids, rid)],
+        [len(x) for x in ids],
+    )
 
 
-def target_features(model, sequences: Sequence[Sequence[int]], aux_layers, length: int,
-                    group: int = 4, page_size: int = 16,
-                    starts: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+def target_features(
+    model,
+    sequences: Sequence[Sequence[int]],
+    aux_layers,
+    length: int,
+    group: int = 4,
+    page_size: int = 16,
+    starts: Sequence[int] | None = None,
+) -> dict[str, np.ndarray]:
     """One pass of the target over each sequence (cut or padded to
     `length`): feats [N, length, 3 E] float16 (the inputs of `aux_layers`),
     tokens [N, length], labels [N, length] (the target's greedy token after
@@ -81,20 +93,26 @@ def target_features(model, sequences: Sequence[Sequence[int]], aux_layers, lengt
     graphdef, state = nnx.split(model)
     attention = AttentionSpec(sliding_window=model.config.uniform_window)
     pages = -(-length // page_size)
-    cache = create_cache(model.config, CacheConfig(num_pages=group * pages + 1,
-                                                   page_size=page_size))
+    cache = create_cache(
+        model.config, CacheConfig(num_pages=group * pages + 1, page_size=page_size)
+    )
 
     @jax.jit
     def run(state, cache, batch):
-        logits, cache, feats = nnx.merge(graphdef, state)(cache, batch, attention,
-                                                          all_decode=False, features=True)
+        logits, cache, feats = nnx.merge(graphdef, state)(
+            cache, batch, attention, all_decode=False, features=True
+        )
         return jnp.argmax(logits, -1).astype(jnp.int32), feats.astype(jnp.float16), cache
 
     N = len(sequences)
     E3 = len(aux_layers) * model.config.hidden_size
-    out = dict(feats=np.zeros((N, length, E3), np.float16), tokens=np.zeros((N, length), np.int32),
-               labels=np.zeros((N, length), np.int32), mask=np.zeros((N, length), bool),
-               start=np.asarray(starts if starts is not None else np.zeros(N), np.int32))
+    out = dict(
+        feats=np.zeros((N, length, E3), np.float16),
+        tokens=np.zeros((N, length), np.int32),
+        labels=np.zeros((N, length), np.int32),
+        mask=np.zeros((N, length), bool),
+        start=np.asarray(starts if starts is not None else np.zeros(N), np.int32),
+    )
     for g in range(0, N, group):
         seqs = []
         for i in range(group):
@@ -103,18 +121,21 @@ def target_features(model, sequences: Sequence[Sequence[int]], aux_layers, lengt
             if g + i < N:
                 out["tokens"][g + i, :n] = s
                 out["mask"][g + i, :n] = True
-            seqs.append((s + [0] * (length - n), 0, list(range(1 + i * pages, 1 + (i + 1) * pages))))
+            seqs.append(
+                (s + [0] * (length - n), 0, list(range(1 + i * pages, 1 + (i + 1) * pages)))
+            )
         batch = scoring_batch(seqs, page_size, rows_per_seq=True)
         labels, feats, cache = run(state, cache, batch)
         labels, feats = np.asarray(labels), np.asarray(feats)
         for i in range(min(group, N - g)):
-            out["labels"][g + i] = labels[i * length:(i + 1) * length]
-            out["feats"][g + i] = feats[i * length:(i + 1) * length]
+            out["labels"][g + i] = labels[i * length : (i + 1) * length]
+            out["feats"][g + i] = feats[i * length : (i + 1) * length]
     return out
 
 
-def choose_vocab(labels: np.ndarray, mask: np.ndarray, vocab_size: int, size: int,
-                 always: Sequence[int] = ()) -> np.ndarray:
+def choose_vocab(
+    labels: np.ndarray, mask: np.ndarray, vocab_size: int, size: int, always: Sequence[int] = ()
+) -> np.ndarray:
     """The draft vocabulary: the `size` target tokens the target predicts
     most often (and `always`), as d2t [Vd] (draft id d is target id
     d + d2t[d]), target ids ascending."""
@@ -139,7 +160,7 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
     idx = []
     while len(idx) < batch_size:
         order = np.random.default_rng([seed, epoch]).permutation(n)
-        part = order[pos:pos + batch_size - len(idx)]
+        part = order[pos : pos + batch_size - len(idx)]
         idx.extend(part.tolist())
         epoch, pos = epoch + 1, 0
     return np.asarray(idx)
@@ -148,7 +169,9 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
 def take(data: dict, idx) -> dict:
     """The sequences `idx` of `data` as one batch on the device."""
     out = {k: jnp.asarray(data[k][idx]) for k in ("feats", "tokens", "labels", "mask")}
-    out["start"] = jnp.asarray(data["start"][idx] if "start" in data else np.zeros(len(idx), np.int32))
+    out["start"] = jnp.asarray(
+        data["start"][idx] if "start" in data else np.zeros(len(idx), np.int32)
+    )
     return out
 
 

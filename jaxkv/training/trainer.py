@@ -20,8 +20,9 @@ from jaxkv.training.draft_data import batch_indices, draft_index, per_step_lengt
 LOSS_DECAY = 0.8  # weight of chained step j: LOSS_DECAY ** j
 
 
-def init_params(cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 0,
-                data: dict | None = None) -> dict:
+def init_params(
+    cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 0, data: dict | None = None
+) -> dict:
     """Random head weights whose final norm and output rows start as the
     target's own (for the draft vocabulary): the head's hidden state lives
     in the target's residual space, and it starts from the target's
@@ -30,10 +31,10 @@ def init_params(cfg: head_ops.Eagle3Config, model, d2t: np.ndarray, seed: int = 
     from jaxkv.model.eagle import target_embed, target_head
 
     p = head_ops.random_params(cfg, seed, d2t=d2t)
-    p["final_norm"] = (np.asarray(model.final_norm[...], np.float32)
-                       + model.config.norm_offset)
+    p["final_norm"] = np.asarray(model.final_norm[...], np.float32) + model.config.norm_offset
     p["lm_head"] = np.ascontiguousarray(
-        target_head(model)[:, np.arange(cfg.draft_vocab_size) + np.asarray(d2t)])
+        target_head(model)[:, np.arange(cfg.draft_vocab_size) + np.asarray(d2t)]
+    )
     if data is not None:
         p = induction_init(cfg, p, target_embed(model), data, seed)
     return p
@@ -62,9 +63,18 @@ def token_probe(feats: np.ndarray, tokens: np.ndarray, embed: np.ndarray) -> np.
     return _ridge(feats, _rms_rows(embed[tokens]))
 
 
-def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data: dict,
-                   seed: int = 0, *, q_gain: float = 2.0, v_gain: float = 30.0,
-                   probe_gain: float = 3.0, rows: int = 40_000) -> dict:
+def induction_init(
+    cfg: head_ops.Eagle3Config,
+    p: dict,
+    embed: np.ndarray,
+    data: dict,
+    seed: int = 0,
+    *,
+    q_gain: float = 2.0,
+    v_gain: float = 30.0,
+    probe_gain: float = 3.0,
+    rows: int = 40_000,
+) -> dict:
     """Start the head's attention as a copier (in the spirit of n-gram
     lookup): a query reading token x (the token it was given) attends to
     the earlier positions that hold x and writes the token that followed
@@ -117,7 +127,7 @@ def induction_init(cfg: head_ops.Eagle3Config, p: dict, embed: np.ndarray, data:
         vc = (H + K) * D + g * D + np.arange(D)
         wqkv[:, vc] = 0.0
         wqkv[:E, vc] = Rv  # values: the token after the key's
-        wo[g * G * D:(g * G + 1) * D] = v_gain * Rv.T @ to_out
+        wo[g * G * D : (g * G + 1) * D] = v_gain * Rv.T @ to_out
     p["wqkv"], p["wo"] = wqkv, wo
     return p
 
@@ -131,8 +141,11 @@ def chain_targets(batch, t2d, steps: int):
     proposes) with a next row."""
     labels, mask = batch["labels"], batch["mask"]
     B, T = labels.shape
-    shift = lambda x, n: jnp.concatenate(  # noqa: E731
-        [x[:, n:], jnp.zeros((B, n), x.dtype)], axis=1)
+    shift = (
+        lambda x, n: jnp.concatenate(  # noqa: E731
+            [x[:, n:], jnp.zeros((B, n), x.dtype)], axis=1
+        )
+    )
     lab = jnp.stack([t2d[shift(labels, j + 1)] for j in range(steps)])
     real = jnp.stack([shift(mask, j + 1) for j in range(steps)])
     anchors = real[0] & (jnp.arange(T)[None, :] >= batch["start"][:, None] - 1)
@@ -145,8 +158,9 @@ def loss_and_metrics(trainable, frozen, batch, cfg, steps: int):
     anchors, `lengths` each anchor's (`per_step_length` walks them)."""
     params = {**trainable, **frozen["params"]}
     feats = batch["feats"].astype(params["fc"].dtype)
-    logits = head_ops.unrolled_logits(cfg, params, frozen["embed"], feats, batch["tokens"],
-                                      batch["mask"], steps)  # [J, B, T, Vd]
+    logits = head_ops.unrolled_logits(
+        cfg, params, frozen["embed"], feats, batch["tokens"], batch["mask"], steps
+    )  # [J, B, T, Vd]
     labels, ok, anchors = chain_targets(batch, frozen["t2d"], steps)
     ok = ok & batch["mask"][None]
     lp = jax.nn.log_softmax(logits, axis=-1)
@@ -166,10 +180,22 @@ class Trainer:
     checkpoints of one training run. `freeze`: parameters kept as given
     (`jaxkv train-draft` keeps the output rows, the target's own)."""
 
-    def __init__(self, cfg: head_ops.Eagle3Config, params: dict, embed, *, steps: int,
-                 lr: float = 1e-3, warmup: int | None = None, clip: float = 0.5,
-                 weight_decay: float = 0.0, chain: int = 4, ckpt_dir: str | os.PathLike | None = None,
-                 save_every: int = 50, freeze: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        cfg: head_ops.Eagle3Config,
+        params: dict,
+        embed,
+        *,
+        steps: int,
+        lr: float = 1e-3,
+        warmup: int | None = None,
+        clip: float = 0.5,
+        weight_decay: float = 0.0,
+        chain: int = 4,
+        ckpt_dir: str | os.PathLike | None = None,
+        save_every: int = 50,
+        freeze: tuple[str, ...] = (),
+    ):
         import optax
 
         self.cfg = cfg
@@ -177,16 +203,23 @@ class Trainer:
         self.steps = steps
         fixed = ("d2t", "embed", *freeze)
         trainable = {k: jnp.asarray(v) for k, v in params.items() if k not in fixed}
-        self.frozen = {"params": {k: jnp.asarray(params[k]) for k in ("d2t", *freeze)},
-                       "embed": jnp.asarray(params["embed"] if "embed" in params else embed),
-                       "t2d": jnp.asarray(draft_index(np.asarray(params["d2t"]), cfg.vocab_size))}
+        self.frozen = {
+            "params": {k: jnp.asarray(params[k]) for k in ("d2t", *freeze)},
+            "embed": jnp.asarray(params["embed"] if "embed" in params else embed),
+            "t2d": jnp.asarray(draft_index(np.asarray(params["d2t"]), cfg.vocab_size)),
+        }
         warmup = max(1, steps // 20) if warmup is None else warmup
-        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
-                                                      end_value=lr * 0.05)
-        self.opt = optax.chain(optax.clip_by_global_norm(clip),
-                               optax.adamw(schedule, weight_decay=weight_decay))
-        self.state = {"params": trainable, "opt": self.opt.init(trainable),
-                      "step": jnp.zeros((), jnp.int32)}
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05
+        )
+        self.opt = optax.chain(
+            optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)
+        )
+        self.state = {
+            "params": trainable,
+            "opt": self.opt.init(trainable),
+            "step": jnp.zeros((), jnp.int32),
+        }
         self._manager = None
         self.save_every = save_every
         if ckpt_dir is not None:
@@ -194,8 +227,8 @@ class Trainer:
 
             self._manager = ocp.CheckpointManager(
                 Path(ckpt_dir).absolute(),
-                options=ocp.CheckpointManagerOptions(max_to_keep=2,
-                                                     save_interval_steps=save_every))
+                options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=save_every),
+            )
         opt, frozen = self.opt, self.frozen
 
         def train_step(state, batch):
@@ -203,8 +236,11 @@ class Trainer:
             (_, metrics), grads = grad_fn(state["params"], frozen, batch, cfg, chain)
             metrics = {k: metrics[k] for k in ("loss", "accept")}  # not the eval's lengths
             updates, new_opt = opt.update(grads, state["opt"], state["params"])
-            return {"params": optax.apply_updates(state["params"], updates), "opt": new_opt,
-                    "step": state["step"] + 1}, metrics
+            return {
+                "params": optax.apply_updates(state["params"], updates),
+                "opt": new_opt,
+                "step": state["step"] + 1,
+            }, metrics
 
         self._step = jax.jit(train_step, donate_argnums=(0,))
         self._eval = jax.jit(lambda p, b: loss_and_metrics(p, frozen, b, cfg, chain)[1])
@@ -221,16 +257,19 @@ class Trainer:
             return False
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, self.state)
         try:
-            state = self._manager.restore(self._manager.latest_step(),
-                                          args=ocp.args.StandardRestore(abstract))
+            state = self._manager.restore(
+                self._manager.latest_step(), args=ocp.args.StandardRestore(abstract)
+            )
         except (ValueError, KeyError, TypeError):
             state = None
         if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(self.state):
             self.close()
-            raise ValueError(f"{self._manager.directory}: the checkpoint does not hold this run's "
-                             f"trained parameters ({', '.join(sorted(self.state['params']))}): "
-                             f"written with other options (--train-output, --draft-vocab, the "
-                             f"model); give a fresh --out")
+            raise ValueError(
+                f"{self._manager.directory}: the checkpoint does not hold this run's "
+                f"trained parameters ({', '.join(sorted(self.state['params']))}): "
+                f"written with other options (--train-output, --draft-vocab, the "
+                f"model); give a fresh --out"
+            )
         self.state = state
         return True
 
@@ -258,42 +297,67 @@ class Trainer:
             idx = np.arange(i, min(i + batch_size, N))
             idx = np.concatenate([idx, np.full(batch_size - len(idx), idx[-1])])
             b = take(data, idx)
-            w = float(np.asarray(b["mask"])[:len(idx)].sum())
+            w = float(np.asarray(b["mask"])[: len(idx)].sum())
             m = self._eval(self.state["params"], b)
             tot = {k: tot[k] + w * float(m[k]) for k in tot}
-            a, d = per_step_length(np.asarray(m["lengths"])[:min(batch_size, N - i)])
+            a, d = per_step_length(np.asarray(m["lengths"])[: min(batch_size, N - i)])
             n, accepted, drafts = n + w, accepted + a, drafts + d
-        return {**{k: v / max(n, 1) for k, v in tot.items()},
-                "per_step": 1 + accepted / max(drafts, 1)}
+        return {
+            **{k: v / max(n, 1) for k, v in tot.items()},
+            "per_step": 1 + accepted / max(drafts, 1),
+        }
 
     def params(self) -> dict:
-        return {**{k: np.asarray(v) for k, v in self.state["params"].items()},
-                **{k: np.asarray(v) for k, v in self.frozen["params"].items()}}
+        return {
+            **{k: np.asarray(v) for k, v in self.state["params"].items()},
+            **{k: np.asarray(v) for k, v in self.frozen["params"].items()},
+        }
 
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()
 
 
-def train(cfg: head_ops.Eagle3Config, params: dict, embed, data: dict, *, steps: int,
-          batch_size: int = 8, seed: int = 0, heldout: dict | None = None, eval_every: int = 50,
-          ckpt_dir=None, save_every: int = 50, stop_after: int | None = None, progress=True,
-          **opt) -> tuple[Trainer, list[dict]]:
+def train(
+    cfg: head_ops.Eagle3Config,
+    params: dict,
+    embed,
+    data: dict,
+    *,
+    steps: int,
+    batch_size: int = 8,
+    seed: int = 0,
+    heldout: dict | None = None,
+    eval_every: int = 50,
+    ckpt_dir=None,
+    save_every: int = 50,
+    stop_after: int | None = None,
+    progress=True,
+    **opt,
+) -> tuple[Trainer, list[dict]]:
     """Train (or resume) to `steps`; returns the trainer and the history of
     evaluations. `stop_after`: stop at that step (as a killed run would)."""
     from tqdm.auto import tqdm
 
-    tr = Trainer(cfg, params, embed, steps=steps, ckpt_dir=ckpt_dir, save_every=save_every,
-                 **opt)
+    tr = Trainer(cfg, params, embed, steps=steps, ckpt_dir=ckpt_dir, save_every=save_every, **opt)
     tr.restore()
     history = []
     N = len(data["tokens"])
-    bar = tqdm(total=steps, initial=tr.step, desc="train-draft", unit="step",
-               dynamic_ncols=True, disable=not progress)
+    bar = tqdm(
+        total=steps,
+        initial=tr.step,
+        desc="train-draft",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not progress,
+    )
     last = stop_after if stop_after is not None else steps
     while tr.step < min(steps, last):
         metrics = tr.train_step(take(data, batch_indices(N, batch_size, tr.step, seed)))
-        post = {"loss": f"{float(metrics['loss']):.3f}", "accept": f"{float(metrics['accept']):.2f}"}
+        post = {
+            "loss": f"{float(metrics['loss']):.3f}",
+            "accept": f"{float(metrics['accept']):.2f}",
+        }
         if heldout is not None and (tr.step % eval_every == 0 or tr.step == steps):
             ev = tr.evaluate(heldout, batch_size)
             history.append({"step": tr.step, **ev})
@@ -304,5 +368,3 @@ def train(cfg: head_ops.Eagle3Config, params: dict, embed, data: dict, *, steps:
     if tr.step == steps:
         tr.save(force=True)
     return tr, history
-
-

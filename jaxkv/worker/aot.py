@@ -33,12 +33,23 @@ def abstract_model(cfg: ModelConfig, dtype: str = "bfloat16"):
     return nnx.eval_shape(lambda: Llama(cfg, lambda name, shape: jnp.zeros(shape, dt)))
 
 
-def abstract_runner(cfg: ModelConfig, mesh, *, num_pages: int, page_size: int = 16,
-                    dtype: str = "bfloat16", kv_dtype: str | None = None,
-                    max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                    max_model_len: int = 8192, num_decode_steps: int = 8,
-                    backend: str = "pallas", platform: str | None = None,
-                    num_top_logprobs: int = 20, expert_parallel: bool = False) -> Runner:
+def abstract_runner(
+    cfg: ModelConfig,
+    mesh,
+    *,
+    num_pages: int,
+    page_size: int = 16,
+    dtype: str = "bfloat16",
+    kv_dtype: str | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+    max_model_len: int = 8192,
+    num_decode_steps: int = 8,
+    backend: str = "pallas",
+    platform: str | None = None,
+    num_top_logprobs: int = 20,
+    expert_parallel: bool = False,
+) -> Runner:
     """A Runner over `mesh` (its "model" axis is the tensor-parallel size)
     whose parameters and cache are abstract: `runner.lower(key)` lowers
     any of its programs, `runner.program_keys()` lists them."""
@@ -47,17 +58,36 @@ def abstract_runner(cfg: ModelConfig, mesh, *, num_pages: int, page_size: int = 
     model = shard_model(abstract_model(cfg, dtype), sharding)
     sh = sharding.cache_sharding()
     shapes = cache_shapes(model.config, CacheConfig(num_pages, page_size, kv_dtype or dtype))
-    cache = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                   shapes, cache_shardings(shapes, sh))
-    buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, -(-max_model_len // page_size),
-                           max_model_len)
+    cache = jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        cache_shardings(shapes, sh),
+    )
+    buckets = Buckets.make(
+        max_num_seqs, max_num_batched_tokens, -(-max_model_len // page_size), max_model_len
+    )
     attention = AttentionSpec(backend, cfg.uniform_window, 0, mesh=mesh, platform=platform)
-    return Runner(model, cache, buckets, attention, max_decode_steps=num_decode_steps,
-                  num_top_logprobs=num_top_logprobs, sharding=sharding)
+    return Runner(
+        model,
+        cache,
+        buckets,
+        attention,
+        max_decode_steps=num_decode_steps,
+        num_top_logprobs=num_top_logprobs,
+        sharding=sharding,
+    )
 
 
-def lower_step(cfg: ModelConfig, mesh, *, kind: str = "mixed", tokens: int = 512,
-               seqs: int = 64, lowering_platforms=None, **runner_options):
+def lower_step(
+    cfg: ModelConfig,
+    mesh,
+    *,
+    kind: str = "mixed",
+    tokens: int = 512,
+    seqs: int = 64,
+    lowering_platforms=None,
+    **runner_options,
+):
     """The step program (`kind` "mixed" or "decode", `tokens` rows, `seqs`
     sequences) lowered over `mesh` (jax.stages.Lowered)."""
     runner = abstract_runner(cfg, mesh, **runner_options)

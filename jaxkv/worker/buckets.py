@@ -62,8 +62,14 @@ class Buckets:
     num_spec: int = 0
 
     @classmethod
-    def make(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int,
-             max_model_len: int, num_spec: int = 0) -> Buckets:
+    def make(
+        cls,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        pages_per_seq: int,
+        max_model_len: int,
+        num_spec: int = 0,
+    ) -> Buckets:
         max_s = min(max_num_seqs, max_num_batched_tokens)
         mixed = []
         for t in _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens):
@@ -71,18 +77,20 @@ class Buckets:
             # attention sizes its query blocks by T / S) and a few (8).
             counts = {1, min(8, max_s), min(max_s, t)} if t >= 64 else {min(max_s, t)}
             mixed += [(t, s) for s in sorted(counts)]
-        return cls(decode_seqs=_pow2_buckets(1, max_s), mixed=tuple(mixed),
-                   pages_per_seq=pages_per_seq,
-                   history=_pow2_buckets(min(8192, max_model_len), max_model_len, factor=4),
-                   num_spec=num_spec)
+        return cls(
+            decode_seqs=_pow2_buckets(1, max_s),
+            mixed=tuple(mixed),
+            pages_per_seq=pages_per_seq,
+            history=_pow2_buckets(min(8192, max_model_len), max_model_len, factor=4),
+            num_spec=num_spec,
+        )
 
     def _key(self, t: int, s: int) -> ProgramKey:
         if t == s and s in self.decode_seqs:
             return ProgramKey("both" if (t, s) in self.mixed else "decode", t, s)
         return ProgramKey("mixed", t, s)
 
-    def key_for(self, num_rows: int, num_seqs: int, all_decode: bool,
-                verifies: bool) -> ProgramKey:
+    def key_for(self, num_rows: int, num_seqs: int, all_decode: bool, verifies: bool) -> ProgramKey:
         """The program of a step of `num_rows` rows of `num_seqs` sequences:
         a verify program when some sequence brings proposals, a decode
         program when every sequence brings one row, else a mixed one."""
@@ -110,8 +118,10 @@ class Buckets:
         logits rows (S (k + 1))."""
         fits = [(t, s) for t, s in self.verify_shapes() if t >= num_tokens and s >= num_seqs]
         if not fits:
-            raise ValueError(f"tokens per step: {num_tokens} tokens of {num_seqs} sequences fit "
-                             f"no verify program (speculation {'on' if self.num_spec else 'off'})")
+            raise ValueError(
+                f"tokens per step: {num_tokens} tokens of {num_seqs} sequences fit "
+                f"no verify program (speculation {'on' if self.num_spec else 'off'})"
+            )
         t, s = min(fits, key=lambda ts: ts[0] + ts[1] * (self.num_spec + 1))
         return ProgramKey("verify", t, s)
 
@@ -119,8 +129,10 @@ class Buckets:
         for t, s in self.mixed:
             if num_tokens <= t and num_seqs <= s:
                 return self._key(t, s)
-        raise ValueError(f"tokens per step: {num_tokens} tokens of {num_seqs} sequences exceed "
-                         f"the largest bucket {self.mixed[-1]}")
+        raise ValueError(
+            f"tokens per step: {num_tokens} tokens of {num_seqs} sequences exceed "
+            f"the largest bucket {self.mixed[-1]}"
+        )
 
     def history_width(self, n: int) -> int:
         return _pick(self.history, n, "penalty history")

@@ -22,7 +22,8 @@ CALIBRATION_TEXT = (
     "A key-value cache keeps the keys and values of every token a model has read, so that "
     "each new token computes only its own. The quick brown fox jumps over the lazy dog. "
     "1, 2, 3, 5, 8, 13, 21, 34. def add(a, b):\n    return a + b\n"
-    "Paris is the capital of France; Tokyo is the capital of Japan.")
+    "Paris is the capital of France; Tokyo is the capital of Japan."
+)
 
 
 def calibration_tokens(tokenizer, vocab_size: int, limit: int) -> list[int]:

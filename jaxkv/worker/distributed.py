@@ -34,8 +34,9 @@ log = logging.getLogger("jaxkv")
 MIN_BUCKET = 1 << 12
 
 
-def init_distributed(coordinator_address: str | None, num_processes: int | None,
-                     process_id: int | None) -> bool:
+def init_distributed(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> bool:
     """Join the job through `jax.distributed.initialize` when it has several
     processes (`num_processes` > 1, or the environment's JAXKV_NUM_PROCESSES
     / JAXKV_PROCESS_ID / JAX_COORDINATOR_ADDRESS); returns whether this
@@ -53,16 +54,26 @@ def init_distributed(coordinator_address: str | None, num_processes: int | None,
     if not num_processes or num_processes == 1:
         return False
     if process_id is None or not 0 <= process_id < num_processes:
-        raise ValueError(f"process_id: must be in [0, {num_processes}) for a job of "
-                         f"{num_processes} processes, got {process_id!r}")
+        raise ValueError(
+            f"process_id: must be in [0, {num_processes}) for a job of "
+            f"{num_processes} processes, got {process_id!r}"
+        )
     if not coordinator_address:
-        raise ValueError("coordinator_address: required with num_processes > 1 "
-                         "(host:port of process 0, e.g. 127.0.0.1:12355)")
+        raise ValueError(
+            "coordinator_address: required with num_processes > 1 "
+            "(host:port of process 0, e.g. 127.0.0.1:12355)"
+        )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
-    log.info("jaxkv: process %d of %d joined %s (%d devices in all)", process_id,
-             num_processes, coordinator_address, jax.device_count())
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+    log.info(
+        "jaxkv: process %d of %d joined %s (%d devices in all)",
+        process_id,
+        num_processes,
+        coordinator_address,
+        jax.device_count(),
+    )
     return True
 
 
@@ -98,12 +109,14 @@ class Channel:
 
     def send(self, msg: Any) -> None:
         if not self.leader:
-            raise RuntimeError(f"process {self.process_index} follows process 0 and cannot "
-                               "send; requests enter on process 0 only")
+            raise RuntimeError(
+                f"process {self.process_index} follows process 0 and cannot "
+                "send; requests enter on process 0 only"
+            )
         data = np.frombuffer(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         self._broadcast(np.array([len(data)], np.int32))
         buf = np.zeros(_bucket(len(data)), np.uint8)
-        buf[:len(data)] = data
+        buf[: len(data)] = data
         self._broadcast(buf)
 
     def recv(self) -> Any:
@@ -125,9 +138,11 @@ def scale_out(model, config):
     tp = config.tensor_parallel_size
     procs = jax.process_count()
     if procs > 1 and tp != jax.device_count():
-        raise ValueError(f"tensor_parallel_size: a job of {procs} processes runs one model "
-                         f"over all its {jax.device_count()} devices; set "
-                         f"tensor_parallel_size={jax.device_count()} (got {tp})")
+        raise ValueError(
+            f"tensor_parallel_size: a job of {procs} processes runs one model "
+            f"over all its {jax.device_count()} devices; set "
+            f"tensor_parallel_size={jax.device_count()} (got {tp})"
+        )
     if tp == 1:
         return model, None, None
     plan = ShardingPlan.make(model.config, tp, expert_parallel=config.enable_expert_parallel)
@@ -143,8 +158,10 @@ class Leader:
         import atexit
 
         if not channel.leader:
-            raise RuntimeError(f"process {channel.process_index} follows process 0: requests "
-                               "enter on process 0 only")
+            raise RuntimeError(
+                f"process {channel.process_index} follows process 0: requests "
+                "enter on process 0 only"
+            )
         self.channel = channel
         self._stopped = False
         atexit.register(self.stop)
@@ -165,8 +182,7 @@ class Follower:
 
     def __init__(self, channel: Channel):
         if channel.leader:
-            raise RuntimeError("follow: only processes other than 0 of a multi-process job "
-                               "follow")
+            raise RuntimeError("follow: only processes other than 0 of a multi-process job follow")
         self.channel = channel
 
     def run(self, runner) -> int:

@@ -20,12 +20,23 @@ import jax.numpy as jnp
 from jaxkv.model import eagle as head_ops
 
 
-def follow(params, embed, cache, batch, feats, next_ids, rows, *, cfg, attention,
-            all_decode, width):
+def follow(
+    params, embed, cache, batch, feats, next_ids, rows, *, cfg, attention, all_decode, width
+):
     """The head over a target step's rows; at rows [S] (each sequence's last
     accepted row) its first proposal and hidden state, padded to `width`."""
-    pre, cache = head_ops.paged_call(cfg, params, embed, cache, batch, attention, next_ids,
-                                     feats, fuse=True, all_decode=all_decode)
+    pre, cache = head_ops.paged_call(
+        cfg,
+        params,
+        embed,
+        cache,
+        batch,
+        attention,
+        next_ids,
+        feats,
+        fuse=True,
+        all_decode=all_decode,
+    )
     h = pre[rows]  # [S, E]
     tok = head_ops.to_target(params, jnp.argmax(head_ops.draft_logits(cfg, params, h), -1))
     S = rows.shape[0]
@@ -41,8 +52,7 @@ def follow_loop(params, embed, cache, batch, feats, src, next_ids, rows, **kw):
     return follow(params, embed, cache, batch, flat, next_ids, rows, **kw)
 
 
-def propose(params, embed, cache, batch, first, hidden, index, *, cfg, attention, k,
-             page_size):
+def propose(params, embed, cache, batch, first, hidden, index, *, cfg, attention, k, page_size):
     """k proposals [k, S] for the sequences of a one-row-each batch: the
     first from `follow` (by `index` into its outputs), then k - 1 head
     steps at positions after each sequence's newest token."""
@@ -53,17 +63,20 @@ def propose(params, embed, cache, batch, first, hidden, index, *, cfg, attention
     out = [tok]
     b = batch
     for _ in range(k - 1):
-        pre, cache = head_ops.paged_call(cfg, params, embed, cache, b, attention, tok, h,
-                                         fuse=False, all_decode=True)
-        tok = head_ops.to_target(params, jnp.argmax(head_ops.draft_logits(cfg, params, pre), -1)
-                                 ).astype(jnp.int32)
+        pre, cache = head_ops.paged_call(
+            cfg, params, embed, cache, b, attention, tok, h, fuse=False, all_decode=True
+        )
+        tok = head_ops.to_target(
+            params, jnp.argmax(head_ops.draft_logits(cfg, params, pre), -1)
+        ).astype(jnp.int32)
         h = pre
         out.append(tok)
         pos = b.positions + 1
         page = jnp.take_along_axis(b.block_tables, (pos // page_size)[:, None], axis=1)[:, 0]
-        b = dataclasses.replace(b, positions=pos,
-                                slot_mapping=jnp.where(live, page * page_size + pos % page_size, 0),
-                                kv_lens=jnp.where(live, b.kv_lens + 1, 0))
+        b = dataclasses.replace(
+            b,
+            positions=pos,
+            slot_mapping=jnp.where(live, page * page_size + pos % page_size, 0),
+            kv_lens=jnp.where(live, b.kv_lens + 1, 0),
+        )
     return cache, jnp.stack(out)
-
-

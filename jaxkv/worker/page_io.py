@@ -20,8 +20,8 @@ def _chunks(pages: Sequence[int]):
     """(page ids padded to TRANSFER_WIDTH with the trash page, live count)."""
     for i in range(0, len(pages), TRANSFER_WIDTH):
         idx = np.zeros(TRANSFER_WIDTH, np.int32)
-        n = len(pages[i:i + TRANSFER_WIDTH])
-        idx[:n] = pages[i:i + TRANSFER_WIDTH]
+        n = len(pages[i : i + TRANSFER_WIDTH])
+        idx[:n] = pages[i : i + TRANSFER_WIDTH]
         yield i, idx, n
 
 
@@ -34,8 +34,10 @@ def page_out_later(runner, pages: Sequence[int]):
     parts = [(prog(runner.cache, idx), n) for _, idx, n in _chunks(pages)]
 
     def wait() -> list[np.ndarray]:
-        return [np.concatenate(p) for p in zip(*[[to_host(x)[:n] for x in out]
-                                                  for out, n in parts])]
+        return [
+            np.concatenate(p) for p in zip(*[[to_host(x)[:n] for x in out] for out, n in parts])
+        ]
+
     return wait
 
 
@@ -51,7 +53,7 @@ def page_in(runner, pages: Sequence[int], data: Sequence[np.ndarray]) -> None:
         chunk = []
         for x in data:
             pad = np.zeros((TRANSFER_WIDTH,) + x.shape[1:], x.dtype)
-            pad[:n] = x[i:i + n]
+            pad[:n] = x[i : i + n]
             chunk.append(pad)
         runner.cache = prog(runner.cache, idx, tuple(chunk))
 
@@ -76,5 +78,6 @@ def compact(runner, table, src: np.ndarray) -> None:
     (`jaxkv.model.kv_scores.compact_pages`)."""
     row = _row(runner, table)
     prog = runner.programs.get(("compact", len(row), src.shape[-1]))
-    runner.cache = prog(runner.cache, row, np.ascontiguousarray(src, np.int32),
-                        np.asarray(src.shape[-1], np.int32))
+    runner.cache = prog(
+        runner.cache, row, np.ascontiguousarray(src, np.int32), np.asarray(src.shape[-1], np.int32)
+    )

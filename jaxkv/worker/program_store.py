@@ -117,19 +117,35 @@ def platform_fingerprint() -> dict:
 
         # whether GGUF block matmuls round x and which GEMM runs the
         # projections (both read when a step is traced)
-        native = (cpu_gemm.available(), rpa_cpu.available(), blocks.round_x_default(),
-                  cpu_gemm.projections())
-    return dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
-                platform=devices[0].platform, device_kind=devices[0].device_kind,
-                devices=len(devices), processes=jax.process_count(),
-                xla_flags=os.environ.get("XLA_FLAGS", ""), native=native,
-                sources=source_digest())
+        native = (
+            cpu_gemm.available(),
+            rpa_cpu.available(),
+            blocks.round_x_default(),
+            cpu_gemm.projections(),
+        )
+    return dict(
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        platform=devices[0].platform,
+        device_kind=devices[0].device_kind,
+        devices=len(devices),
+        processes=jax.process_count(),
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        native=native,
+        sources=source_digest(),
+    )
 
 
 def _key_name(key) -> str:
     parts = [str(x) for x in (key if isinstance(key, tuple) else (key,))]
-    name = "-".join(p.replace("ProgramKey(", "").replace(")", "").replace("'", "")
-                    .replace(", ", "_").replace("=", "") for p in parts)
+    name = "-".join(
+        p.replace("ProgramKey(", "")
+        .replace(")", "")
+        .replace("'", "")
+        .replace(", ", "_")
+        .replace("=", "")
+        for p in parts
+    )
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:120]
 
 
@@ -153,20 +169,24 @@ class ProgramStore:
         fingerprint (`with_parts`)."""
         import jax
 
-        if (not config.program_cache or jax.process_count() > 1
-                or config.tensor_parallel_size > 1):
+        if not config.program_cache or jax.process_count() > 1 or config.tensor_parallel_size > 1:
             return None
         from jaxkv.paths import private_cache
 
-        root = private_cache("programs", "compiled step programs are neither read nor kept "
-                                         "there; they compile in memory")
+        root = private_cache(
+            "programs",
+            "compiled step programs are neither read nor kept there; they compile in memory",
+        )
         if root is None:
             return None
         try:
             secret_key()
         except ValueError as e:
-            log.warning("jaxkv: the program store's key %s; compiled step programs are neither "
-                        "read nor kept (they compile in memory)", e)
+            log.warning(
+                "jaxkv: the program store's key %s; compiled step programs are neither "
+                "read nor kept (they compile in memory)",
+                e,
+            )
             return None
         return cls(root, platform_fingerprint())
 
@@ -203,11 +223,16 @@ class ProgramStore:
             # every device, and a one-device program then asks for a shard
             # on each)
             devices = [by_id[i] for i in device_ids]
-            prog = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
-                                                             execution_devices=devices)
+            prog = serialize_executable.deserialize_and_load(
+                blob, in_tree, out_tree, execution_devices=devices
+            )
         except Exception as e:  # noqa: BLE001 - any bad entry is rebuilt, never fatal
-            log.warning("jaxkv: stored program %s is stale or corrupt (%s: %s); compiling it "
-                        "again", path, type(e).__name__, e)
+            log.warning(
+                "jaxkv: stored program %s is stale or corrupt (%s: %s); compiling it again",
+                path,
+                type(e).__name__,
+                e,
+            )
             path.unlink(missing_ok=True)
             return None
         self.loaded += 1
@@ -223,8 +248,9 @@ class ProgramStore:
 
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
-            payload = pickle.dumps((blob, in_tree, out_tree, device_ids),
-                                   protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(
+                (blob, in_tree, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL
+            )
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)
             with os.fdopen(fd, "wb") as f:
@@ -233,8 +259,13 @@ class ProgramStore:
             self.saved += 1
         except Exception as e:  # noqa: BLE001 - a cache that cannot write is only slower
             if not self._warned:
-                log.warning("jaxkv: cannot store compiled program %s (%s: %s); it compiles "
-                            "again at the next start", key, type(e).__name__, e)
+                log.warning(
+                    "jaxkv: cannot store compiled program %s (%s: %s); it compiles "
+                    "again at the next start",
+                    key,
+                    type(e).__name__,
+                    e,
+                )
                 self._warned = True
 
 
@@ -248,13 +279,14 @@ def _wrap(payload: bytes) -> bytes:
 
 def _unwrap(data: bytes) -> bytes:
     head = len(MAGIC) + 4 + 32
-    if len(data) < head or data[:len(MAGIC)] != MAGIC:
+    if len(data) < head or data[: len(MAGIC)] != MAGIC:
         raise ValueError("not a jaxkv program file")
-    version = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+    version = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "little")
     if version != VERSION:
         raise ValueError(f"format version {version}, expected {VERSION}")
-    digest, payload = data[len(MAGIC) + 4:head], data[head:]
+    digest, payload = data[len(MAGIC) + 4 : head], data[head:]
     if not hmac.compare_digest(_mac(payload), digest):
-        raise ValueError("its MAC is not this user's key's (written by someone else, or "
-                         "corrupt); not unpickled")
+        raise ValueError(
+            "its MAC is not this user's key's (written by someone else, or corrupt); not unpickled"
+        )
     return payload

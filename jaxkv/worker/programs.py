@@ -61,11 +61,11 @@ def copy_chunks(pairs):
     """Copy-on-write (src, dst) pairs as the page-copy program's arguments:
     (src [COPY_WIDTH], dst [COPY_WIDTH]) per chunk, padded with trash-to-trash pairs."""
     for i in range(0, len(pairs), COPY_WIDTH):
-        chunk = list(pairs[i:i + COPY_WIDTH])
+        chunk = list(pairs[i : i + COPY_WIDTH])
         src = np.zeros(COPY_WIDTH, np.int32)
         dst = np.zeros(COPY_WIDTH, np.int32)
-        src[:len(chunk)] = [q[0] for q in chunk]
-        dst[:len(chunk)] = [q[1] for q in chunk]
+        src[: len(chunk)] = [q[0] for q in chunk]
+        dst[: len(chunk)] = [q[1] for q in chunk]
         yield src, dst
 
 
@@ -80,9 +80,20 @@ class Programs:
     `store` (a `ProgramStore` or None) keeps compiled programs across
     runs."""
 
-    def __init__(self, graphdef, examples: dict, buckets: Buckets, attention, *,
-                 vocab_size: int, max_decode_steps: int, num_top_logprobs: int,
-                 shardings: dict | None = None, store=None, offload: bool = False):
+    def __init__(
+        self,
+        graphdef,
+        examples: dict,
+        buckets: Buckets,
+        attention,
+        *,
+        vocab_size: int,
+        max_decode_steps: int,
+        num_top_logprobs: int,
+        shardings: dict | None = None,
+        store=None,
+        offload: bool = False,
+    ):
         self.graphdef = graphdef
         self.examples = examples
         self.buckets = buckets
@@ -99,12 +110,13 @@ class Programs:
         """Every program warm-up compiles: step programs, penalty samplers
         (per sequence bucket and history width), the page copy."""
         seqs = sorted({k.seqs for k in self.buckets.programs()})
-        return (self.buckets.programs()
-                + [("rules", s, n) for s in seqs for n in (0, *self.buckets.history)]
-                + [("copy", COPY_WIDTH)]
-                + ([("copy_local", COPY_WIDTH)] if self.attention.local_layers else [])
-                + ([("page_out", TRANSFER_WIDTH), ("page_in", TRANSFER_WIDTH)]
-                   if self.offload else []))
+        return (
+            self.buckets.programs()
+            + [("rules", s, n) for s in seqs for n in (0, *self.buckets.history)]
+            + [("copy", COPY_WIDTH)]
+            + ([("copy_local", COPY_WIDTH)] if self.attention.local_layers else [])
+            + ([("page_out", TRANSFER_WIDTH), ("page_in", TRANSFER_WIDTH)] if self.offload else [])
+        )
 
     @property
     def compiled(self) -> list:
@@ -117,11 +129,18 @@ class Programs:
         under a sharding plan; plain jax.jit without one."""
         if self.shardings is None:
             return jax.jit(fn, donate_argnums=donate)
-        pick = {"s": self.shardings["state"], "c": self.shardings["cache"],
-                "r": self.shardings["rep"]}
+        pick = {
+            "s": self.shardings["state"],
+            "c": self.shardings["cache"],
+            "r": self.shardings["rep"],
+        }
         outs = tuple(pick[c] for c in out)
-        return jax.jit(fn, donate_argnums=donate, in_shardings=tuple(pick[c] for c in args),
-                       out_shardings=outs[0] if len(outs) == 1 else outs)
+        return jax.jit(
+            fn,
+            donate_argnums=donate,
+            in_shardings=tuple(pick[c] for c in args),
+            out_shardings=outs[0] if len(outs) == 1 else outs,
+        )
 
     def lower(self, key, lowering_platforms=None):
         """The jitted function of `key` lowered with placeholder inputs
@@ -133,39 +152,65 @@ class Programs:
         W, k = self.buckets.pages_per_seq, self.buckets.num_spec
         if key[0] == "score":  # (score, T, S): a prompt chunk with logits at every row
             _, T, S = key
-            fn = self._jit(functools.partial(score_step, g, num_top_logprobs=self.num_top_logprobs,
-                                             attention=self.attention), "scrrr", "rc", (1,))
-            batch = dataclasses.replace(empty(ProgramKey("mixed", T, S), W),
-                                        logits_indices=np.zeros(T, np.int32))
+            fn = self._jit(
+                functools.partial(
+                    score_step, g, num_top_logprobs=self.num_top_logprobs, attention=self.attention
+                ),
+                "scrrr",
+                "rc",
+                (1,),
+            )
+            batch = dataclasses.replace(
+                empty(ProgramKey("mixed", T, S), W), logits_indices=np.zeros(T, np.int32)
+            )
             return fn.trace(state, cache, batch, rng, np.zeros(T, np.int32)).lower(**kw)
         if key[0] == "forward":  # ("forward", ProgramKey): K/V writes only
-            fn = self._jit(functools.partial(forward_step, g, kind=key[1].kind,
-                                             attention=self.attention), "scr", "c", (1,))
+            fn = self._jit(
+                functools.partial(forward_step, g, kind=key[1].kind, attention=self.attention),
+                "scr",
+                "c",
+                (1,),
+            )
             return fn.trace(state, cache, empty(key[1], W, k)).lower(**kw)
         if isinstance(key, ProgramKey):
             common = dict(num_top_logprobs=self.num_top_logprobs, attention=self.attention)
             if key.kind == "verify":
                 fn = functools.partial(verify_step, g, num_spec=k, **common)
             else:
-                fn = functools.partial(step, g, kind=key.kind, **common,
-                                       max_steps=self.max_decode_steps if key.loops else 1)
+                fn = functools.partial(
+                    step,
+                    g,
+                    kind=key.kind,
+                    **common,
+                    max_steps=self.max_decode_steps if key.loops else 1,
+                )
             fn = self._jit(fn, "scrrr", "rcr", (1, 4))
             return fn.trace(state, cache, empty(key, W, k), rng, last).lower(**kw)
         if key[0] == "rules":
             _, S, N = key
-            fn = self._jit(functools.partial(sample_with_rules,
-                                             num_top_logprobs=self.num_top_logprobs),
-                           "rrrrrr", "r")
+            fn = self._jit(
+                functools.partial(sample_with_rules, num_top_logprobs=self.num_top_logprobs),
+                "rrrrrr",
+                "r",
+            )
             b = empty(ProgramKey("mixed", S, S), W)
             logits = jax.ShapeDtypeStruct((S, self.vocab_size), np.float32)
             pen = PenaltyBatch(np.zeros((S, N), np.int32), np.zeros((S, N), bool)) if N else None
-            return fn.trace(logits, b.sampling, pen, empty_rules(S, self.vocab_size), rng,
-                            b.num_output).lower(**kw)
+            return fn.trace(
+                logits, b.sampling, pen, empty_rules(S, self.vocab_size), rng, b.num_output
+            ).lower(**kw)
         if key[0] in ("copy", "copy_local"):  # a hybrid pool: the global or the ring layers
             idx = np.zeros(COPY_WIDTH, np.int32)
             local = self.attention.local_layers
-            layers = (local if key[0] == "copy_local" else
-                      tuple(i for i in range(len(cache.k)) if i not in local)) if local else None
+            layers = (
+                (
+                    local
+                    if key[0] == "copy_local"
+                    else tuple(i for i in range(len(cache.k)) if i not in local)
+                )
+                if local
+                else None
+            )
             fn = functools.partial(copy_pages, layers=layers)
             return self._jit(fn, "crr", "c", (0,)).trace(cache, idx, idx).lower(**kw)
         if key[0] == "page_out":  # pages -> their contents, for the host tier
@@ -176,13 +221,19 @@ class Programs:
             data = jax.eval_shape(gather_pages, cache, idx)
             return self._jit(put_pages, "crr", "c", (0,)).trace(cache, idx, data).lower(**kw)
         if key[0] == "scores":  # importance eviction: one row's accumulated attention
-            return self._jit(gather_scores, "cr", "r").trace(cache, np.zeros(key[1], np.int32)
-                                                             ).lower(**kw)
+            return (
+                self._jit(gather_scores, "cr", "r")
+                .trace(cache, np.zeros(key[1], np.int32))
+                .lower(**kw)
+            )
         if key[0] == "compact":  # ... and its kept tokens moved to its first slots
             _, W, B = key
             src = np.zeros((len(cache.k), cache.k[0].shape[0], B), np.int32)
-            return self._jit(compact_pages, "crrr", "c", (0,)).trace(
-                cache, np.zeros(W, np.int32), src, np.int32(B)).lower(**kw)
+            return (
+                self._jit(compact_pages, "crrr", "c", (0,))
+                .trace(cache, np.zeros(W, np.int32), src, np.int32(B))
+                .lower(**kw)
+            )
         raise ValueError(f"program: unknown key {key!r}")
 
     def get(self, key):
@@ -226,8 +277,12 @@ class Programs:
         if self.store is not None:
             self.store.save(key, prog)
 
-    def warm_up(self, progress: bool | Callable[[int, int], None] = True,
-                keys: Sequence | None = None, workers: int = 2) -> dict[str, Any]:
+    def warm_up(
+        self,
+        progress: bool | Callable[[int, int], None] = True,
+        keys: Sequence | None = None,
+        workers: int = 2,
+    ) -> dict[str, Any]:
         """Make every program (or `keys`) ready: load what the store has,
         compile the rest; returns {"programs": number made ready,
         "loaded": of them from the store, "seconds": wall time}.
@@ -244,12 +299,14 @@ class Programs:
         bar = None
         if progress is True and todo:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(todo), desc="jaxkv warm-up", unit="program", dynamic_ncols=True)
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             # Tracing holds the GIL, XLA's compile does not: lower here,
             # compile in the pool.
-            futures = {pool.submit(self._compile, low): k
-                       for k, low in ((k, self.lower(k)) for k in todo)}
+            futures = {
+                pool.submit(self._compile, low): k for k, low in ((k, self.lower(k)) for k in todo)
+            }
             for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
                 k = futures[fut]
                 self._compiled[k], fresh = fut.result()
@@ -261,5 +318,4 @@ class Programs:
                     progress(n, len(todo))
         if bar is not None:
             bar.close()
-        return dict(programs=len(todo) + loaded, loaded=loaded,
-                    seconds=time.perf_counter() - t0)
+        return dict(programs=len(todo) + loaded, loaded=loaded, seconds=time.perf_counter() - t0)

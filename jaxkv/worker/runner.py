@@ -63,13 +63,26 @@ class Pending:
 def _abstract(tree):
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        tree)
+        tree,
+    )
 
 
 class Runner:
-    def __init__(self, model, cache: KVCache, buckets: Buckets, attention: AttentionSpec, *,
-                 max_decode_steps: int = 1, num_top_logprobs: int = 0, seed: int = 0,
-                 sharding=None, leader=None, store=None, offload: bool = False):
+    def __init__(
+        self,
+        model,
+        cache: KVCache,
+        buckets: Buckets,
+        attention: AttentionSpec,
+        *,
+        max_decode_steps: int = 1,
+        num_top_logprobs: int = 0,
+        seed: int = 0,
+        sharding=None,
+        leader=None,
+        store=None,
+        offload: bool = False,
+    ):
         self.graphdef, state = nnx.split(model)
         self.vocab_size = model.config.vocab_size
         self.leader = leader
@@ -79,13 +92,15 @@ class Runner:
             # Commit every array to its device up front: outputs of the step
             # are committed, and a committed/uncommitted mismatch would not
             # match the compiled programs.
-            commit = functools.partial(jax.tree_util.tree_map,
-                                       lambda x: jax.device_put(x, x.sharding))
+            commit = functools.partial(
+                jax.tree_util.tree_map, lambda x: jax.device_put(x, x.sharding)
+            )
             self.state = commit(state)
             self.cache = commit(cache)
             shardings = None
-            self.last = jax.device_put(np.zeros(width, np.int32),
-                                       jax.tree_util.tree_leaves(self.cache)[0].sharding)
+            self.last = jax.device_put(
+                np.zeros(width, np.int32), jax.tree_util.tree_leaves(self.cache)[0].sharding
+            )
         else:  # placed by jaxkv.sharding already (or abstract, to compile ahead of time)
             self.state = state
             self.cache = cache
@@ -96,23 +111,38 @@ class Runner:
                 self.last = jax.ShapeDtypeStruct((width,), np.int32, sharding=rep)
             else:  # made in place: a single-device array cannot move to other processes' devices
                 self.rng = jax.jit(lambda: jax.random.key(seed), out_shardings=rep)()
-                self.last = jax.jit(lambda: jax.numpy.zeros(width, np.int32),
-                                    out_shardings=rep)()
+                self.last = jax.jit(lambda: jax.numpy.zeros(width, np.int32), out_shardings=rep)()
             sh = functools.partial(jax.tree_util.tree_map, lambda x: x.sharding)
             shardings = dict(state=sh(state), cache=sh(cache), rep=rep)
         self.page_size = cache.page_size
         self.buckets = buckets
         self.attention = attention
-        examples = dict(state=_abstract(self.state), cache=_abstract(self.cache),
-                        rng=_abstract(self.rng), last=_abstract(self.last))
+        examples = dict(
+            state=_abstract(self.state),
+            cache=_abstract(self.cache),
+            rng=_abstract(self.rng),
+            last=_abstract(self.last),
+        )
         if store is not None:  # the programs depend on the model's graph and every argument
-            store = store.with_parts(graph=self.graphdef, arguments=examples, buckets=buckets,
-                                     attention=attention.fingerprint(),
-                                     options=(max_decode_steps, num_top_logprobs))
+            store = store.with_parts(
+                graph=self.graphdef,
+                arguments=examples,
+                buckets=buckets,
+                attention=attention.fingerprint(),
+                options=(max_decode_steps, num_top_logprobs),
+            )
         self.programs = Programs(
-            self.graphdef, examples, buckets, attention, vocab_size=self.vocab_size,
-            max_decode_steps=max_decode_steps, num_top_logprobs=num_top_logprobs,
-            shardings=shardings, store=store, offload=offload)
+            self.graphdef,
+            examples,
+            buckets,
+            attention,
+            vocab_size=self.vocab_size,
+            max_decode_steps=max_decode_steps,
+            num_top_logprobs=num_top_logprobs,
+            shardings=shardings,
+            store=store,
+            offload=offload,
+        )
         self._rep = None if shardings is None else shardings["rep"]
         self._empty_rules: dict[int, Any] = {}
         # step() calls, their wall time (dispatch to outputs on the host), and
@@ -138,14 +168,14 @@ class Runner:
         return self.programs.warm_up(progress, keys, workers)
 
     def key_for(self, plan: StepPlan) -> ProgramKey:
-        return self.buckets.key_for(plan.num_rows, plan.num_seqs, plan.all_decode,
-                                    plan.verifies)
+        return self.buckets.key_for(plan.num_rows, plan.num_seqs, plan.all_decode, plan.verifies)
 
     def pack(self, plan: StepPlan, key: ProgramKey | None = None) -> tuple[StepBatch, ProgramKey]:
         """(the padded StepBatch of `plan`, its program key)."""
         key = key or self.key_for(plan)
-        return pack(plan, key, self.page_size, self.buckets.pages_per_seq,
-                    self.buckets.num_spec), key
+        return pack(
+            plan, key, self.page_size, self.buckets.pages_per_seq, self.buckets.num_spec
+        ), key
 
     def _mirror(self, method: str, *args) -> None:
         if self.leader is not None:
@@ -171,11 +201,17 @@ class Runner:
         first = batch
         if redraw:  # its draw is redone: make it cheap
             S = key.seqs
-            first = dataclasses.replace(batch, sampling=dataclasses.replace(
-                batch.sampling, temperature=np.zeros(S, np.float32),
-                num_logprobs=np.zeros(S, np.int32)))
-        out, self.cache, self.last = self.programs.get(key)(self.state, self.cache, first,
-                                                            self.rng, self.last)
+            first = dataclasses.replace(
+                batch,
+                sampling=dataclasses.replace(
+                    batch.sampling,
+                    temperature=np.zeros(S, np.float32),
+                    num_logprobs=np.zeros(S, np.int32),
+                ),
+            )
+        out, self.cache, self.last = self.programs.get(key)(
+            self.state, self.cache, first, self.rng, self.last
+        )
         out: StepOutput
         fields = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.finite)
         if redraw:
@@ -188,8 +224,9 @@ class Runner:
         n = int(to_host(pending.out.steps))
         self.stats["wait_seconds"] += time.perf_counter() - t0
         S = pending.num_seqs
-        res = StepResult(*(to_host(x)[:n, :S] for x in pending.fields),
-                         counts=to_host(pending.out.counts)[:S])
+        res = StepResult(
+            *(to_host(x)[:n, :S] for x in pending.fields), counts=to_host(pending.out.counts)[:S]
+        )
         if pending.out.routed is not None:
             self._count_routed(to_host(pending.out.routed))
         self.stats["calls"] += 1
@@ -223,9 +260,10 @@ class Runner:
         T = key.tokens
         batch = dataclasses.replace(batch, logits_indices=np.arange(T, dtype=np.int32))
         tg = np.zeros(T, np.int32)
-        tg[:len(targets)] = targets
-        out, self.cache = self.programs.get(("score", T, key.seqs))(self.state, self.cache,
-                                                                   batch, self.rng, tg)
+        tg[: len(targets)] = targets
+        out, self.cache = self.programs.get(("score", T, key.seqs))(
+            self.state, self.cache, batch, self.rng, tg
+        )
         st = out.step
         fields = (st.tokens, st.logprobs, st.top_ids, st.top_logprobs, st.finite)
         if plan.rules is not None or plan.penalties is not None:  # one row: the sequence's
@@ -234,23 +272,31 @@ class Runner:
         res = StepResult(*(to_host(x) for x in fields), counts=np.ones(1, np.int32))
         self.stats["calls"] += 1
         n = plan.num_rows
-        return ScoreResult(to_host(out.target_logprobs)[:n], to_host(out.top_ids)[:n],
-                           to_host(out.top_logprobs)[:n], res)
+        return ScoreResult(
+            to_host(out.target_logprobs)[:n],
+            to_host(out.top_ids)[:n],
+            to_host(out.top_logprobs)[:n],
+            res,
+        )
 
-    def _resample(self, out: StepOutput, sampling, num_output, plan: StepPlan,
-                  rows: int) -> tuple:
+    def _resample(self, out: StepOutput, sampling, num_output, plan: StepPlan, rows: int) -> tuple:
         """Draw each sequence's token again from `out`'s last logits with the
         plan's token rules (all allowed when None) and penalties applied;
         the fields of a one-step StepResult."""
         pen = pad_penalties(plan.penalties, rows) if plan.penalties is not None else None
-        rules = (pad_rules(plan.rules, rows, self.vocab_size) if plan.rules is not None
-                 else self._no_rules(rows))
+        rules = (
+            pad_rules(plan.rules, rows, self.vocab_size)
+            if plan.rules is not None
+            else self._no_rules(rows)
+        )
         N = pen.history.shape[1] if pen is not None else 0
-        redo = self.programs.get(("rules", rows, N))(out.logits, sampling, pen, rules, self.rng,
-                                                     num_output)
-        return tuple(to_host(x)[None] for x in
-                     (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
-                     ) + (out.finite,)
+        redo = self.programs.get(("rules", rows, N))(
+            out.logits, sampling, pen, rules, self.rng, num_output
+        )
+        return tuple(
+            to_host(x)[None]
+            for x in (redo.token_ids, redo.logprob, redo.top_ids, redo.top_logprobs)
+        ) + (out.finite,)
 
     def _no_rules(self, num_seqs: int):
         """All tokens allowed, no bias (steps with penalties only), kept on
@@ -258,7 +304,8 @@ class Runner:
         rb = self._empty_rules.get(num_seqs)
         if rb is None:
             rb = self._empty_rules[num_seqs] = jax.device_put(
-                empty_rules(num_seqs, self.vocab_size), self._rep)
+                empty_rules(num_seqs, self.vocab_size), self._rep
+            )
         return rb
 
     def set_lora(self, arrays: dict) -> None:

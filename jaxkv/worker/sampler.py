@@ -60,8 +60,11 @@ def apply_penalties(logits, sb: SamplingBatch, pen: PenaltyBatch):
     idx = jnp.where(valid, hist, 0)
     rows = jnp.arange(S)[:, None]
     seen = jnp.zeros((S, V), bool).at[rows, idx].max(valid)
-    out_counts = jnp.zeros((S, V), jnp.float32).at[rows, idx].add(
-        (valid & pen.history_is_output).astype(jnp.float32))
+    out_counts = (
+        jnp.zeros((S, V), jnp.float32)
+        .at[rows, idx]
+        .add((valid & pen.history_is_output).astype(jnp.float32))
+    )
     rp = sb.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits = logits - sb.frequency_penalty[:, None] * out_counts
@@ -69,8 +72,9 @@ def apply_penalties(logits, sb: SamplingBatch, pen: PenaltyBatch):
     return logits
 
 
-def sample(logits, sb: SamplingBatch, rng, num_output, *, num_top_logprobs: int,
-           raw_logits=None) -> SampleOutput:
+def sample(
+    logits, sb: SamplingBatch, rng, num_output, *, num_top_logprobs: int, raw_logits=None
+) -> SampleOutput:
     """logits [S, V] -> SampleOutput with N = `num_top_logprobs` (static)
     columns of top log-probabilities. `raw_logits` (default: `logits`) is
     the distribution log-probabilities are reported under."""
@@ -80,8 +84,10 @@ def sample(logits, sb: SamplingBatch, rng, num_output, *, num_top_logprobs: int,
     lse = jax.nn.logsumexp(raw, axis=-1)
     greedy_ids = argmax(logits)
     ids = jax.lax.cond(
-        jnp.all(sb.temperature <= 0), lambda: greedy_ids,
-        lambda: jnp.where(sb.temperature <= 0, greedy_ids, _draw(logits, sb, rng, num_output)))
+        jnp.all(sb.temperature <= 0),
+        lambda: greedy_ids,
+        lambda: jnp.where(sb.temperature <= 0, greedy_ids, _draw(logits, sb, rng, num_output)),
+    )
     chosen = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0] - lse
     S, N = logits.shape[0], num_top_logprobs
 
@@ -107,18 +113,26 @@ def apply_rules(logits, rules: RulesBatch):
     valid = rules.bias_ids >= 0
     rows = jnp.arange(S)[:, None]
     return logits.at[rows, jnp.where(valid, rules.bias_ids, 0)].add(
-        jnp.where(valid, rules.bias_values, 0.0))
+        jnp.where(valid, rules.bias_values, 0.0)
+    )
 
 
-def sample_with_rules(logits, sb: SamplingBatch, pen: PenaltyBatch | None, rules: RulesBatch,
-                      rng, num_output, *, num_top_logprobs: int) -> SampleOutput:
+def sample_with_rules(
+    logits,
+    sb: SamplingBatch,
+    pen: PenaltyBatch | None,
+    rules: RulesBatch,
+    rng,
+    num_output,
+    *,
+    num_top_logprobs: int,
+) -> SampleOutput:
     """`sample` after the token rules (mask and bias, first) and the
     penalties when given; log-probabilities stay the model's own."""
     ruled = apply_rules(logits.astype(jnp.float32), rules)
     if pen is not None:
         ruled = apply_penalties(ruled, sb, pen)
-    return sample(ruled, sb, rng, num_output, num_top_logprobs=num_top_logprobs,
-                  raw_logits=logits)
+    return sample(ruled, sb, rng, num_output, num_top_logprobs=num_top_logprobs, raw_logits=logits)
 
 
 def _draw(logits, sb: SamplingBatch, rng, num_output):

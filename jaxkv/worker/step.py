@@ -87,8 +87,17 @@ class ScoreOutput:
     step: StepOutput
 
 
-def score_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, targets, *,
-               num_top_logprobs: int, attention: AttentionSpec):
+def score_step(
+    graphdef,
+    state,
+    cache: KVCache,
+    batch: StepBatch,
+    rng,
+    targets,
+    *,
+    num_top_logprobs: int,
+    attention: AttentionSpec,
+):
     """One sequence's prompt chunk with logits at every row (batch.logits_
     indices lists the T rows; sequence 0 is the only live one)."""
     model = nnx.merge(graphdef, state)
@@ -101,13 +110,17 @@ def score_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, targets, 
     out = sample(last, sb, rng, batch.num_output[:1], num_top_logprobs=num_top_logprobs)
     t, lp1, ti, tl = (x[None] for x in _stack(out))
     finite = jnp.all(jnp.isfinite(last), axis=-1)[None]
-    return ScoreOutput(target, top_ids.astype(jnp.int32), top_lp,
-                       StepOutput(t, lp1, ti, tl, finite, jnp.int32(1), last,
-                                  jnp.ones(1, jnp.int32))), cache
+    return ScoreOutput(
+        target,
+        top_ids.astype(jnp.int32),
+        top_lp,
+        StepOutput(t, lp1, ti, tl, finite, jnp.int32(1), last, jnp.ones(1, jnp.int32)),
+    ), cache
 
 
-def forward_step(graphdef, state, cache: KVCache, batch: StepBatch, *, kind: str,
-                 attention: AttentionSpec):
+def forward_step(
+    graphdef, state, cache: KVCache, batch: StepBatch, *, kind: str, attention: AttentionSpec
+):
     """Run the model over the batch for its K/V writes alone (a draft model
     keeping its cache in step with the target's); the logits are dropped."""
     model = nnx.merge(graphdef, state)
@@ -137,43 +150,92 @@ def _stack(outs: SampleOutput):
     return outs.token_ids, outs.logprob, outs.top_ids, outs.top_logprobs
 
 
-def step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *, kind: str,
-         max_steps: int, num_top_logprobs: int, attention: AttentionSpec):
-    out, cache = _step(nnx.merge(graphdef, state), cache, take_previous(batch, last), rng,
-                       kind=kind, max_steps=max_steps, num_top_logprobs=num_top_logprobs,
-                       attention=attention)
+def step(
+    graphdef,
+    state,
+    cache: KVCache,
+    batch: StepBatch,
+    rng,
+    last,
+    *,
+    kind: str,
+    max_steps: int,
+    num_top_logprobs: int,
+    attention: AttentionSpec,
+):
+    out, cache = _step(
+        nnx.merge(graphdef, state),
+        cache,
+        take_previous(batch, last),
+        rng,
+        kind=kind,
+        max_steps=max_steps,
+        num_top_logprobs=num_top_logprobs,
+        attention=attention,
+    )
     return dataclasses.replace(out, routed=cache.routed), cache, newest(out, last.shape[0])
 
 
-def _step(model, cache: KVCache, batch: StepBatch, rng, *, kind: str, max_steps: int,
-          num_top_logprobs: int, attention: AttentionSpec):
+def _step(
+    model,
+    cache: KVCache,
+    batch: StepBatch,
+    rng,
+    *,
+    kind: str,
+    max_steps: int,
+    num_top_logprobs: int,
+    attention: AttentionSpec,
+):
     if kind == "mixed":  # one step, some rows are prefill chunks
         logits, cache, feats = run_model(model, cache, batch, attention, False)
-        out = sample(logits, batch.sampling, rng, batch.num_output,
-                     num_top_logprobs=num_top_logprobs)
+        out = sample(
+            logits, batch.sampling, rng, batch.num_output, num_top_logprobs=num_top_logprobs
+        )
         t, lp, ti, tl = (x[None] for x in _stack(out))
         finite = jnp.all(jnp.isfinite(logits), axis=-1)[None]
         S = batch.kv_lens.shape[0]
-        return StepOutput(t, lp, ti, tl, finite, jnp.int32(1), logits,
-                          jnp.ones(S, jnp.int32), features=feats), cache
+        return StepOutput(
+            t, lp, ti, tl, finite, jnp.int32(1), logits, jnp.ones(S, jnp.int32), features=feats
+        ), cache
     # "decode": every row a decode; "both": decided at run time (a mixed
     # batch runs with num_steps 1, its rows need not be its sequences).
-    return _decode_loop(model, cache, batch, rng, max_steps=max_steps,
-                        num_top_logprobs=num_top_logprobs, attention=attention,
-                        all_decode=True if kind == "decode" else None)
+    return _decode_loop(
+        model,
+        cache,
+        batch,
+        rng,
+        max_steps=max_steps,
+        num_top_logprobs=num_top_logprobs,
+        attention=attention,
+        all_decode=True if kind == "decode" else None,
+    )
 
 
-def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int,
-                 num_top_logprobs: int, attention: AttentionSpec, all_decode: bool | None):
+def _decode_loop(
+    model,
+    cache: KVCache,
+    batch: StepBatch,
+    rng,
+    *,
+    max_steps: int,
+    num_top_logprobs: int,
+    attention: AttentionSpec,
+    all_decode: bool | None,
+):
     S = batch.kv_lens.shape[0]
     V = model.config.vocab_size
     N = num_top_logprobs
     page_size = cache.page_size
     live = jnp.arange(S) < batch.num_seqs
     st = batch.stops
-    bufs = (jnp.zeros((max_steps, S), jnp.int32), jnp.zeros((max_steps, S), jnp.float32),
-            jnp.zeros((max_steps, S, N), jnp.int32), jnp.zeros((max_steps, S, N), jnp.float32),
-            jnp.ones((max_steps, S), bool))
+    bufs = (
+        jnp.zeros((max_steps, S), jnp.int32),
+        jnp.zeros((max_steps, S), jnp.float32),
+        jnp.zeros((max_steps, S, N), jnp.int32),
+        jnp.zeros((max_steps, S, N), jnp.float32),
+        jnp.ones((max_steps, S), bool),
+    )
     num_steps = jnp.minimum(batch.num_steps, max_steps)
 
     def cond(carry):
@@ -189,21 +251,33 @@ def _decode_loop(model, cache: KVCache, batch: StepBatch, rng, *, max_steps: int
         row = _stack(out) + (jnp.all(jnp.isfinite(logits), axis=-1),)
         bufs = tuple(buf.at[i].set(x) for buf, x in zip(bufs, row))
         t = out.token_ids
-        stopped, length = stop_rules.check(jnp, t, b.num_output + 1, st.stop_ids, st.min_tokens,
-                                           st.max_tokens)
+        stopped, length = stop_rules.check(
+            jnp, t, b.num_output + 1, st.stop_ids, st.min_tokens, st.max_tokens
+        )
         done = done | stopped | length
         pos = b.positions + 1
         page = jnp.take_along_axis(b.block_tables, (pos // page_size)[:, None], axis=1)[:, 0]
         # A finished sequence writes nothing more (its reserved pages end).
         slot = jnp.where(live & ~done, page * page_size + pos % page_size, 0)
-        b = dataclasses.replace(b, token_ids=t, positions=pos, slot_mapping=slot,
-                                kv_lens=jnp.where(live, b.kv_lens + 1, 0),
-                                num_output=b.num_output + 1)
+        b = dataclasses.replace(
+            b,
+            token_ids=t,
+            positions=pos,
+            slot_mapping=slot,
+            kv_lens=jnp.where(live, b.kv_lens + 1, 0),
+            num_output=b.num_output + 1,
+        )
         return i + 1, cache, b, done, bufs, logits, feats
 
     T = batch.token_ids.shape[0]
-    feats = (jnp.zeros((max_steps, T, len(model.aux_layers) * model.config.hidden_size),
-                       model.final_norm[...].dtype) if model.aux_layers else None)
+    feats = (
+        jnp.zeros(
+            (max_steps, T, len(model.aux_layers) * model.config.hidden_size),
+            model.final_norm[...].dtype,
+        )
+        if model.aux_layers
+        else None
+    )
     init = (jnp.int32(0), cache, batch, ~live, bufs, jnp.zeros((S, V), jnp.float32), feats)
     n, cache, _, _, bufs, logits, feats = jax.lax.while_loop(cond, body, init)
     return StepOutput(*bufs, n, logits, jnp.full(S, n, jnp.int32), features=feats), cache

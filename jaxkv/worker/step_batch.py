@@ -133,25 +133,43 @@ def empty(key: ProgramKey, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
     T, S = key.tokens, key.seqs
     f32 = lambda v: np.full(S, v, np.float32)  # noqa: E731
     i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
-    sampling = SamplingBatch(temperature=f32(0.0), top_k=i32(S), top_p=f32(1.0), min_p=f32(0.0),
-                             seeds=np.zeros(S, np.uint32), num_logprobs=i32(S),
-                             presence_penalty=f32(0.0), frequency_penalty=f32(0.0),
-                             repetition_penalty=f32(1.0))
-    stops = StopBatch(stop_ids=np.full((S, STOP_WIDTH), -1, np.int32), min_tokens=i32(S),
-                      max_tokens=np.ones(S, np.int32))
-    return StepBatch(token_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
-                     cu_q_lens=i32(S + 1), kv_lens=i32(S),
-                     block_tables=np.zeros((S, pages_per_seq), np.int32),
-                     num_seqs=np.asarray(0, np.int32),
-                     logits_indices=i32(S * (num_spec + 1) if key.kind == "verify" else S),
-                     num_output=i32(S), num_steps=np.asarray(1, np.int32),
-                     prev_index=np.full(T, -1, np.int32), sampling=sampling, stops=stops,
-                     ring_base=i32(S), lora_slot=i32(T),
-                     score_from=np.full(S, 1 << 30, np.int32))
+    sampling = SamplingBatch(
+        temperature=f32(0.0),
+        top_k=i32(S),
+        top_p=f32(1.0),
+        min_p=f32(0.0),
+        seeds=np.zeros(S, np.uint32),
+        num_logprobs=i32(S),
+        presence_penalty=f32(0.0),
+        frequency_penalty=f32(0.0),
+        repetition_penalty=f32(1.0),
+    )
+    stops = StopBatch(
+        stop_ids=np.full((S, STOP_WIDTH), -1, np.int32),
+        min_tokens=i32(S),
+        max_tokens=np.ones(S, np.int32),
+    )
+    return StepBatch(
+        token_ids=i32(T),
+        positions=i32(T),
+        slot_mapping=i32(T),
+        cu_q_lens=i32(S + 1),
+        kv_lens=i32(S),
+        block_tables=np.zeros((S, pages_per_seq), np.int32),
+        num_seqs=np.asarray(0, np.int32),
+        logits_indices=i32(S * (num_spec + 1) if key.kind == "verify" else S),
+        num_output=i32(S),
+        num_steps=np.asarray(1, np.int32),
+        prev_index=np.full(T, -1, np.int32),
+        sampling=sampling,
+        stops=stops,
+        ring_base=i32(S),
+        lora_slot=i32(T),
+        score_from=np.full(S, 1 << 30, np.int32),
+    )
 
 
-def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
-         num_spec: int = 0) -> StepBatch:
+def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int, num_spec: int = 0) -> StepBatch:
     """The one row packer: a `jaxkv.worker.plan.StepPlan` padded to `key`'s
     shape (rows and per-sequence arrays, slots from each row's position
     and block table), all numpy and vectorized. `num_spec` is a verify
@@ -160,8 +178,9 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
     S, T = plan.num_seqs, plan.num_rows
     q = np.asarray(plan.q_lens, np.int32)
     if S > key.seqs or T > key.tokens:
-        raise ValueError(f"tokens per step: {T} rows of {S} sequences exceed the program "
-                         f"{tuple(key)}")
+        raise ValueError(
+            f"tokens per step: {T} rows of {S} sequences exceed the program {tuple(key)}"
+        )
     if plan.num_steps > 1 and (np.any(q != 1) or np.any(plan.num_spec)):
         raise ValueError("num_steps > 1 needs every sequence to bring exactly one token")
     prev = np.asarray(plan.prev_index, np.int32)
@@ -170,12 +189,14 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
         raise ValueError(f"sequence {bad}: a row resolved on the device comes alone")
     if np.any(plan.num_spec > (num_spec if key.kind == "verify" else 0)):
         bad = int(np.flatnonzero(plan.num_spec > num_spec)[0])
-        raise ValueError(f"sequence {bad}: {int(plan.num_spec[bad])} proposals, at most "
-                         f"{num_spec if key.kind == 'verify' else 0}")
+        raise ValueError(
+            f"sequence {bad}: {int(plan.num_spec[bad])} proposals, at most "
+            f"{num_spec if key.kind == 'verify' else 0}"
+        )
     b = empty(key, pages_per_seq, num_spec)
     cu = b.cu_q_lens
-    np.cumsum(q, out=cu[1:S + 1])
-    cu[S + 1:] = T
+    np.cumsum(q, out=cu[1 : S + 1])
+    cu[S + 1 :] = T
     seq_of_row = np.repeat(np.arange(S), q)
     pos = plan.starts[seq_of_row] + (np.arange(T) - cu[seq_of_row])
     tables = plan.block_tables
@@ -187,8 +208,9 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
         bad = int(seq_of_row[np.flatnonzero(over | (pages == 0))[0]])
         end = int(plan.starts[bad] + q[bad])
         held = int(np.count_nonzero(tables[bad])) if S else 0
-        raise ValueError(f"sequence {bad}: {end} positions but {held} pages "
-                         f"(at most {pages_per_seq})")
+        raise ValueError(
+            f"sequence {bad}: {end} positions but {held} pages (at most {pages_per_seq})"
+        )
     b.token_ids[:T] = plan.token_ids
     # Positions (RoPE) run on past kv indices by the tokens eviction dropped.
     b.positions[:T] = pos if plan.pos_offset is None else pos + plan.pos_offset[seq_of_row]
@@ -197,12 +219,12 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
     b.slot_mapping[:T] = pages * page_size + pos % page_size
     b.kv_lens[:S] = plan.starts + q
     b.block_tables[:S, :width] = tables[:, :pages_per_seq]
-    last = cu[1:S + 1] - 1
+    last = cu[1 : S + 1] - 1
     if key.kind == "verify":
         K1 = num_spec + 1
         k = np.asarray(plan.num_spec, np.int32)
         idx = (last - k)[:, None] + np.minimum(np.arange(K1)[None, :], k[:, None])
-        b.logits_indices[:S * K1] = idx.reshape(-1)
+        b.logits_indices[: S * K1] = idx.reshape(-1)
     else:
         b.logits_indices[:S] = last
     has_prev = prev >= 0
@@ -216,8 +238,9 @@ def pack(plan, key: ProgramKey, page_size: int, pages_per_seq: int,
         getattr(b.sampling, name)[:S] = getattr(plan.sampling, name)
     for name in ("stop_ids", "min_tokens", "max_tokens"):
         getattr(b.stops, name)[:S] = getattr(plan.stops, name)
-    return dataclasses.replace(b, num_seqs=np.asarray(S, np.int32),
-                               num_steps=np.asarray(plan.num_steps, np.int32))
+    return dataclasses.replace(
+        b, num_seqs=np.asarray(S, np.int32), num_steps=np.asarray(plan.num_steps, np.int32)
+    )
 
 
 def pad_penalties(pen: PenaltyBatch, rows: int) -> PenaltyBatch:
@@ -234,9 +257,11 @@ BIAS_WIDTH = 300  # SamplingParams.MAX_LOGIT_BIAS
 
 def empty_rules(num_seqs: int, vocab_size: int) -> RulesBatch:
     """All tokens allowed, no bias, for `num_seqs` sequences."""
-    return RulesBatch(bitmask=np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32),
-                      bias_ids=np.full((num_seqs, BIAS_WIDTH), -1, np.int32),
-                      bias_values=np.zeros((num_seqs, BIAS_WIDTH), np.float32))
+    return RulesBatch(
+        bitmask=np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32),
+        bias_ids=np.full((num_seqs, BIAS_WIDTH), -1, np.int32),
+        bias_values=np.zeros((num_seqs, BIAS_WIDTH), np.float32),
+    )
 
 
 def pad_rules(rules: RulesBatch, rows: int, vocab_size: int) -> RulesBatch:
@@ -245,5 +270,8 @@ def pad_rules(rules: RulesBatch, rows: int, vocab_size: int) -> RulesBatch:
     out = empty_rules(rows, vocab_size)
     S = rules.bitmask.shape[0]
     out.bitmask[:S], out.bias_ids[:S], out.bias_values[:S] = (
-        rules.bitmask, rules.bias_ids, rules.bias_values)
+        rules.bitmask,
+        rules.bias_ids,
+        rules.bias_values,
+    )
     return out

@@ -58,14 +58,18 @@ class StopRule:
     stop_strings: tuple[str, ...] = ()
 
     @classmethod
-    def for_request(cls, params, eos_token_ids: Sequence[int], prompt_len: int,
-                    max_model_len: int) -> StopRule:
+    def for_request(
+        cls, params, eos_token_ids: Sequence[int], prompt_len: int, max_model_len: int
+    ) -> StopRule:
         ids = tuple(params.stop_token_ids or ())
         if not params.ignore_eos:
             ids = tuple(dict.fromkeys(tuple(eos_token_ids) + ids))
-        return cls(stop_token_ids=ids, min_tokens=params.min_tokens,
-                   max_tokens=min(params.max_tokens, max_model_len - prompt_len),
-                   stop_strings=tuple(params.stop_list))
+        return cls(
+            stop_token_ids=ids,
+            min_tokens=params.min_tokens,
+            max_tokens=min(params.max_tokens, max_model_len - prompt_len),
+            stop_strings=tuple(params.stop_list),
+        )
 
     def on_token(self, token: int, num_output: int) -> str | None:
         """Host check after `token` became output token number `num_output`:

@@ -44,16 +44,40 @@ def num_accepted(proposals, num_proposed, draws):
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
 
-def verify_step(graphdef, state, cache: KVCache, batch: StepBatch, rng, last, *,
-                num_spec: int, num_top_logprobs: int, attention: AttentionSpec):
-    out, cache = _verify(nnx.merge(graphdef, state), cache, take_previous(batch, last), rng,
-                         num_spec=num_spec, num_top_logprobs=num_top_logprobs,
-                         attention=attention)
+def verify_step(
+    graphdef,
+    state,
+    cache: KVCache,
+    batch: StepBatch,
+    rng,
+    last,
+    *,
+    num_spec: int,
+    num_top_logprobs: int,
+    attention: AttentionSpec,
+):
+    out, cache = _verify(
+        nnx.merge(graphdef, state),
+        cache,
+        take_previous(batch, last),
+        rng,
+        num_spec=num_spec,
+        num_top_logprobs=num_top_logprobs,
+        attention=attention,
+    )
     return dataclasses.replace(out, routed=cache.routed), cache, newest(out, last.shape[0])
 
 
-def _verify(model, cache: KVCache, batch: StepBatch, rng, *, num_spec: int,
-            num_top_logprobs: int, attention: AttentionSpec):
+def _verify(
+    model,
+    cache: KVCache,
+    batch: StepBatch,
+    rng,
+    *,
+    num_spec: int,
+    num_top_logprobs: int,
+    attention: AttentionSpec,
+):
     logits, cache, feats = run_model(model, cache, batch, attention, False)  # [S (k+1), V]
     S = batch.kv_lens.shape[0]
     T = batch.token_ids.shape[0]
@@ -73,7 +97,14 @@ def _verify(model, cache: KVCache, batch: StepBatch, rng, *, num_spec: int,
     live = jnp.arange(S) < batch.num_seqs
     by_row = lambda x: jnp.swapaxes(x.reshape(S, K1, *x.shape[1:]), 0, 1)  # noqa: E731
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    return StepOutput(tokens.T, by_row(out.logprob), by_row(out.top_ids),
-                      by_row(out.top_logprobs), by_row(finite), jnp.int32(K1),
-                      logits.reshape(S, K1, -1)[:, 0],
-                      jnp.where(live, accepted + 1, 0).astype(jnp.int32), features=feats), cache
+    return StepOutput(
+        tokens.T,
+        by_row(out.logprob),
+        by_row(out.top_ids),
+        by_row(out.top_logprobs),
+        by_row(finite),
+        jnp.int32(K1),
+        logits.reshape(S, K1, -1)[:, 0],
+        jnp.where(live, accepted + 1, 0).astype(jnp.int32),
+        features=feats,
+    ), cache

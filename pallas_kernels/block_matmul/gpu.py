@@ -69,8 +69,7 @@ def _kernel(x_ref, q_ref, d_ref, *rest, fmt: str, extra: str | None, bt: int, bn
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
-def matmul(x, planes: Planes, *, interpret: bool = False, num_warps: int = 4,
-           num_stages: int = 2):
+def matmul(x, planes: Planes, *, interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
     """x [T, K] float32 / bfloat16 @ W^T -> [T, N] float32."""
     t = x.shape[0]
     n, k = planes.shape

@@ -12,8 +12,12 @@ import numpy as np
 
 BLOCK = 32
 # format -> (GGUF type number, bytes per block, planes besides q and d)
-FORMATS = {"q4_0": (2, 18, ()), "q4_1": (3, 20, ("m",)), "q5_0": (6, 22, ("qh",)),
-           "q8_0": (8, 34, ())}
+FORMATS = {
+    "q4_0": (2, 18, ()),
+    "q4_1": (3, 20, ("m",)),
+    "q5_0": (6, 22, ("qh",)),
+    "q8_0": (8, 34, ()),
+}
 _BY_TYPE = {t: f for f, (t, _, _) in FORMATS.items()}
 
 
@@ -46,8 +50,10 @@ def to_planes(raw: np.ndarray, qtype, rows: int, cols: int) -> Planes:
     nb = cols // BLOCK
     raw = np.ascontiguousarray(raw, np.uint8)
     if cols % BLOCK or raw.size != rows * nb * nbytes:
-        raise ValueError(f"{fmt}: a [{rows}, {cols}] weight needs {rows * nb * nbytes} bytes "
-                         f"of blocks (cols a multiple of {BLOCK}), got {raw.size}")
+        raise ValueError(
+            f"{fmt}: a [{rows}, {cols}] weight needs {rows * nb * nbytes} bytes "
+            f"of blocks (cols a multiple of {BLOCK}), got {raw.size}"
+        )
     b = raw.reshape(rows, nb, nbytes)
     u16 = lambda part: np.ascontiguousarray(part).view(np.uint16)[..., 0].T.copy()  # [nb, rows]
     cm = lambda part, dt: np.ascontiguousarray(part).view(dt).reshape(rows, -1).T.copy()
@@ -68,9 +74,10 @@ def half_bits_to_f32(h):
     re-biased into float32's exponent, subnormals as mantissa x 2^-24."""
     h = h.astype(jnp.int32) & 0xFFFF
     sign, exp, man = h >> 15, (h >> 10) & 31, h & 1023
-    normal = jax.lax.bitcast_convert_type((sign << 31) | ((exp + 112) << 23) | (man << 13),
-                                          jnp.float32)
-    tiny = man.astype(jnp.float32) * jnp.float32(2.0 ** -24)
+    normal = jax.lax.bitcast_convert_type(
+        (sign << 31) | ((exp + 112) << 23) | (man << 13), jnp.float32
+    )
+    tiny = man.astype(jnp.float32) * jnp.float32(2.0**-24)
     return jnp.where(exp == 0, jnp.where(sign == 1, -tiny, tiny), normal)
 
 
@@ -98,5 +105,7 @@ def dequantize_tile(fmt: str, q, d, m=None, qh=None):
         vals = nibble_values(q).astype(jnp.float32) * scale + half_bits_to_f32(m)[:, None, :]
     else:
         offset = 8 if fmt == "q4_0" else 16
-        vals = (nibble_values(q, qh if fmt == "q5_0" else None) - offset).astype(jnp.float32) * scale
+        vals = (nibble_values(q, qh if fmt == "q5_0" else None) - offset).astype(
+            jnp.float32
+        ) * scale
     return vals.reshape(-1, n)

@@ -53,8 +53,9 @@ def _kernel(x_ref, q_ref, d_ref, *rest, fmt: str, extra: str | None, nk: int):
     w = dequantize_tile(fmt, q_ref[...], d_ref[...], **planes)  # [bk, bn] float32
     x = x_ref[...]
     if x.dtype == jnp.float32:
-        acc_ref[...] += jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32)
+        acc_ref[...] += jnp.dot(
+            x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
     else:
         acc_ref[...] += jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
@@ -74,9 +75,11 @@ def matmul(x, planes: Planes, *, interpret: bool = False):
     extra = "m" if planes.m is not None else "qh" if planes.qh is not None else None
     q_rows = bk if planes.fmt == "q8_0" else bk // 2
     g = bk // BLOCK
-    in_specs = [pl.BlockSpec((bt, bk), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((q_rows, bn), lambda i, j, kk: (kk, j)),
-                pl.BlockSpec((g, bn), lambda i, j, kk: (kk, j))]
+    in_specs = [
+        pl.BlockSpec((bt, bk), lambda i, j, kk: (i, kk)),
+        pl.BlockSpec((q_rows, bn), lambda i, j, kk: (kk, j)),
+        pl.BlockSpec((g, bn), lambda i, j, kk: (kk, j)),
+    ]
     operands = [xp, planes.q, planes.d]
     if extra:
         in_specs.append(pl.BlockSpec((g, bn), lambda i, j, kk: (kk, j)))
@@ -89,7 +92,8 @@ def matmul(x, planes: Planes, *, interpret: bool = False):
         out_shape=jax.ShapeDtypeStruct((t_pad, n), jnp.float32),
         scratch_shapes=[pltpu.VMEM((bt, bn), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name=f"jaxkv_block_matmul_{planes.fmt}",
     )(*operands)

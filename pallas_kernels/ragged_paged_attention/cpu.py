@@ -56,13 +56,22 @@ _RAGGED_SYMBOL = "rpa_ragged"
 def available() -> bool:
     """Whether the kernel is built and registered (False where native CPU
     kernels are off or cannot be built: `native.unavailable("rpa_cpu")`)."""
-    return load(_NAME, Path(__file__).with_name("cpu_kernel.cc"),
-                       (_SYMBOL, _RAGGED_SYMBOL))
+    return load(_NAME, Path(__file__).with_name("cpu_kernel.cc"), (_SYMBOL, _RAGGED_SYMBOL))
 
 
 # The page dtypes the kernel reads (`kv_formats`).
-PAGE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8,
-                                           jnp.uint8, jnp.float8_e4m3fn, jnp.float8_e5m2))
+PAGE_DTYPES = tuple(
+    jnp.dtype(d)
+    for d in (
+        jnp.float32,
+        jnp.bfloat16,
+        jnp.float16,
+        jnp.int8,
+        jnp.uint8,
+        jnp.float8_e4m3fn,
+        jnp.float8_e5m2,
+    )
+)
 
 
 def takes(q, k_pages, k_scale=None, num_sink_tokens=0) -> bool:
@@ -70,12 +79,31 @@ def takes(q, k_pages, k_scale=None, num_sink_tokens=0) -> bool:
     format it reads (every `kv_formats` format), no sink tokens
     (num_sink_tokens; learned `sinks` it takes), and the kernel built here."""
     del k_scale  # int8 / int4 scales it reads
-    return (not num_sink_tokens and jnp.issubdtype(q.dtype, jnp.floating)
-            and jnp.dtype(k_pages.dtype) in PAGE_DTYPES and available())
+    return (
+        not num_sink_tokens
+        and jnp.issubdtype(q.dtype, jnp.floating)
+        and jnp.dtype(k_pages.dtype) in PAGE_DTYPES
+        and available()
+    )
 
 
-def _call(symbol, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-          sm_scale, sliding_window, soft_cap, sinks, k_scale, v_scale):
+def _call(
+    symbol,
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    sinks,
+    k_scale,
+    v_scale,
+):
     T, H, D = q.shape
     check_pages(k_pages, v_pages, k_scale, v_scale, D)
     if jnp.dtype(k_pages.dtype) not in PAGE_DTYPES:
@@ -84,35 +112,85 @@ def _call(symbol, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
         raise RuntimeError(f"native CPU attention unavailable: {unavailable(_NAME)}")
     check_sinks(sinks, H)
     # -inf: no sink (the kernel's plain softmax start).
-    sinks = (jnp.full((H,), NO_SINK, jnp.float32) if sinks is None
-             else jnp.asarray(sinks, jnp.float32))
+    sinks = (
+        jnp.full((H,), NO_SINK, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
+    )
     if k_scale is None:  # the kernel takes empty scales with unscaled formats
         k_scale = v_scale = jnp.zeros((0,), jnp.float32)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return jax.ffi.ffi_call(f"jaxkv_{symbol}", jax.ShapeDtypeStruct((T, H, D), jnp.float32))(
-        jnp.asarray(q, jnp.float32), k_pages, v_pages, k_scale, v_scale, i32(kv_lens),
-        i32(block_tables), i32(cu_q_lens), i32(num_seqs).reshape(()), sinks,
-        sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0))
+        jnp.asarray(q, jnp.float32),
+        k_pages,
+        v_pages,
+        k_scale,
+        v_scale,
+        i32(kv_lens),
+        i32(block_tables),
+        i32(cu_q_lens),
+        i32(num_seqs).reshape(()),
+        sinks,
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
 
 
-def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                  sm_scale, sliding_window=None, soft_cap=None, sinks=None, k_scale=None,
-                  v_scale=None):
+def dense_prefill(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+):
     """Attention of the rows of every sequence with q_len > 1 (causal, GQA,
     optional sliding window, soft cap and learned sinks). Shapes as in the
     module docstring -> (out [T, H, D] float32, served [T] bool: the rows
     computed; every other row of out is zero). Requires `available()`."""
-    out = _call(_SYMBOL, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    out = _call(
+        _SYMBOL,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     cu_q_lens, num_seqs = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
     return out, served_rows(cu_q_lens, num_seqs, q.shape[0])
 
 
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           k_scale=None, v_scale=None):
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+):
     """Attention of every live row (causal, GQA, optional sliding window,
     soft cap and learned sinks): sequences with q_len > 1 as in
     `dense_prefill`, and decodes (q_len == 1: the query at position
@@ -121,6 +199,19 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     q_len 0 or index >= num_seqs, decodes with kv_len 0 and padding rows
     are zero. No slot at or past kv_len, or wholly before a row's window, is
     read (they may hold NaN). Requires `available()`."""
-    return _call(_RAGGED_SYMBOL, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                 num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                 sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    return _call(
+        _RAGGED_SYMBOL,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )

@@ -37,8 +37,11 @@ def key_chunks(tables, page_size):
     W = tables.shape[1]
     chunk_pages = max(1, min(W, KEY_CHUNK // page_size))
     num_chunks = -(-W // chunk_pages)
-    return (chunk_pages, chunk_pages * page_size,
-            jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_pages - W))))
+    return (
+        chunk_pages,
+        chunk_pages * page_size,
+        jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_pages - W))),
+    )
 
 
 def fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j, chunk_pages):
@@ -50,9 +53,23 @@ def fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j, chunk_pages):
     return kb, vb, j * chunk + jnp.arange(chunk)
 
 
-def decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                     sm_scale, sliding_window, soft_cap, k_scale, v_scale, num_sink_tokens,
-                     sinks=None):
+def decode_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    k_scale,
+    v_scale,
+    num_sink_tokens,
+    sinks=None,
+):
     """The all-decode case (every live q_len <= 1): one query row per
     sequence. Each sequence's pages are read in chunks of about
     `KEY_CHUNK` keys with an online softmax, over only the chunks some
@@ -86,11 +103,13 @@ def decode_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_
 
     def step(j, carry):
         m, l, acc = carry
-        kb, vb, key_pos = fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
-                                      chunk_pages)  # [KVH, S, chunk, D]
+        kb, vb, key_pos = fetch_chunk(
+            k_pages, v_pages, k_scale, v_scale, tables, j, chunk_pages
+        )  # [KVH, S, chunk, D]
         # The row is its sequence's last token, at kv_len - 1.
-        key_live = visible(key_pos[None, :], (kv_len - 1)[:, None], sliding_window,
-                           num_sink_tokens)  # [S, chunk]
+        key_live = visible(
+            key_pos[None, :], (kv_len - 1)[:, None], sliding_window, num_sink_tokens
+        )  # [S, chunk]
         vb = jnp.where(key_live[None, :, :, None], vb, 0.0)  # unwritten slots may hold NaN
         s = jnp.sum(qs[:, :, :, None, :] * kb[:, :, None, :, :], axis=-1)  # [KVH, S, G, chunk]
         if soft_cap is not None:

@@ -73,9 +73,24 @@ def _chunk(k_pages, v_pages, k_scale, v_scale, table, j, chunk_pages):
     return kb.reshape(shape), vb.reshape(shape)
 
 
-def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                  block_q, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                  v_scale=None, num_sink_tokens=0, sinks=None):
+def dense_prefill(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    block_q,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    num_sink_tokens=0,
+    sinks=None,
+):
     """Attention of the rows of every sequence with q_len > 1, by dense
     causal blocks of `block_q` rows. q [T, H, D]; k_pages, v_pages [KVH, P,
     page_size, D]; kv_lens [S]; block_tables [S, W]; cu_q_lens [S + 1];
@@ -135,11 +150,13 @@ def dense_prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             if masked:
                 key_pos = j * chunk + jnp.arange(chunk)  # [C]
-                mask = (visible(key_pos[None, :], row_pos[:, None], sliding_window,
-                                num_sink_tokens) & (key_pos[None, :] < kv_len))
+                mask = visible(
+                    key_pos[None, :], row_pos[:, None], sliding_window, num_sink_tokens
+                ) & (key_pos[None, :] < kv_len)
                 # Keys the block's oldest row sees in its window (or sink tokens).
-                key_live = (key_pos <= last) & in_window(key_pos, pos0, sliding_window,
-                                                         num_sink_tokens)
+                key_live = (key_pos <= last) & in_window(
+                    key_pos, pos0, sliding_window, num_sink_tokens
+                )
                 # Unwritten or released slots may hold NaN: 0 * NaN must not
                 # reach the output through the PV product.
                 vb = jnp.where(key_live[None, :, None], vb, 0.0)

@@ -74,9 +74,29 @@ from pallas_kernels.ragged_paged_attention.kv_formats import page_format
 from pallas_kernels.ragged_paged_attention.sinks import NO_SINK, head_sinks, sink_rows
 
 
-def _rpa_pallas_call(q_g, sinks_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables,
-                     cu_q_lens, num_seqs, *, group, block_q, num_splits, pages_per_block,
-                     sm_scale, sliding_window, soft_cap, num_warps, num_stages, interpret):
+def _rpa_pallas_call(
+    q_g,
+    sinks_g,
+    k_pages,
+    v_pages,
+    k_scale,
+    v_scale,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    group,
+    block_q,
+    num_splits,
+    pages_per_block,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    num_warps,
+    num_stages,
+    interpret,
+):
     """q_g [T + block_q, KVH, G_pad, D], sinks_g [KVH, block_q * G_pad] f32 (each
     row's softmax start) -> (out [splits, T + block_q, KVH, G_pad, D], lse
     [splits, T + block_q, KVH, G_pad] f32 or None when num_splits == 1)."""
@@ -86,30 +106,41 @@ def _rpa_pallas_call(q_g, sinks_g, k_pages, v_pages, k_scale, v_scale, kv_lens, 
     _, P, page_size, width = k_pages.shape  # width: D, or D // 2 bytes for int4
     # Sum over sequences of cdiv(q_len, block_q) is at most this.
     num_blocks = (T + S * (block_q - 1)) // block_q
-    blk_seq, blk_row, blk_len = work_blocks(cu_q_lens, num_seqs, block_q=block_q,
-                                             num_blocks=num_blocks)
+    blk_seq, blk_row, blk_len = work_blocks(
+        cu_q_lens, num_seqs, block_q=block_q, num_blocks=num_blocks
+    )
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     per_head = pl.BlockSpec((None, P, page_size, width), lambda b, h, s: (h, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, P, page_size), lambda b, h, s: (h, 0, 0))
     quantized = k_scale is not None
     with_lse = num_splits > 1
-    out_shape = [jax.ShapeDtypeStruct((num_splits, *q_g.shape),
-                                      q_g.dtype if num_splits == 1 else jnp.float32)]
+    out_shape = [
+        jax.ShapeDtypeStruct(
+            (num_splits, *q_g.shape), q_g.dtype if num_splits == 1 else jnp.float32
+        )
+    ]
     out_specs = [pl.BlockSpec((None, *q_g.shape), lambda b, h, s: (s, 0, 0, 0, 0))]
     if with_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_splits, *q_g.shape[:3]), jnp.float32))
         out_specs.append(pl.BlockSpec((None, *q_g.shape[:3]), lambda b, h, s: (s, 0, 0, 0)))
     kernel = functools.partial(
-        rpa_kernel, block_q=block_q, group=group, pages_per_block=pages_per_block,
-        num_splits=num_splits, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap)
+        rpa_kernel,
+        block_q=block_q,
+        group=group,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     kernel = _adapt(kernel, quantized=quantized, with_lse=with_lse)
     metadata = (blk_seq, blk_row, blk_len, kv_lens, cu_q_lens, block_tables, sinks_g)
     operands = (q_g, k_pages, v_pages) + ((k_scale, v_scale) if quantized else ())
     outs = pl.pallas_call(
         kernel,
         grid=(num_blocks, KVH, num_splits),
-        in_specs=[whole(a) for a in metadata] + [whole(q_g), per_head, per_head]
+        in_specs=[whole(a) for a in metadata]
+        + [whole(q_g), per_head, per_head]
         + ([scale_spec, scale_spec] if quantized else []),
         out_specs=out_specs,
         out_shape=out_shape,
@@ -122,6 +153,7 @@ def _rpa_pallas_call(q_g, sinks_g, k_pages, v_pages, k_scale, v_scale, kv_lens, 
 
 def _adapt(kernel, *, quantized, with_lse):
     """Fills the optional refs (scales, lse) with None when absent."""
+
     def wrapped(*refs):
         refs = list(refs)
         if not quantized:
@@ -129,6 +161,7 @@ def _adapt(kernel, *, quantized, with_lse):
         if not with_lse:
             refs.append(None)
         return kernel(*refs)
+
     return wrapped
 
 
@@ -136,9 +169,28 @@ def _next_pow2(n):
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale,
-               v_scale, sinks, *, block_q, num_splits, pages_per_block, num_warps, num_stages,
-               sm_scale, sliding_window, soft_cap, interpret):
+def _attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    sinks,
+    *,
+    block_q,
+    num_splits,
+    pages_per_block,
+    num_warps,
+    num_stages,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+):
     """One compiled configuration; returns [T, H, D] with padding rows zeroed."""
     T, H, D = q.shape
     KVH = k_pages.shape[0]
@@ -149,15 +201,33 @@ def _attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, 
     # With splits the sink joins the merge below, once.
     sinks_g = sink_rows(sinks if num_splits == 1 else None, KVH, G, g_pad, block_q)
     out, lse = _rpa_pallas_call(
-        q_g, sinks_g, k_pages, v_pages, k_scale, v_scale, kv_lens, block_tables, cu_q_lens,
-        num_seqs, group=G, block_q=block_q, num_splits=num_splits, pages_per_block=pages_per_block,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        q_g,
+        sinks_g,
+        k_pages,
+        v_pages,
+        k_scale,
+        v_scale,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        group=G,
+        block_q=block_q,
+        num_splits=num_splits,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
     if lse is None:
         out = out[0]
     else:  # merge the flash-decoding splits by log-sum-exp, the sink as one more (output 0)
-        sink = jnp.pad(head_sinks(sinks, KVH, G), ((0, 0), (0, g_pad - G)),
-                       constant_values=NO_SINK)  # [KVH, G_pad]
+        sink = jnp.pad(
+            head_sinks(sinks, KVH, G), ((0, 0), (0, g_pad - G)), constant_values=NO_SINK
+        )  # [KVH, G_pad]
         m = jnp.maximum(jnp.max(lse, axis=0), sink)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m), 0.0)
@@ -176,14 +246,44 @@ def _default_splits(num_seqs, num_kv_heads, num_kv_blocks, target_programs=264):
     return max(1, min(want, num_kv_blocks, 64))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "pages_per_block", "decode_splits",
-    "prefill_block_q", "num_warps", "num_stages", "all_decode", "interpret"))
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           k_scale=None, v_scale=None, pages_per_block=None, decode_splits=None,
-                           prefill_block_q=16, num_warps=4, num_stages=2, all_decode=None,
-                           interpret=False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "pages_per_block",
+        "decode_splits",
+        "prefill_block_q",
+        "num_warps",
+        "num_stages",
+        "all_decode",
+        "interpret",
+    ),
+)
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+    pages_per_block=None,
+    decode_splits=None,
+    prefill_block_q=16,
+    num_warps=4,
+    num_stages=2,
+    all_decode=None,
+    interpret=False,
+):
     """Ragged paged attention on GPU via Pallas Triton (contract: `reference.py`).
 
     q [T, H, D] float32/bfloat16/float16; k_pages, v_pages [KVH, P, page_size, D]
@@ -203,22 +303,35 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     interpret=True runs on CPU.
     """
     T, H, D, KVH, P, page_size, S = check_inputs(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-        q_dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), kernel="GPU", sinks=sinks)
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_dtypes=(jnp.float32, jnp.bfloat16, jnp.float16),
+        kernel="GPU",
+        sinks=sinks,
+    )
     if D < 16 or D & (D - 1):
         raise ValueError(f"GPU kernel needs head dim a power of two >= 16, got {D}")
     if page_format(k_pages) == "int4" and D < 32:
-        raise ValueError(f"GPU kernel needs head dim >= 32 for int4 pages (each half is a "
-                         f"dot operand of >= 16), got {D}")
+        raise ValueError(
+            f"GPU kernel needs head dim >= 32 for int4 pages (each half is a "
+            f"dot operand of >= 16), got {D}"
+        )
     if page_size & (page_size - 1):
         raise ValueError(f"GPU kernel needs page_size a power of two, got {page_size}")
     if pages_per_block is None:
         pages_per_block = max(1, 64 // page_size)
     block_kv = pages_per_block * page_size
     if block_kv < 16 or block_kv & (block_kv - 1):
-        raise ValueError(f"pages_per_block * page_size = {block_kv} must be a power of two "
-                         f">= 16")
+        raise ValueError(f"pages_per_block * page_size = {block_kv} must be a power of two >= 16")
     if prefill_block_q < 1 or prefill_block_q & (prefill_block_q - 1):
         raise ValueError(f"prefill_block_q must be a power of two, got {prefill_block_q}")
 
@@ -229,11 +342,27 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     if decode_splits is None:
         decode_splits = _default_splits(S, KVH, num_kv_blocks)
     num_seqs = jnp.minimum(jnp.reshape(num_seqs, ()).astype(jnp.int32), S)
-    kw = dict(pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages,
-              sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-              interpret=interpret)
-    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale,
-            sinks)
+    kw = dict(
+        pages_per_block=pages_per_block,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+    )
+    args = (
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        k_scale,
+        v_scale,
+        sinks,
+    )
     decode = functools.partial(_attention, block_q=1, num_splits=decode_splits, **kw)
     prefill = functools.partial(_attention, block_q=prefill_block_q, num_splits=1, **kw)
     if all_decode is not None:

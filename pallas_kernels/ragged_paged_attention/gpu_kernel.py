@@ -79,22 +79,34 @@ def rpa_kernel(
     q_pos = pos0 + tok
     row_live = tok < n_tok
     if g_pad != group:
-        row_live = row_live & (lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) % g_pad
-                               < group)
+        row_live = row_live & (lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) % g_pad < group)
     part = k_ref.shape[2]  # channels per column part: D, or D // 2 for int4
-    q = tuple(q_ref[pl.ds(row0, block_q), h, :, pl.ds(c, part)].reshape(rows, part)
-              for c in range(0, head_dim, part))
+    q = tuple(
+        q_ref[pl.ds(row0, block_q), h, :, pl.ds(c, part)].reshape(rows, part)
+        for c in range(0, head_dim, part)
+    )
 
     def body(kb, carry):
-        k, v, k_scale, v_scale = _load_kv_block(k_ref, v_ref, k_scale_ref, v_scale_ref,
-                                                block_tables_ref, seq, kb, pages_per_block,
-                                                n_pages, kv_hi, q_ref.dtype)
+        k, v, k_scale, v_scale = _load_kv_block(
+            k_ref,
+            v_ref,
+            k_scale_ref,
+            v_scale_ref,
+            block_tables_ref,
+            seq,
+            kb,
+            pages_per_block,
+            n_pages,
+            kv_hi,
+            q_ref.dtype,
+        )
         key = kb * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
         mask = row_live & (key <= q_pos)
         if sliding_window is not None:
             mask = mask & (key > q_pos - sliding_window)
-        return _online_softmax_step(carry, q, k, v, k_scale, v_scale, mask, sm_scale=sm_scale,
-                                    soft_cap=soft_cap)
+        return _online_softmax_step(
+            carry, q, k, v, k_scale, v_scale, mask, sm_scale=sm_scale, soft_cap=soft_cap
+        )
 
     acc = tuple(jnp.zeros((rows, part), jnp.float32) for _ in q)
     m, l = softmax_start(sinks_ref[h, :], MASK_VALUE)
@@ -103,8 +115,19 @@ def rpa_kernel(
     _write_back(o_ref, lse_ref, acc, m, l, row0=row0, h=h, n_tok=n_tok, block_q=block_q)
 
 
-def _load_kv_block(k_ref, v_ref, k_scale_ref, v_scale_ref, block_tables_ref, seq, kb,
-                   pages_per_block, n_pages, kv_hi, dtype):
+def _load_kv_block(
+    k_ref,
+    v_ref,
+    k_scale_ref,
+    v_scale_ref,
+    block_tables_ref,
+    seq,
+    kb,
+    pages_per_block,
+    n_pages,
+    kv_hi,
+    dtype,
+):
     """The page fetch: K and V of KV block kb of sequence `seq` gathered
     through its block table (entries past its pages read page 0) at their
     stored width, as column parts [block_kv, part] of `dtype` (`_values`),
@@ -144,10 +167,22 @@ def _online_softmax_step(carry, q, k, v, k_scale, v_scale, mask, *, sm_scale, so
     acc, m, l = carry
     dtype = q[0].dtype
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    s = functools.reduce(operator.add, [
-        lax.dot_general(qc, kc, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32)
-        for qc, kc in zip(q, k)]) * sm_scale  # [rows, block_kv]
+    s = (
+        functools.reduce(
+            operator.add,
+            [
+                lax.dot_general(
+                    qc,
+                    kc,
+                    (((1,), (1,)), ((), ())),
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                for qc, kc in zip(q, k)
+            ],
+        )
+        * sm_scale
+    )  # [rows, block_kv]
     if k_scale is not None:
         s = s * k_scale
     if soft_cap is not None:
@@ -160,10 +195,13 @@ def _online_softmax_step(carry, q, k, v, k_scale, v_scale, mask, *, sm_scale, so
     if v_scale is not None:
         p = p * v_scale  # unwritten slots' scales were zeroed
     p = p.astype(dtype)
-    acc = tuple(a * alpha[:, None] + lax.dot_general(p, vc, (((1,), (0,)), ((), ())),
-                                                     precision=precision,
-                                                     preferred_element_type=jnp.float32)
-                for a, vc in zip(acc, v))
+    acc = tuple(
+        a * alpha[:, None]
+        + lax.dot_general(
+            p, vc, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        for a, vc in zip(acc, v)
+    )
     return acc, m_next, l_next
 
 
@@ -178,12 +216,16 @@ def _write_back(o_ref, lse_ref, acc, m, l, *, row0, h, n_tok, block_q):
     tok_live = lax.broadcasted_iota(jnp.int32, (block_q, g_pad), 0) < n_tok
     mask = jnp.broadcast_to(tok_live[:, :, None], (block_q, g_pad, part))
     for i, a in enumerate(acc):
-        plgpu.store(o_ref.at[pl.ds(row0, block_q), h, :, pl.ds(i * part, part)],
-                    (a / l_safe).reshape(block_q, g_pad, part).astype(o_ref.dtype), mask=mask)
+        plgpu.store(
+            o_ref.at[pl.ds(row0, block_q), h, :, pl.ds(i * part, part)],
+            (a / l_safe).reshape(block_q, g_pad, part).astype(o_ref.dtype),
+            mask=mask,
+        )
     if lse_ref is not None:
         lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
-        plgpu.store(lse_ref.at[pl.ds(row0, block_q), h, :], lse.reshape(block_q, g_pad),
-                    mask=tok_live)
+        plgpu.store(
+            lse_ref.at[pl.ds(row0, block_q), h, :], lse.reshape(block_q, g_pad), mask=tok_live
+        )
 
 
 def work_blocks(cu_q_lens, num_seqs, *, block_q, num_blocks):

@@ -31,13 +31,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-              "fp8_e5m2": jnp.float8_e5m2}
+FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 INT4_OFFSET = 7.5  # value = (nibble - INT4_OFFSET) * scale
 
 
 def page_format(pages) -> str:
-    """"float", "int8", "int4" or "fp8", from the pages' dtype."""
+    """ "float", "int8", "int4" or "fp8", from the pages' dtype."""
     dt = jnp.dtype(pages.dtype)
     if dt == jnp.uint8:
         return "int4"
@@ -87,8 +86,9 @@ def fp8_from_bits(bits, fmt: str):
     x = bits.astype(jnp.int32) & 0xFF
     e = (x >> m_bits) & ((1 << e_bits) - 1)
     m = x & ((1 << m_bits) - 1)
-    normal = jax.lax.bitcast_convert_type(((e + 127 - bias) << 23) | (m << (23 - m_bits)),
-                                          jnp.float32)
+    normal = jax.lax.bitcast_convert_type(
+        ((e + 127 - bias) << 23) | (m << (23 - m_bits)), jnp.float32
+    )
     sub = m.astype(jnp.float32) * (2.0 ** (1 - bias - m_bits))
     mag = jnp.where(e == 0, sub, normal)
     return jnp.where((x >> 7) == 1, -mag, mag)
@@ -115,7 +115,7 @@ def quantize_vectors(x, fmt: str):
         return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
     # Up by 2^-7 before rounding to bfloat16 (8 significant bits): the stored
     # scale is never below absmax / 8, so the largest value keeps its level.
-    scale = jnp.where(amax == 0, 1.0, amax / 8.0 * (1 + 2.0 ** -7)).astype(jnp.bfloat16)
+    scale = jnp.where(amax == 0, 1.0, amax / 8.0 * (1 + 2.0**-7)).astype(jnp.bfloat16)
     n = jnp.clip(jnp.floor(x / scale.astype(jnp.float32)[..., None]) + 8, 0, 15)
     return pack_int4(n), scale
 
@@ -128,16 +128,22 @@ def check_pages(k_pages, v_pages, k_scale, v_scale, D):
         raise ValueError("k_scale and v_scale must be given together")
     fmt = page_format(k_pages)
     if head_dim(k_pages) != D:
-        raise ValueError(f"head dim mismatch: q has D={D}, pages hold {head_dim(k_pages)}"
-                         + (" (int4: D // 2 bytes per token)" if fmt == "int4" else ""))
+        raise ValueError(
+            f"head dim mismatch: q has D={D}, pages hold {head_dim(k_pages)}"
+            + (" (int4: D // 2 bytes per token)" if fmt == "int4" else "")
+        )
     if fmt in ("int8", "int4") and k_scale is None:
         raise ValueError(f"{fmt} pages need k_scale/v_scale [KVH, P, page_size]")
     if k_scale is not None:
         if fmt not in ("int8", "int4"):
-            raise ValueError(f"k_scale/v_scale need int8 or int4 pages, got {k_pages.dtype} "
-                             "(fp8's per-head scales are folded into q and the output)")
+            raise ValueError(
+                f"k_scale/v_scale need int8 or int4 pages, got {k_pages.dtype} "
+                "(fp8's per-head scales are folded into q and the output)"
+            )
         want = k_pages.shape[:3]
         if k_scale.shape != want or v_scale.shape != want:
-            raise ValueError(f"k_scale/v_scale must be [KVH, P, page_size] = {want}, got "
-                             f"{k_scale.shape}, {v_scale.shape}")
+            raise ValueError(
+                f"k_scale/v_scale must be [KVH, P, page_size] = {want}, got "
+                f"{k_scale.shape}, {v_scale.shape}"
+            )
     return fmt

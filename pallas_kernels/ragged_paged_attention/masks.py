@@ -18,5 +18,4 @@ def in_window(key_pos, query_pos, sliding_window, num_sink_tokens):
 
 def visible(key_pos, query_pos, sliding_window, num_sink_tokens):
     """Keys a query at `query_pos` attends to: causal and in its window."""
-    return (key_pos <= query_pos) & in_window(key_pos, query_pos, sliding_window,
-                                               num_sink_tokens)
+    return (key_pos <= query_pos) & in_window(key_pos, query_pos, sliding_window, num_sink_tokens)

@@ -120,8 +120,23 @@ HEAD_DIMS = (64, 128)
 BLOCK_KVS = (64, 128)
 
 
-def _rpa_kernel_call(meta, tables, sinks_rows, q_blk, k_pages, v_pages, k_scale, v_scale, *,
-                     group_pad, block_kv, sm_scale, sliding_window, soft_cap, interpret):
+def _rpa_kernel_call(
+    meta,
+    tables,
+    sinks_rows,
+    q_blk,
+    k_pages,
+    v_pages,
+    k_scale,
+    v_scale,
+    *,
+    group_pad,
+    block_kv,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+):
     """q_blk [NB, KVH, n_parts, 64, part], sinks_rows [KVH, 64] f32, k_scale /
     v_scale [KVH, S, KB, block_kv] or None (`_block_scales`) -> out [NB, KVH,
     n_parts, 64, part] (q's dtype)."""
@@ -132,15 +147,18 @@ def _rpa_kernel_call(meta, tables, sinks_rows, q_blk, k_pages, v_pages, k_scale,
     pages_per_block = block_kv // page_size
     params = interpret_params(interpret)
     swizzle = swizzle_bytes(part, dtype)  # wgmma's two operands share one swizzle
-    stored = smem((mk.NUM_SLOTS, block_kv, width), k_pages.dtype,
-                  swizzle_bytes(width, k_pages.dtype))
+    stored = smem(
+        (mk.NUM_SLOTS, block_kv, width), k_pages.dtype, swizzle_bytes(width, k_pages.dtype)
+    )
     converted = smem((n_parts, block_kv, part), dtype, swizzle)
     scales = None if k_scale is None else plgpu.SMEM((mk.NUM_SLOTS, block_kv), k_scale.dtype)
     copies = pages_per_block + (k_scale is not None)  # the pages (and the block's scales)
     scratch = [
         smem((n_parts, rows, part), dtype, swizzle),  # q, then the output
-        stored, stored,  # k, v as stored
-        scales, scales,  # their per-token scales (int8, int4)
+        stored,
+        stored,  # k, v as stored
+        scales,
+        scales,  # their per-token scales (int8, int4)
         *([None, None] if k_pages.dtype == dtype else [converted, converted]),  # dequantized
         smem((rows, block_kv), dtype, swizzle),  # p
         smem((n_parts, part, block_kv), dtype, swizzle) if params is not None else None,  # K^T
@@ -150,12 +168,24 @@ def _rpa_kernel_call(meta, tables, sinks_rows, q_blk, k_pages, v_pages, k_scale,
         plgpu.Barrier(num_arrivals=copies, num_barriers=mk.NUM_SLOTS),
         plgpu.Barrier(num_arrivals=copies, num_barriers=mk.NUM_SLOTS),
     ]
-    body = functools.partial(mk.rpa_kernel, page_size=page_size, group_pad=group_pad,
-                             sm_scale=sm_scale, sliding_window=sliding_window,
-                             soft_cap=soft_cap, interpret=params is not None)
-    kernel = kernel_call(body, jax.ShapeDtypeStruct(q_blk.shape, dtype), scratch,
-                         grid=(NB, KVH), grid_names=("block", "kv_head"), interpret=params,
-                         name=f"jaxkv_rpa_mgpu_g{group_pad}_kv{block_kv}")
+    body = functools.partial(
+        mk.rpa_kernel,
+        page_size=page_size,
+        group_pad=group_pad,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=params is not None,
+    )
+    kernel = kernel_call(
+        body,
+        jax.ShapeDtypeStruct(q_blk.shape, dtype),
+        scratch,
+        grid=(NB, KVH),
+        grid_names=("block", "kv_head"),
+        interpret=params,
+        name=f"jaxkv_rpa_mgpu_g{group_pad}_kv{block_kv}",
+    )
     return kernel(meta, tables, sinks_rows, q_blk, k_pages, v_pages, k_scale, v_scale)
 
 
@@ -177,8 +207,7 @@ def _next_pow2(n):
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _block_metadata(kv_lens, cu_q_lens, num_seqs, *, block_q, num_blocks, block_kv,
-                    sliding_window):
+def _block_metadata(kv_lens, cu_q_lens, num_seqs, *, block_q, num_blocks, block_kv, sliding_window):
     """Work blocks (gpu_kernel.work_blocks) and their kernel metadata:
     (meta [NB, META_FIELDS] int32, first token row [NB], rows [NB]). Blocks
     without rows get an empty KV range."""
@@ -196,12 +225,36 @@ def _block_metadata(kv_lens, cu_q_lens, num_seqs, *, block_q, num_blocks, block_
     return meta, row0, n_tok
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "all_decode", "interpret", "block_kv"))
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           k_scale=None, v_scale=None, all_decode=None, interpret=False,
-                           block_kv=64):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "all_decode",
+        "interpret",
+        "block_kv",
+    ),
+)
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+    all_decode=None,
+    interpret=False,
+    block_kv=64,
+):
     """Ragged paged attention on Hopper via Pallas Mosaic GPU (contract:
     `reference.py`; limits: the module docstring).
 
@@ -220,24 +273,41 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     tuning: block_kv (keys per pipeline step, 64 or 128).
     """
     if q.dtype not in Q_DTYPES:
-        raise ValueError(f"Mosaic GPU kernel: q must be bfloat16 or float16, got {q.dtype} "
-                         "(wgmma would run float32 as TF32; use the Triton kernel for float32)")
+        raise ValueError(
+            f"Mosaic GPU kernel: q must be bfloat16 or float16, got {q.dtype} "
+            "(wgmma would run float32 as TF32; use the Triton kernel for float32)"
+        )
     T, H, D, KVH, P, page_size, S = check_inputs(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-        q_dtypes=Q_DTYPES, kernel="Mosaic GPU", sinks=sinks)
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_dtypes=Q_DTYPES,
+        kernel="Mosaic GPU",
+        sinks=sinks,
+    )
     if D not in HEAD_DIMS:
         raise ValueError(f"Mosaic GPU kernel needs head dim in {HEAD_DIMS}, got {D}")
     if block_kv not in BLOCK_KVS:
         raise ValueError(f"Mosaic GPU kernel needs block_kv in {BLOCK_KVS}, got {block_kv}")
     if page_size < 8 or page_size & (page_size - 1) or page_size > block_kv:
-        raise ValueError(f"Mosaic GPU kernel needs page_size a power of two from 8 to "
-                         f"block_kv={block_kv}, got {page_size}")
+        raise ValueError(
+            f"Mosaic GPU kernel needs page_size a power of two from 8 to "
+            f"block_kv={block_kv}, got {page_size}"
+        )
     G = H // KVH
     group_pad = _next_pow2(G)
     if group_pad > mk.ROWS:
-        raise ValueError(f"Mosaic GPU kernel needs at most {mk.ROWS} query heads per KV head, "
-                         f"got {G}")
+        raise ValueError(
+            f"Mosaic GPU kernel needs at most {mk.ROWS} query heads per KV head, got {G}"
+        )
     if all_decode not in (None, True, False):
         raise ValueError(f"all_decode must be None, True or False, got {all_decode!r}")
     interpret_params(interpret)  # validates it before tracing the kernel
@@ -247,9 +317,15 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     # decodes has one block per sequence.
     num_blocks = min(S, T) if all_decode else (T + S * (block_q - 1)) // block_q
     num_seqs = jnp.minimum(jnp.reshape(num_seqs, ()).astype(jnp.int32), S)
-    meta, row0, n_tok = _block_metadata(kv_lens, cu_q_lens, num_seqs, block_q=block_q,
-                                        num_blocks=num_blocks, block_kv=block_kv,
-                                        sliding_window=sliding_window)
+    meta, row0, n_tok = _block_metadata(
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        block_q=block_q,
+        num_blocks=num_blocks,
+        block_kv=block_kv,
+        sliding_window=sliding_window,
+    )
     pages_per_block = block_kv // page_size
     tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_block)))
 
@@ -267,11 +343,26 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     # Row r of a KV head's tile is query head r % group_pad of that KV head.
     sinks_rows = sink_rows(sinks, KVH, G, group_pad, block_q)
     if k_scale is not None:
-        k_scale, v_scale = (_block_scales(x, tables, kv_lens, page_size=page_size,
-                                          block_kv=block_kv) for x in (k_scale, v_scale))
-    out = _rpa_kernel_call(meta, tables, sinks_rows, q_blk, k_pages, v_pages, k_scale, v_scale,
-                           group_pad=group_pad, block_kv=block_kv, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+        k_scale, v_scale = (
+            _block_scales(x, tables, kv_lens, page_size=page_size, block_kv=block_kv)
+            for x in (k_scale, v_scale)
+        )
+    out = _rpa_kernel_call(
+        meta,
+        tables,
+        sinks_rows,
+        q_blk,
+        k_pages,
+        v_pages,
+        k_scale,
+        v_scale,
+        group_pad=group_pad,
+        block_kv=block_kv,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+    )
     out = out.reshape(num_blocks, KVH, n_parts, block_q, group_pad, -1)[:, :, :, :, :G]
     out = out.transpose(0, 3, 1, 4, 2, 5).reshape(num_blocks * block_q, H, D)
     dest = jnp.where(live, rows, T).reshape(-1)  # T: out of range, dropped

@@ -18,8 +18,10 @@ SWIZZLE_BYTES = 128
 def api():
     """plgpu, or a clear error when this jax has no Mosaic GPU Pallas."""
     if mk.plgpu is None:
-        raise RuntimeError("this jax has no jax.experimental.pallas.mosaic_gpu; the Mosaic GPU "
-                           "kernel needs jax >= 0.10 (use gpu.py, the Triton kernel)")
+        raise RuntimeError(
+            "this jax has no jax.experimental.pallas.mosaic_gpu; the Mosaic GPU "
+            "kernel needs jax >= 0.10 (use gpu.py, the Triton kernel)"
+        )
     return mk.plgpu
 
 
@@ -32,8 +34,10 @@ def interpret_params(interpret):
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as e:
-        raise RuntimeError(f"this jax ({jax.__version__}) has no Mosaic GPU interpret mode "
-                           "(jax._src.pallas.mosaic_gpu.interpret, jax >= 0.10)") from e
+        raise RuntimeError(
+            f"this jax ({jax.__version__}) has no Mosaic GPU interpret mode "
+            "(jax._src.pallas.mosaic_gpu.interpret, jax >= 0.10)"
+        ) from e
     if interpret is True:
         return InterpretGPUParams()
     if not isinstance(interpret, InterpretGPUParams):
@@ -52,8 +56,11 @@ def smem(shape, dtype, swizzle):
     rows of `swizzle` bytes)."""
     plgpu = api()
     elems = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
-                                                plgpu.SwizzleTransform(swizzle)))
+    return plgpu.SMEM(
+        shape,
+        dtype,
+        transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)),
+    )
 
 
 def kernel_call(body, out_type, scratch, *, grid, grid_names, interpret, name):

@@ -92,17 +92,31 @@ def rpa_kernel(
     n_pages = (kv_hi + page_size - 1) // page_size
 
     def fetch(kb, slot):
-        _fetch_kv_block((k_ref, k_scale_ref, k_smem, ks_smem, k_bars),
-                        (v_ref, v_scale_ref, v_smem, vs_smem, v_bars), tables_ref, seq=seq,
-                        h=h, kb=kb, slot=slot, n_pages=n_pages)
+        _fetch_kv_block(
+            (k_ref, k_scale_ref, k_smem, ks_smem, k_bars),
+            (v_ref, v_scale_ref, v_smem, vs_smem, v_bars),
+            tables_ref,
+            seq=seq,
+            h=h,
+            kb=kb,
+            slot=slot,
+            n_pages=n_pages,
+        )
 
     def operand(raw_smem, scale_smem, out_smem, kb, slot):
         """The block's K or V as column parts, wgmma operands in SMEM: the
         stored tile itself (float pages) or its dequantized copy."""
         if out_smem is None:
             return (raw_smem.at[slot],)
-        _dequantize(raw_smem.at[slot], None if scale_smem is None else scale_smem.at[slot],
-                    out_smem, kb * block_kv, kv_lo, kv_hi, layout)
+        _dequantize(
+            raw_smem.at[slot],
+            None if scale_smem is None else scale_smem.at[slot],
+            out_smem,
+            kb * block_kv,
+            kv_lo,
+            kv_hi,
+            layout,
+        )
         return tuple(out_smem.at[i] for i in range(out_smem.shape[0]))
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
@@ -263,12 +277,14 @@ def _softmax_step(carry, s, mask):
 
 def _values(p_smem, v_parts, shape):
     """P V per column part, each [ROWS, part] float32 by wgmma (P and V from SMEM)."""
+
     def product(v, acc_ref):
         plgpu.wgmma(acc_ref, p_smem, v)
         return acc_ref[...]
 
-    return tuple(pl.run_scoped(functools.partial(product, v), plgpu.ACC(shape, jnp.float32))
-                 for v in v_parts)
+    return tuple(
+        pl.run_scoped(functools.partial(product, v), plgpu.ACC(shape, jnp.float32)) for v in v_parts
+    )
 
 
 def _zero_dead_values(v_tile, key0, kv_lo, kv_hi, layout):

@@ -77,9 +77,25 @@ def prefill_block(num_tokens: int, num_seqs: int) -> int:
     return min(b, num_tokens)
 
 
-def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                       num_seqs, *, block_q, num_blocks, sm_scale, sliding_window,
-                       soft_cap, k_scale, v_scale, num_sink_tokens, sinks=None):
+def _blocked_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    block_q,
+    num_blocks,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    k_scale,
+    v_scale,
+    num_sink_tokens,
+    sinks=None,
+):
     """Attention over `num_blocks` query blocks of `block_q` rows, each inside
     one sequence, with an online softmax over chunks of about `decode.KEY_CHUNK`
     keys. The loop runs only over chunks some block can see (from the
@@ -134,8 +150,9 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
 
     def step(j, carry):
         m, l, acc = carry
-        kb, vb, key_pos = fetch_chunk(k_pages, v_pages, k_scale, v_scale, tables, j,
-                                      chunk_pages)  # [KVH, NB, chunk, D]
+        kb, vb, key_pos = fetch_chunk(
+            k_pages, v_pages, k_scale, v_scale, tables, j, chunk_pages
+        )  # [KVH, NB, chunk, D]
         key_live = key_pos[None, :] < kv_len[:, None]  # [NB, chunk]
         # Keys the block's oldest row sees in its window (or sink tokens).
         key_live &= in_window(key_pos[None, :], q_pos[:, :1], sliding_window, num_sink_tokens)
@@ -146,8 +163,9 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
         s = jnp.einsum("knrd,kncd->knrc", qb, kb)  # [KVH, NB, R, chunk]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = key_live[:, None, :] & visible(key_pos[None, None, :], row_pos[:, :, None],
-                                              sliding_window, num_sink_tokens)
+        mask = key_live[:, None, :] & visible(
+            key_pos[None, None, :], row_pos[:, :, None], sliding_window, num_sink_tokens
+        )
         s = jnp.where(mask[None], s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
@@ -156,8 +174,9 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
         acc = acc * alpha[..., None] + jnp.einsum("knrc,kncd->knrd", p, vb)
         return m_new, l, acc
 
-    sink = jnp.broadcast_to(head_sinks(sinks, KVH, G)[:, None, :, None],
-                            (KVH, num_blocks, G, block_q)).reshape(KVH, num_blocks, R)
+    sink = jnp.broadcast_to(
+        head_sinks(sinks, KVH, G)[:, None, :, None], (KVH, num_blocks, G, block_q)
+    ).reshape(KVH, num_blocks, R)
     init = (*softmax_start(sink, MASK_VALUE), jnp.zeros((KVH, num_blocks, R, D), jnp.float32))
     _, l, acc = jax.lax.fori_loop(start, stop, step, init)
     o = acc / jnp.maximum(l, 1e-30)[..., None]
@@ -167,12 +186,36 @@ def _blocked_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
     return out.at[rows.reshape(-1)].set(o, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "num_sink_tokens", "all_decode", "native_cpu"))
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                           num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
-                           sinks=None, k_scale=None, v_scale=None, num_sink_tokens=0,
-                           all_decode=None, native_cpu=False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "num_sink_tokens",
+        "all_decode",
+        "native_cpu",
+    ),
+)
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+    num_sink_tokens=0,
+    all_decode=None,
+    native_cpu=False,
+):
     """Reference ragged paged attention; see the module docstring for the
     contract. q [T, H, D]; k_pages, v_pages [KVH, P, page_size, D]; kv_lens [S];
     block_tables [S, pages_per_seq]; cu_q_lens [S + 1]; num_seqs [] -> [T, H, D].
@@ -189,26 +232,43 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     takes the case (any page format, no sink tokens) and is built."""
     T, H, D = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
-                         f"{k_pages.shape} and {v_pages.shape}")
+        raise ValueError(
+            f"k_pages/v_pages must both be [KVH, P, page_size, D], got "
+            f"{k_pages.shape} and {v_pages.shape}"
+        )
     KVH = k_pages.shape[0]
     check_pages(k_pages, v_pages, k_scale, v_scale, D)
     if H % KVH:
         raise ValueError(f"num query heads {H} is not a multiple of num kv heads {KVH}")
     S = kv_lens.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != S or cu_q_lens.shape != (S + 1,):
-        raise ValueError(f"inconsistent sequence metadata: kv_lens {kv_lens.shape}, "
-                         f"block_tables {block_tables.shape}, cu_q_lens {cu_q_lens.shape}")
+        raise ValueError(
+            f"inconsistent sequence metadata: kv_lens {kv_lens.shape}, "
+            f"block_tables {block_tables.shape}, cu_q_lens {cu_q_lens.shape}"
+        )
     if num_sink_tokens and sliding_window is None:
         raise ValueError("num_sink_tokens needs a sliding_window")
     check_sinks(sinks, H)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     if native_cpu and native_takes(q, k_pages, k_scale, num_sink_tokens):
-        return native_attention(*args, sm_scale=sm_scale, soft_cap=soft_cap,
-                                sliding_window=sliding_window, sinks=sinks, k_scale=k_scale,
-                                v_scale=v_scale).astype(q.dtype)
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-              k_scale=k_scale, v_scale=v_scale, num_sink_tokens=num_sink_tokens, sinks=sinks)
+        return native_attention(
+            *args,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        ).astype(q.dtype)
+    kw = dict(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_sink_tokens=num_sink_tokens,
+        sinks=sinks,
+    )
 
     def decode(args):
         return decode_attention(*args, **kw)
@@ -217,8 +277,16 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         if use_dense(T, S):  # long chunks: dense causal blocks, decodes apart
             out, served = dense_prefill(*args, block_q=dense_block(T, S), **kw)
             q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-            dec = decode_attention(q, k_pages, v_pages, jnp.where(q_lens == 1, kv_lens, 0),
-                                   block_tables, cu_q_lens, num_seqs, **kw)
+            dec = decode_attention(
+                q,
+                k_pages,
+                v_pages,
+                jnp.where(q_lens == 1, kv_lens, 0),
+                block_tables,
+                cu_q_lens,
+                num_seqs,
+                **kw,
+            )
             return jnp.where(served[:, None, None], out, dec)
         bq = prefill_block(T, S)
         # sum_s ceil(q_s / bq) <= (T + S (bq - 1)) / bq when sum_s q_s <= T
@@ -231,4 +299,3 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     else:
         out = decode(args) if all_decode else prefill(args)
     return out.astype(q.dtype)
-

@@ -50,6 +50,9 @@ def sink_rows(sinks, num_kv_heads, group, group_pad, tokens):
     head of that KV head) token major with the G heads padded to
     `group_pad`: sinks [H] or None -> [KVH, tokens * group_pad] float32. Pad
     heads' rows (never written back) get NO_SINK."""
-    per_head = jnp.pad(head_sinks(sinks, num_kv_heads, group), ((0, 0), (0, group_pad - group)),
-                       constant_values=NO_SINK)
+    per_head = jnp.pad(
+        head_sinks(sinks, num_kv_heads, group),
+        ((0, 0), (0, group_pad - group)),
+        constant_values=NO_SINK,
+    )
     return jnp.tile(per_head, (1, tokens))

@@ -82,10 +82,29 @@ from pallas_kernels.ragged_paged_attention.sinks import sink_rows
 from pallas_kernels.ragged_paged_attention.tpu_kernel import LANES, rpa_kernel
 
 
-def _rpa_pallas_call(q_t, sinks_t, k_pages, v_pages, k_scale, v_scale, kv_lens,
-                     block_tables_flat, cu_q_lens, num_seqs, first_seq, *, group, pages_per_seq,
-                     block_q, pages_per_block, sm_scale, sliding_window, soft_cap,
-                     vmem_limit_bytes, interpret):
+def _rpa_pallas_call(
+    q_t,
+    sinks_t,
+    k_pages,
+    v_pages,
+    k_scale,
+    v_scale,
+    kv_lens,
+    block_tables_flat,
+    cu_q_lens,
+    num_seqs,
+    first_seq,
+    *,
+    group,
+    pages_per_seq,
+    block_q,
+    pages_per_block,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    vmem_limit_bytes,
+    interpret,
+):
     """q_t [KVH, T_pad * G, D], sinks_t [KVH, block_q * G, 128] f32 -> [KVH,
     T_pad * G, D]."""
     kvh, total_rows, head_dim = q_t.shape
@@ -101,8 +120,14 @@ def _rpa_pallas_call(q_t, sinks_t, k_pages, v_pages, k_scale, v_scale, kv_lens,
     scale_buf = pltpu.VMEM((2, pages_per_block, page_size), jnp.float32) if quantized else None
     stat = pltpu.VMEM((rows, LANES), jnp.float32)
     kernel = functools.partial(
-        rpa_kernel, block_q=block_q, group=group, pages_per_seq=pages_per_seq,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        rpa_kernel,
+        block_q=block_q,
+        group=group,
+        pages_per_seq=pages_per_seq,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     if not quantized:
         kernel = _with_none_args(kernel)
     scalars = (kv_lens, block_tables_flat, cu_q_lens, num_seqs, first_seq)
@@ -114,12 +139,18 @@ def _rpa_pallas_call(q_t, sinks_t, k_pages, v_pages, k_scale, v_scale, kv_lens,
             grid=(kvh, num_q_blocks),
             in_specs=[q_spec, sink_spec, hbm, hbm] + ([hbm, hbm] if quantized else []),
             out_specs=q_spec,
-            scratch_shapes=[kv_buf, kv_buf] + ([scale_buf, scale_buf] if quantized else [])
-            + [pltpu.SemaphoreType.DMA((2, 4)), stat, stat,
-               pltpu.VMEM((rows, head_dim), jnp.float32)],
+            scratch_shapes=[kv_buf, kv_buf]
+            + ([scale_buf, scale_buf] if quantized else [])
+            + [
+                pltpu.SemaphoreType.DMA((2, 4)),
+                stat,
+                stat,
+                pltpu.VMEM((rows, head_dim), jnp.float32),
+            ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
+            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes
+        ),
         out_shape=jax.ShapeDtypeStruct(q_t.shape, q_t.dtype),
         interpret=interpret,
         name="jaxkv_ragged_paged_attention",
@@ -128,9 +159,31 @@ def _rpa_pallas_call(q_t, sinks_t, k_pages, v_pages, k_scale, v_scale, kv_lens,
 
 def _with_none_args(kernel):
     """Adapts the kernel to a call without scale operands / scratch."""
+
     def wrapped(kv_lens, bt, cu, ns, fs, q, sink, k, v, o, k_buf, v_buf, sems, m, l, acc):
-        return kernel(kv_lens, bt, cu, ns, fs, q, sink, k, v, None, None, o, k_buf, v_buf,
-                      None, None, sems, m, l, acc)
+        return kernel(
+            kv_lens,
+            bt,
+            cu,
+            ns,
+            fs,
+            q,
+            sink,
+            k,
+            v,
+            None,
+            None,
+            o,
+            k_buf,
+            v_buf,
+            None,
+            None,
+            sems,
+            m,
+            l,
+            acc,
+        )
+
     return wrapped
 
 
@@ -138,13 +191,38 @@ def _default_pages_per_block(page_size, pages_per_seq):
     return max(1, min(pages_per_seq, 256 // page_size))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block",
-    "vmem_limit_bytes", "interpret"))
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           k_scale=None, v_scale=None, block_q=16, pages_per_block=None,
-                           vmem_limit_bytes=None, interpret=False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "block_q",
+        "pages_per_block",
+        "vmem_limit_bytes",
+        "interpret",
+    ),
+)
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+    block_q=16,
+    pages_per_block=None,
+    vmem_limit_bytes=None,
+    interpret=False,
+):
     """Ragged paged attention on TPU (contract: `reference.py`).
 
     q [T, H, D] float32/bfloat16; k_pages, v_pages [KVH, P, page_size, D] in
@@ -161,9 +239,21 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     True or a `pltpu.InterpretParams`) runs the kernel on CPU with TPU semantics.
     """
     T, H, D, KVH, P, page_size, S = check_inputs(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-        q_dtypes=(jnp.float32, jnp.bfloat16), kernel="TPU", sinks=sinks)
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_dtypes=(jnp.float32, jnp.bfloat16),
+        kernel="TPU",
+        sinks=sinks,
+    )
     if D % 64:
         raise ValueError(f"TPU kernel needs head dim a multiple of 64, got {D}")
     if page_size % 8:
@@ -186,19 +276,35 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     q_t = jnp.pad(q, ((0, T_pad - T), (0, 0), (0, 0)))
     q_t = q_t.reshape(T_pad, KVH, G, D).transpose(1, 0, 2, 3).reshape(KVH, T_pad * G, D)
     live_ends = jnp.where(jnp.arange(S) < num_seqs[0], cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
-    first_seq = jnp.searchsorted(live_ends, jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q,
-                                 side="right").astype(jnp.int32)
+    first_seq = jnp.searchsorted(
+        live_ends, jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q, side="right"
+    ).astype(jnp.int32)
     # Row r of a KV head's tile is query head r % G of that KV head.
-    sinks_t = jnp.broadcast_to(sink_rows(sinks, KVH, G, G, block_q)[..., None],
-                               (KVH, block_q * G, LANES))
+    sinks_t = jnp.broadcast_to(
+        sink_rows(sinks, KVH, G, G, block_q)[..., None], (KVH, block_q * G, LANES)
+    )
     # Scales in float32 (int4's are bfloat16, which Mosaic cannot DMA a page row of).
     out = _rpa_pallas_call(
-        q_t, sinks_t, k_pages, v_pages,
+        q_t,
+        sinks_t,
+        k_pages,
+        v_pages,
         None if k_scale is None else k_scale.astype(jnp.float32),
         None if v_scale is None else v_scale.astype(jnp.float32),
-        kv_lens, block_tables.reshape(-1), cu_q_lens, num_seqs, first_seq,
-        group=G, pages_per_seq=pages_per_seq, block_q=block_q,
-        pages_per_block=pages_per_block, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+        kv_lens,
+        block_tables.reshape(-1),
+        cu_q_lens,
+        num_seqs,
+        first_seq,
+        group=G,
+        pages_per_seq=pages_per_seq,
+        block_q=block_q,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        vmem_limit_bytes=vmem_limit_bytes,
+        interpret=interpret,
+    )
     out = out.reshape(KVH, T_pad, G, D).transpose(1, 0, 2, 3).reshape(T_pad, H, D)
     return out[:T]

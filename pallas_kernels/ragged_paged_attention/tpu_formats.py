@@ -56,9 +56,14 @@ def scale_row(scales, live):
     scales = jnp.where(live, scales, 0.0)
     n = pages * page_size
     col = lax.broadcasted_iota(jnp.int32, (page_size, n), 1)
-    sel = (col % page_size == lax.broadcasted_iota(jnp.int32, (page_size, n), 0))
-    tiled = jnp.dot(scales, sel.astype(jnp.float32), precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32)  # [pages, n]: scales[j, n % ps]
-    own = (lax.broadcasted_iota(jnp.int32, (pages, n), 1) // page_size
-           == lax.broadcasted_iota(jnp.int32, (pages, n), 0))
+    sel = col % page_size == lax.broadcasted_iota(jnp.int32, (page_size, n), 0)
+    tiled = jnp.dot(
+        scales,
+        sel.astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )  # [pages, n]: scales[j, n % ps]
+    own = lax.broadcasted_iota(jnp.int32, (pages, n), 1) // page_size == lax.broadcasted_iota(
+        jnp.int32, (pages, n), 0
+    )
     return jnp.sum(jnp.where(own, tiled, 0.0), axis=0, keepdims=True)

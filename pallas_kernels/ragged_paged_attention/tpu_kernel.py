@@ -61,12 +61,33 @@ def rpa_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
-    cell = _Cell(kv_lens_ref, block_tables_ref, cu_q_lens_ref, q_ref, k_hbm, v_hbm,
-                 k_scale_hbm, v_scale_hbm, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref,
-                 acc_ref, h=pl.program_id(0), blk_start=pl.program_id(1) * block_q,
-                 block_q=block_q, group=group, pages_per_seq=pages_per_seq,
-                 num_seqs=num_seqs_ref[0], sm_scale=sm_scale, sliding_window=sliding_window,
-                 soft_cap=soft_cap)
+    cell = _Cell(
+        kv_lens_ref,
+        block_tables_ref,
+        cu_q_lens_ref,
+        q_ref,
+        k_hbm,
+        v_hbm,
+        k_scale_hbm,
+        v_scale_hbm,
+        k_buf,
+        v_buf,
+        ks_buf,
+        vs_buf,
+        sems,
+        m_ref,
+        l_ref,
+        acc_ref,
+        h=pl.program_id(0),
+        blk_start=pl.program_id(1) * block_q,
+        block_q=block_q,
+        group=group,
+        pages_per_seq=pages_per_seq,
+        num_seqs=num_seqs_ref[0],
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     m_ref[...], l_ref[...] = softmax_start(sink_ref[...], MASK_VALUE)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -147,8 +168,9 @@ class _Cell:
     def in_block(self, s):
         """Whether sequence s is live and has rows before this block's end."""
         blk_end = self.blk_start + self.block_q
-        return jnp.logical_and(s < self.num_seqs,
-                               self.cu_q_lens_ref[jnp.minimum(s, self.num_seqs)] < blk_end)
+        return jnp.logical_and(
+            s < self.num_seqs, self.cu_q_lens_ref[jnp.minimum(s, self.num_seqs)] < blk_end
+        )
 
     def span(self, s):
         """Token rows [t0, t1) of sequence s inside this block, the position of
@@ -159,17 +181,18 @@ class _Cell:
         t1 = jnp.minimum(q_end, self.blk_start + self.block_q)
         pos0 = self.kv_lens_ref[s] - (q_end - q_start) + (t0 - q_start)
         kv_hi = pos0 + (t1 - t0)
-        kv_lo = (0 if self.sliding_window is None
-                 else jnp.maximum(pos0 - self.sliding_window + 1, 0))
+        kv_lo = 0 if self.sliding_window is None else jnp.maximum(pos0 - self.sliding_window + 1, 0)
         kb_lo = kv_lo // self.block_kv
         kb_hi = jnp.where(t1 > t0, pl.cdiv(kv_hi, self.block_kv), kb_lo)
         return t0, t1, pos0, kv_hi, kb_lo, kb_hi
 
     def next_with_work(self, s):
         """The first sequence from s on that has KV blocks to read here."""
+
         def cond(s):
             _, _, _, _, kb_lo, kb_hi = self.span(jnp.clip(s, 0, jnp.maximum(self.num_seqs - 1, 0)))
             return jnp.logical_and(self.in_block(s), kb_hi <= kb_lo)
+
         return lax.while_loop(cond, lambda s: s + 1, s)
 
     def fetch(self, s, kb, slot, what: str):
@@ -183,17 +206,27 @@ class _Cell:
             p = kb * self.k_buf.shape[1] + j
             last = self.pages_per_seq - 1
             page = self.block_tables_ref[s * self.pages_per_seq + jnp.minimum(p, last)]
-            copies = [pltpu.make_async_copy(self.k_hbm.at[self.h, page], self.k_buf.at[slot, j],
-                                            self.sems.at[slot, 0]),
-                      pltpu.make_async_copy(self.v_hbm.at[self.h, page], self.v_buf.at[slot, j],
-                                            self.sems.at[slot, 1])]
+            copies = [
+                pltpu.make_async_copy(
+                    self.k_hbm.at[self.h, page], self.k_buf.at[slot, j], self.sems.at[slot, 0]
+                ),
+                pltpu.make_async_copy(
+                    self.v_hbm.at[self.h, page], self.v_buf.at[slot, j], self.sems.at[slot, 1]
+                ),
+            ]
             if quantized:
-                copies += [pltpu.make_async_copy(self.k_scale_hbm.at[self.h, pl.ds(page, 1)],
-                                                 self.ks_buf.at[slot, pl.ds(j, 1)],
-                                                 self.sems.at[slot, 2]),
-                           pltpu.make_async_copy(self.v_scale_hbm.at[self.h, pl.ds(page, 1)],
-                                                 self.vs_buf.at[slot, pl.ds(j, 1)],
-                                                 self.sems.at[slot, 3])]
+                copies += [
+                    pltpu.make_async_copy(
+                        self.k_scale_hbm.at[self.h, pl.ds(page, 1)],
+                        self.ks_buf.at[slot, pl.ds(j, 1)],
+                        self.sems.at[slot, 2],
+                    ),
+                    pltpu.make_async_copy(
+                        self.v_scale_hbm.at[self.h, pl.ds(page, 1)],
+                        self.vs_buf.at[slot, pl.ds(j, 1)],
+                        self.sems.at[slot, 3],
+                    ),
+                ]
             for cp in copies:
                 pl.when(p < n_pages)(cp.start if what == "start" else cp.wait)
 
@@ -203,7 +236,9 @@ class _Cell:
         rows, head_dim = self.q_ref.shape
         page_size, block_kv = self.k_buf.shape[2], self.block_kv
         compute_dtype = self.q_ref.dtype
-        row_tok = self.blk_start + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // self.group
+        row_tok = (
+            self.blk_start + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // self.group
+        )
         key = kb * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
         q_pos = pos0 + (row_tok - t0)
         mask = (row_tok >= t0) & (row_tok < t1) & (key <= q_pos)
@@ -214,19 +249,30 @@ class _Cell:
         v = page_values(self.v_buf[slot], compute_dtype)
         # Keys past the causal end were never copied (stale VMEM) or are unwritten
         # slots: zero them so 0-probability * garbage stays 0.
-        v_live = (kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
-                  < pos0 + (t1 - t0))
+        v_live = kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0) < pos0 + (
+            t1 - t0
+        )
         v = jnp.where(v_live, v, jnp.zeros_like(v))
         precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
-        s_ = lax.dot_general(self.q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * self.sm_scale  # [R, block_kv]
+        s_ = (
+            lax.dot_general(
+                self.q_ref[...],
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            * self.sm_scale
+        )  # [R, block_kv]
         quantized = self.ks_buf is not None
         if quantized:
             pages_per_block = self.k_buf.shape[1]
-            slot_key = (kb * block_kv + page_size
-                        * lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
-                        + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1))
+            slot_key = (
+                kb * block_kv
+                + page_size * lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
+                + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
+            )
             scale_live = slot_key < pos0 + (t1 - t0)
             s_ = s_ * scale_row(self.ks_buf[slot], scale_live)
         if self.soft_cap is not None:
@@ -241,8 +287,9 @@ class _Cell:
         self.m_ref[...] = m_next
         if quantized:
             p = p * scale_row(self.vs_buf[slot], scale_live)
-        pv = jnp.dot(p.astype(compute_dtype), v, precision=precision,
-                     preferred_element_type=jnp.float32)  # [R, D]
+        pv = jnp.dot(
+            p.astype(compute_dtype), v, precision=precision, preferred_element_type=jnp.float32
+        )  # [R, D]
         self.acc_ref[...] = lane_bcast(alpha, head_dim) * self.acc_ref[...] + pv
 
 
@@ -253,4 +300,3 @@ def lane_bcast(x, n):
     if n < LANES:
         return x[:, :n]
     return jnp.tile(x, (1, n // LANES))
-

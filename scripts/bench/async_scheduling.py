@@ -43,20 +43,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from scripts.bench.common import TEXT, _cpu_name, _loadavg, _num_cores
 from scripts.device.profile_parts import busy_span
 
-QUESTIONS = ["What is a KV cache?", "Explain paged attention in two sentences.",
-             "Write a haiku about the sea.", "Why is the sky blue?",
-             "List three uses of a hash map.", "Summarize: " + TEXT[:300],
-             "How do I reverse a list in Python?", "Give me a recipe for pancakes."]
+QUESTIONS = [
+    "What is a KV cache?",
+    "Explain paged attention in two sentences.",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "List three uses of a hash map.",
+    "Summarize: " + TEXT[:300],
+    "How do I reverse a list in Python?",
+    "Give me a recipe for pancakes.",
+]
 
 
 def engine(module, tok, asyn: bool, steps: int, batch: int):
     from jaxkv import LLMEngine
     from jaxkv.config import EngineConfig
 
-    return LLMEngine(module, tok, EngineConfig(
-        num_pages=64 * batch + 64, page_size=16, max_num_seqs=max(batch, 1),
-        max_num_batched_tokens=512, num_decode_steps=steps, async_scheduling=asyn,
-        warmup=False))
+    return LLMEngine(
+        module,
+        tok,
+        EngineConfig(
+            num_pages=64 * batch + 64,
+            page_size=16,
+            max_num_seqs=max(batch, 1),
+            max_num_batched_tokens=512,
+            num_decode_steps=steps,
+            async_scheduling=asyn,
+            warmup=False,
+        ),
+    )
 
 
 def run(eng, prompts, max_tokens: int) -> dict:
@@ -68,14 +83,20 @@ def run(eng, prompts, max_tokens: int) -> dict:
     ids = [eng.add_request({"prompt_token_ids": p}, params) for p in prompts]
     final = eng.run_to_completion(ids)
     wall = time.perf_counter() - t0
-    d = {k: eng.stats[k] - st[k] for k in ("steps", "decode_steps", "step_seconds",
-                                         "overlapped_steps")}
+    d = {
+        k: eng.stats[k] - st[k]
+        for k in ("steps", "decode_steps", "step_seconds", "overlapped_steps")
+    }
     wait = eng.runner.stats["wait_seconds"] - rs["wait_seconds"]
     tokens = [final[i].outputs[0].token_ids for i in ids]
-    return dict(tokens=tokens, output_tok_s=sum(map(len, tokens)) / wall,
-                ms_per_model_call=1e3 * d["step_seconds"] / max(d["decode_steps"], 1),
-                host_ms_per_step=1e3 * (d["step_seconds"] - wait) / max(d["steps"], 1),
-                steps=d["steps"], overlapped=d["overlapped_steps"])
+    return dict(
+        tokens=tokens,
+        output_tok_s=sum(map(len, tokens)) / wall,
+        ms_per_model_call=1e3 * d["step_seconds"] / max(d["decode_steps"], 1),
+        host_ms_per_step=1e3 * (d["step_seconds"] - wait) / max(d["steps"], 1),
+        steps=d["steps"],
+        overlapped=d["overlapped_steps"],
+    )
 
 
 def xla_busy(trace_dir: str) -> tuple[float, float]:
@@ -88,8 +109,11 @@ def xla_busy(trace_dir: str) -> tuple[float, float]:
     for plane in jax.profiler.ProfileData.from_file(str(files[-1])).planes:
         for line in plane.lines:
             if "XLA" in line.name:
-                spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events
-                          if e.duration_ns > 0]
+                spans += [
+                    (e.start_ns, e.start_ns + e.duration_ns)
+                    for e in line.events
+                    if e.duration_ns > 0
+                ]
     span, busy = busy_span(spans)
     return span / 1e9, busy / 1e9
 
@@ -119,16 +143,20 @@ def traced_idle(eng, prompts, max_tokens: int, steps: int) -> float:
 
 
 def bench(module, tok, a) -> list[dict]:
-    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
-                                                add_generation_prompt=True),
-                        add_special_tokens=False) for q in QUESTIONS]
+    chats = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
     rows = []
     for B in a.batch:
         prompts = [chats[i % len(chats)] for i in range(B)]
         for K in a.decode_steps:
             engines = {m: engine(module, tok, m == "async", K, B) for m in ("sync", "async")}
             for eng in engines.values():  # compile what the timed runs use (the second
-                for _ in range(2):          # pass hits the prefix cache: other shapes)
+                for _ in range(2):  # pass hits the prefix cache: other shapes)
                     run(eng, prompts, a.max_tokens)
             runs = {m: [] for m in engines}
             for _ in range(a.runs):
@@ -144,27 +172,32 @@ def bench(module, tok, a) -> list[dict]:
             row["speedup"] = row["async_output_tok_s"] / row["sync_output_tok_s"]
             if a.trace_steps:
                 for m, eng in engines.items():
-                    row[f"{m}_xla_idle_ms_per_step"] = traced_idle(eng, prompts, a.max_tokens,
-                                                                   a.trace_steps)
+                    row[f"{m}_xla_idle_ms_per_step"] = traced_idle(
+                        eng, prompts, a.max_tokens, a.trace_steps
+                    )
             rows.append(row)
             print(report_row(row), flush=True)
     return rows
 
 
 def report_row(r: dict) -> str:
-    return (f"| {r['batch']} | {r['decode_steps']} | {r['sync_output_tok_s']:.1f} | "
-            f"{r['async_output_tok_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{r['sync_ms_per_model_call']:.1f} / {r['async_ms_per_model_call']:.1f} | "
-            f"{r['sync_host_ms_per_step']:.1f} / {r['async_host_ms_per_step']:.1f} | "
-            f"{r['async_overlapped_share']:.0%} | "
-            f"{r.get('sync_xla_idle_ms_per_step', float('nan')):.1f} / "
-            f"{r.get('async_xla_idle_ms_per_step', float('nan')):.1f} |")
+    return (
+        f"| {r['batch']} | {r['decode_steps']} | {r['sync_output_tok_s']:.1f} | "
+        f"{r['async_output_tok_s']:.1f} | {r['speedup']:.2f}x | "
+        f"{r['sync_ms_per_model_call']:.1f} / {r['async_ms_per_model_call']:.1f} | "
+        f"{r['sync_host_ms_per_step']:.1f} / {r['async_host_ms_per_step']:.1f} | "
+        f"{r['async_overlapped_share']:.0%} | "
+        f"{r.get('sync_xla_idle_ms_per_step', float('nan')):.1f} / "
+        f"{r.get('async_xla_idle_ms_per_step', float('nan')):.1f} |"
+    )
 
 
-HEADER = ("| batch | decode steps per call | sync tok/s | async tok/s | speed-up | "
-          "ms per model call (sync / async) | host ms per step (sync / async) | "
-          "steps overlapped | traced XLA idle ms per step (sync / async) |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| batch | decode steps per call | sync tok/s | async tok/s | speed-up | "
+    "ms per model call (sync / async) | host ms per step (sync / async) | "
+    "steps overlapped | traced XLA idle ms per step (sync / async) |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
 
 
 def main(argv=None) -> int:
@@ -174,8 +207,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--decode-steps", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--trace-steps", type=int, default=8,
-                   help="engine steps traced per mode for XLA idle time (0: no trace)")
+    p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=8,
+        help="engine steps traced per mode for XLA idle time (0: no trace)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
@@ -185,8 +222,15 @@ def main(argv=None) -> int:
     enable_compilation_cache()
     module, tok = load_model(a.model)
     print(HEADER, flush=True)
-    res = dict(date=time.strftime("%Y-%m-%d"), cpu=_cpu_name(), cores=_num_cores(),
-               model=a.model, runs=a.runs, max_tokens=a.max_tokens, loadavg=_loadavg())
+    res = dict(
+        date=time.strftime("%Y-%m-%d"),
+        cpu=_cpu_name(),
+        cores=_num_cores(),
+        model=a.model,
+        runs=a.runs,
+        max_tokens=a.max_tokens,
+        loadavg=_loadavg(),
+    )
     res["rows"] = bench(module, tok, a)
     if a.json:  # the rows were printed as they came
         Path(a.json).write_text(json.dumps(res, indent=1))

@@ -33,8 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 
-BACKENDS = {"mkl": dict(JAXKV_CPU_BLAS="mkl"), "openblas": dict(JAXKV_CPU_BLAS="openblas"),
-            "xla": dict(JAXKV_NATIVE_CPU="0")}
+BACKENDS = {
+    "mkl": dict(JAXKV_CPU_BLAS="mkl"),
+    "openblas": dict(JAXKV_CPU_BLAS="openblas"),
+    "xla": dict(JAXKV_NATIVE_CPU="0"),
+}
 LAYER = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (N_in, N_out) per projection
 LAYERS = 30
 
@@ -54,8 +57,11 @@ def _measure(rows: list[int], runs: int) -> dict:
     cpu = importlib.import_module("pallas_kernels.ragged_paged_attention.cpu")
     dense = importlib.import_module("pallas_kernels.ragged_paged_attention.dense")
     rng = np.random.default_rng(0)
-    ws = [jnp.asarray(rng.standard_normal((i, o), np.float32) * 0.05)
-          for _ in range(LAYERS) for i, o in LAYER]
+    ws = [
+        jnp.asarray(rng.standard_normal((i, o), np.float32) * 0.05)
+        for _ in range(LAYERS)
+        for i, o in LAYER
+    ]
     mm = cpu_gemm.matmul if native_on else jnp.dot
 
     @jax.jit
@@ -74,8 +80,9 @@ def _measure(rows: list[int], runs: int) -> dict:
             out.append(time.perf_counter() - t)
         return out
 
-    res = dict(blas=native.blas() if native_on else "xla", native=native_on, projections={},
-               attention={})
+    res = dict(
+        blas=native.blas() if native_on else "xla", native=native_on, projections={}, attention={}
+    )
     for T in rows:
         x = jnp.asarray(rng.standard_normal((T, 1536), np.float32))
         flops = 2.0 * T * LAYERS * sum(i * o for i, o in LAYER)
@@ -83,19 +90,24 @@ def _measure(rows: list[int], runs: int) -> dict:
         res["projections"][str(T)] = dict(gflops=flops / statistics.median(ts) / 1e9, runs_s=ts)
         H, K, D, ps = 9, 3, 64, 16
         P = -(-T // ps)
-        args = (jnp.asarray(rng.standard_normal((T, H, D), np.float32)),
-                jnp.asarray(rng.standard_normal((K, P, ps, D), np.float32)),
-                jnp.asarray(rng.standard_normal((K, P, ps, D), np.float32)),
-                jnp.array([T], jnp.int32), jnp.arange(P, dtype=jnp.int32)[None],
-                jnp.array([0, T], jnp.int32), jnp.array(1, jnp.int32))
+        args = (
+            jnp.asarray(rng.standard_normal((T, H, D), np.float32)),
+            jnp.asarray(rng.standard_normal((K, P, ps, D), np.float32)),
+            jnp.asarray(rng.standard_normal((K, P, ps, D), np.float32)),
+            jnp.array([T], jnp.int32),
+            jnp.arange(P, dtype=jnp.int32)[None],
+            jnp.array([0, T], jnp.int32),
+            jnp.array(1, jnp.int32),
+        )
         if native_on:
-            fn = jax.jit(lambda *a: cpu.dense_prefill(*a, sm_scale=D ** -0.5)[0])
+            fn = jax.jit(lambda *a: cpu.dense_prefill(*a, sm_scale=D**-0.5)[0])
         else:
             bq = dense.dense_block(T, 1)
-            fn = jax.jit(lambda *a: dense.dense_prefill(*a, block_q=bq, sm_scale=D ** -0.5)[0])
+            fn = jax.jit(lambda *a: dense.dense_prefill(*a, block_q=bq, sm_scale=D**-0.5)[0])
         ts = timed(fn, *args)
-        res["attention"][str(T)] = dict(gflops=2.0 * T * T * H * D / statistics.median(ts) / 1e9,
-                                        runs_s=ts)
+        res["attention"][str(T)] = dict(
+            gflops=2.0 * T * T * H * D / statistics.median(ts) / 1e9, runs_s=ts
+        )
     return res
 
 
@@ -108,9 +120,14 @@ def _cpu() -> dict:
         if line.startswith("model name"):
             name = line.split(":", 1)[1].strip()
             break
-    return dict(cpu=name, vendor=native.cpu_vendor(), cores=os.cpu_count(),
-                platform=platform.platform(), auto_choice=native.blas(),
-                projections_choice=cpu_gemm.projections())
+    return dict(
+        cpu=name,
+        vendor=native.cpu_vendor(),
+        cores=os.cpu_count(),
+        platform=platform.platform(),
+        auto_choice=native.blas(),
+        projections_choice=cpu_gemm.projections(),
+    )
 
 
 def main(argv=None) -> int:
@@ -126,10 +143,15 @@ def main(argv=None) -> int:
         return 0
     out = dict(meta=dict(_cpu(), rows=rows, runs=a.runs), backends={})
     for name, env in BACKENDS.items():
-        env = {k: v for k, v in os.environ.items() if k not in ("JAXKV_CPU_BLAS",
-                                                                 "JAXKV_NATIVE_CPU")} | env
-        r = subprocess.run([sys.executable, __file__, "--child", "--rows", a.rows,
-                            "--runs", str(a.runs)], env=env, capture_output=True, text=True)
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("JAXKV_CPU_BLAS", "JAXKV_NATIVE_CPU")
+        } | env
+        r = subprocess.run(
+            [sys.executable, __file__, "--child", "--rows", a.rows, "--runs", str(a.runs)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise SystemExit(f"{name}: {r.stderr[-2000:]}")
         got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -137,9 +159,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"{name}: the child ran {got['blas']}")
         out["backends"][name] = got
     m = out["meta"]
-    print(f"{m['cpu']} ({m['vendor']}, {m['cores']} cores); jaxkv's choice here: "
-          f"{m['auto_choice']} (attention), {m['projections_choice']} (projections); "
-          f"GFLOP/s, medians of {a.runs}")
+    print(
+        f"{m['cpu']} ({m['vendor']}, {m['cores']} cores); jaxkv's choice here: "
+        f"{m['auto_choice']} (attention), {m['projections_choice']} (projections); "
+        f"GFLOP/s, medians of {a.runs}"
+    )
     print("| what | rows | " + " | ".join(BACKENDS) + " |")
     print("|---|---:|" + "---:|" * len(BACKENDS))
     for part in ("projections", "attention"):

@@ -56,8 +56,14 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(decode_steps=8, prefill_lens=(256,), prefill_chunked=(), e2e_requests=16, e2e_output=(4, 16),
-              bandwidth_bytes=256 << 20)
+QUICK = Sizes(
+    decode_steps=8,
+    prefill_lens=(256,),
+    prefill_chunked=(),
+    e2e_requests=16,
+    e2e_output=(4, 16),
+    bandwidth_bytes=256 << 20,
+)
 
 
 # ------------------------------------------------------------------ helpers
@@ -116,7 +122,7 @@ def make_prompts(stream: list[int], lengths: list[int]) -> list[list[int]]:
         if n > len(stream):
             raise ValueError(f"prompt of {n} tokens is longer than the stream ({len(stream)})")
         off = (37 * i) % len(stream)
-        out.append(doubled[off:off + n])
+        out.append(doubled[off : off + n])
     return out
 
 
@@ -148,10 +154,18 @@ def measure_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     m @ v
     gemv = [m.nbytes / _timed(lambda: m @ v)[0] for _ in range(repeats)]
     one_m, multi_m, gemv_m = _median(one), _median(multi), _median(gemv)
-    return dict(array_bytes=nbytes, repeats=repeats, threads=k,
-                numpy_sum_1thread_bytes_per_s=one_m, numpy_sum_threads_bytes_per_s=multi_m,
-                blas_gemv_bytes_per_s=gemv_m, read_bytes_per_s=max(one_m, multi_m, gemv_m),
-                runs_1thread=one, runs_threads=multi, runs_gemv=gemv)
+    return dict(
+        array_bytes=nbytes,
+        repeats=repeats,
+        threads=k,
+        numpy_sum_1thread_bytes_per_s=one_m,
+        numpy_sum_threads_bytes_per_s=multi_m,
+        blas_gemv_bytes_per_s=gemv_m,
+        read_bytes_per_s=max(one_m, multi_m, gemv_m),
+        runs_1thread=one,
+        runs_threads=multi,
+        runs_gemv=gemv,
+    )
 
 
 class CompileMeter:
@@ -159,9 +173,11 @@ class CompileMeter:
     A compile served by the persistent compilation cache counts as a cache
     hit and costs only its retrieval."""
 
-    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-              "/jax/core/compile/jaxpr_to_mlir_module_duration",
-              "/jax/core/compile/backend_compile_duration")
+    EVENTS = (
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    )
 
     def __init__(self):
         self.seconds = 0.0
@@ -181,6 +197,7 @@ class CompileMeter:
     @contextlib.contextmanager
     def active(self):
         import jax.monitoring as mon
+
         mon.register_event_duration_secs_listener(self._duration)
         mon.register_event_listener(self._event)
         try:

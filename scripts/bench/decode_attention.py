@@ -63,8 +63,10 @@ def main(argv=None) -> int:
     cpu = importlib.import_module("pallas_kernels.ragged_paged_attention.cpu")
     reference = importlib.import_module("pallas_kernels.ragged_paged_attention.reference")
     if not cpu.available():
-        raise SystemExit("the native CPU kernel is not built here: "
-                         + str(importlib.import_module("pallas_kernels.native").unavailable("rpa_cpu")))
+        raise SystemExit(
+            "the native CPU kernel is not built here: "
+            + str(importlib.import_module("pallas_kernels.native").unavailable("rpa_cpu"))
+        )
     B, L, H, K, D, ps = a.batch, a.context, a.heads, a.kv_heads, a.head_dim, a.page_size
     W = -(-L // ps)
     P = B * W + 1
@@ -73,22 +75,42 @@ def main(argv=None) -> int:
     k = rng.standard_normal((K, P, ps, D), np.float32)
     v = rng.standard_normal((K, P, ps, D), np.float32)
     tables = (1 + rng.permutation(B * W)).reshape(B, W).astype(np.int32)  # page 0: trash
-    meta = (jnp.full((B,), L, jnp.int32), jnp.asarray(tables),
-            jnp.arange(B + 1, dtype=jnp.int32), jnp.int32(B))
-    kw = dict(sm_scale=D ** -0.5)
+    meta = (
+        jnp.full((B,), L, jnp.int32),
+        jnp.asarray(tables),
+        jnp.arange(B + 1, dtype=jnp.int32),
+        jnp.int32(B),
+    )
+    kw = dict(sm_scale=D**-0.5)
 
     fns, nbytes, oracle = {}, {}, {}
     for fmt in a.formats.split(","):
         kp, vp, ks, vs = make_pages(k, v, fmt)
         args = (jnp.asarray(q), kp, vp) + meta
-        nbytes[fmt] = 2 * B * L * K * (kp.shape[-1] * kp.dtype.itemsize
-                                       + (ks.dtype.itemsize if ks is not None else 0))
-        fns[f"native {fmt}"] = (jax.jit(lambda *x, ks=ks, vs=vs: cpu.ragged_paged_attention(
-            *x, k_scale=ks, v_scale=vs, **kw)), args)
+        nbytes[fmt] = (
+            2
+            * B
+            * L
+            * K
+            * (kp.shape[-1] * kp.dtype.itemsize + (ks.dtype.itemsize if ks is not None else 0))
+        )
+        fns[f"native {fmt}"] = (
+            jax.jit(
+                lambda *x, ks=ks, vs=vs: cpu.ragged_paged_attention(
+                    *x, k_scale=ks, v_scale=vs, **kw
+                )
+            ),
+            args,
+        )
         if not a.no_reference:
-            fns[f"reference {fmt}"] = (jax.jit(
-                lambda *x, ks=ks, vs=vs: reference.ragged_paged_attention(
-                    *x, k_scale=ks, v_scale=vs, all_decode=True, **kw)), args)
+            fns[f"reference {fmt}"] = (
+                jax.jit(
+                    lambda *x, ks=ks, vs=vs: reference.ragged_paged_attention(
+                        *x, k_scale=ks, v_scale=vs, all_decode=True, **kw
+                    )
+                ),
+                args,
+            )
     try:
         import torch
     except ImportError:
@@ -98,12 +120,16 @@ def main(argv=None) -> int:
         tq = torch.from_numpy(q)[:, :, None]  # [B, H, 1, D]
         kk = k[:, tables].reshape(K, B, W * ps, D)[:, :, :L].transpose(1, 0, 2, 3)
         vv = v[:, tables].reshape(K, B, W * ps, D)[:, :, :L].transpose(1, 0, 2, 3)
-        tk, tv = torch.from_numpy(np.ascontiguousarray(kk)), torch.from_numpy(np.ascontiguousarray(vv))
+        tk, tv = (
+            torch.from_numpy(np.ascontiguousarray(kk)),
+            torch.from_numpy(np.ascontiguousarray(vv)),
+        )
 
         def run_torch():
             with torch.inference_mode():
                 return torch.nn.functional.scaled_dot_product_attention(
-                    tq, tk, tv, scale=D ** -0.5, enable_gqa=True)
+                    tq, tk, tv, scale=D**-0.5, enable_gqa=True
+                )
 
         want = run_torch()[:, :, 0].numpy()
         for name, (fn, args) in fns.items():  # agreement with the peer (format error aside)
@@ -127,23 +153,50 @@ def main(argv=None) -> int:
     rows = []
     for name, t in ms.items():
         fmt = name.split()[-1]
-        row = dict(name=name, ms=round(t, 3), kv_mib=round(nbytes.get(fmt, nbytes.get("float32", 0))
-                                                          / 2 ** 20, 1))
+        row = dict(
+            name=name,
+            ms=round(t, 3),
+            kv_mib=round(nbytes.get(fmt, nbytes.get("float32", 0)) / 2**20, 1),
+        )
         if base:
             row["speed_vs_native_f32"] = round(base / t, 2)
         if name in oracle:
             row["max_abs_diff_vs_torch_f32"] = round(oracle[name], 4)
         rows.append(row)
-        print(f"{name:24s} {t:8.2f} ms  {row['kv_mib']:7.1f} MiB KV"
-              + (f"  {row['speed_vs_native_f32']:.2f}x native f32" if base else "")
-              + (f"  max|diff| vs torch {oracle[name]:.3g}" if name in oracle else ""), flush=True)
+        print(
+            f"{name:24s} {t:8.2f} ms  {row['kv_mib']:7.1f} MiB KV"
+            + (f"  {row['speed_vs_native_f32']:.2f}x native f32" if base else "")
+            + (f"  max|diff| vs torch {oracle[name]:.3g}" if name in oracle else ""),
+            flush=True,
+        )
     if a.json:
-        cpu_name = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text()
-                         .splitlines() if l.startswith("model name")), platform.processor())
-        Path(a.json).write_text(json.dumps(dict(
-            what="decode attention, one layer", cpu=cpu_name, batch=B, context=L, heads=H,
-            kv_heads=K, head_dim=D, page_size=ps, runs=a.runs, jax=jax.__version__,
-            rows=rows), indent=1) + "\n")
+        cpu_name = next(
+            (
+                l.split(":", 1)[1].strip()
+                for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        Path(a.json).write_text(
+            json.dumps(
+                dict(
+                    what="decode attention, one layer",
+                    cpu=cpu_name,
+                    batch=B,
+                    context=L,
+                    heads=H,
+                    kv_heads=K,
+                    head_dim=D,
+                    page_size=ps,
+                    runs=a.runs,
+                    jax=jax.__version__,
+                    rows=rows,
+                ),
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -36,11 +36,48 @@ ROOT = Path(__file__).resolve().parents[2]
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
-WORDS = ("apple", "river", "garden", "silver", "tiger", "window", "candle", "forest", "rocket",
-         "pencil", "mountain", "ocean", "violin", "dragon", "castle", "pepper", "island",
-         "jacket", "ladder", "mirror", "orange", "planet", "rabbit", "saddle", "tomato",
-         "wallet", "zebra", "anchor", "basket", "cactus", "donkey", "engine", "falcon",
-         "guitar", "hammer", "igloo", "jungle", "kettle", "lemon", "magnet")
+WORDS = (
+    "apple",
+    "river",
+    "garden",
+    "silver",
+    "tiger",
+    "window",
+    "candle",
+    "forest",
+    "rocket",
+    "pencil",
+    "mountain",
+    "ocean",
+    "violin",
+    "dragon",
+    "castle",
+    "pepper",
+    "island",
+    "jacket",
+    "ladder",
+    "mirror",
+    "orange",
+    "planet",
+    "rabbit",
+    "saddle",
+    "tomato",
+    "wallet",
+    "zebra",
+    "anchor",
+    "basket",
+    "cactus",
+    "donkey",
+    "engine",
+    "falcon",
+    "guitar",
+    "hammer",
+    "igloo",
+    "jungle",
+    "kettle",
+    "lemon",
+    "magnet",
+)
 
 
 def samples(n: int, filler: int, seed: int = 0) -> list[tuple[str, str]]:
@@ -53,9 +90,12 @@ def samples(n: int, filler: int, seed: int = 0) -> list[tuple[str, str]]:
         at = int(rng.integers(0, filler))
         parts = [FILLER] * filler
         parts.insert(at, f"The secret word is {key}. Remember it: {key}.")
-        prompt = ("There is an important piece of information hidden inside a lot of "
-                  "irrelevant text. Find it and memorize it.\n" + " ".join(parts)
-                  + "\nWhat is the secret word? The secret word is")
+        prompt = (
+            "There is an important piece of information hidden inside a lot of "
+            "irrelevant text. Find it and memorize it.\n"
+            + " ".join(parts)
+            + "\nWhat is the secret word? The secret word is"
+        )
         out.append((prompt, key))
     return out
 
@@ -64,8 +104,9 @@ def engine(model: str, variant: str, budget: int | None, page_size: int, **kw):
     """An engine of `model` with `variant`'s eviction ("full": none) at `budget`."""
     from jaxkv.core.engine import LLMEngine
 
-    kw.update(page_size=page_size, max_num_batched_tokens=512, enable_prefix_caching=False,
-              warmup=False)
+    kw.update(
+        page_size=page_size, max_num_batched_tokens=512, enable_prefix_caching=False, warmup=False
+    )
     if variant in ("snapkv", "h2o"):
         kw.update(kv_eviction=variant, kv_budget=budget, snapkv_window=min(32, budget // 2))
     elif variant == "streaming":
@@ -84,8 +125,9 @@ def run(model: str, variant: str, budget: int | None, data, page_size: int) -> d
     secs = time.perf_counter() - t0
     answers = [out[i].outputs[0].text for i in ids]
     solved = [re.findall(r"[a-z]+", a.lower())[:1] == [key] for a, (_, key) in zip(answers, data)]
-    return dict(solved=float(np.mean(solved)), seconds=secs, answers=answers[:5],
-                metrics=eng.kv_metrics())
+    return dict(
+        solved=float(np.mean(solved)), seconds=secs, answers=answers[:5], metrics=eng.kv_metrics()
+    )
 
 
 def long_text() -> str:
@@ -94,25 +136,31 @@ def long_text() -> str:
     import os
     import sysconfig
 
-    for d in (sysconfig.get_paths()["stdlib"],
-              os.path.join(sys.base_prefix, "lib", f"python{sys.version_info[0]}."
-                                                    f"{sys.version_info[1]}")):
+    for d in (
+        sysconfig.get_paths()["stdlib"],
+        os.path.join(sys.base_prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}"),
+    ):
         path = Path(d) / "LICENSE.txt"
         if path.exists():
             return path.read_text()
     raise FileNotFoundError("LICENSE.txt of this Python")
 
 
-def likelihood(model: str, variant: str, budget: int | None, context: str, cont: str,
-               page_size: int) -> dict:
+def likelihood(
+    model: str, variant: str, budget: int | None, context: str, cont: str, page_size: int
+) -> dict:
     """Nats per token of `cont` after `context`, the answer forced to
     `cont` by a regex (the log-probabilities reported are the model's own,
     before the token rules), with `variant`'s eviction at `budget`."""
     from jaxkv.core.sampling_params import SamplingParams
 
     eng = engine(model, variant, budget, page_size, max_num_seqs=1, max_model_len=4096)
-    params = SamplingParams(max_tokens=2 * len(cont), temperature=0, logprobs=0,
-                            structured_outputs={"regex": re.escape(cont)})
+    params = SamplingParams(
+        max_tokens=2 * len(cont),
+        temperature=0,
+        logprobs=0,
+        structured_outputs={"regex": re.escape(cont)},
+    )
     rid = eng.add_request(context, params)
     o = eng.run_to_completion([rid])[rid].outputs[0]
     if o.text != cont:
@@ -142,32 +190,57 @@ def main() -> None:
     mean_len = float(np.mean(lengths))
     print(f"{len(data)} prompts of {min(lengths)}-{max(lengths)} tokens (mean {mean_len:.0f})")
     ids = tok.encode(long_text())
-    ctx_ids, cont_ids = ids[:args.context], ids[args.context:args.context + args.continuation]
+    ctx_ids, cont_ids = ids[: args.context], ids[args.context : args.context + args.continuation]
     context, cont = tok.decode(ctx_ids), tok.decode(cont_ids)
     table = {"full": run(args.model, "full", None, data, args.page_size)}
     table["full"]["ll"] = likelihood(args.model, "full", None, context, cont, args.page_size)
-    print(f"full cache: {table['full']['solved']:.1%}; text "
-          f"{table['full']['ll']['nats_per_token']:.4f} nats/token", flush=True)
+    print(
+        f"full cache: {table['full']['solved']:.1%}; text "
+        f"{table['full']['ll']['nats_per_token']:.4f} nats/token",
+        flush=True,
+    )
     for frac in [float(f) for f in args.fractions.split(",")]:
-        budget = max(2 * args.page_size, int(round(frac * mean_len / args.page_size))
-                     * args.page_size)
+        budget = max(
+            2 * args.page_size, int(round(frac * mean_len / args.page_size)) * args.page_size
+        )
         for v in args.variants.split(","):
             res = run(args.model, v, budget, data, args.page_size)
             res["budget"] = budget
-            res["ll_budget"] = lb = max(2 * args.page_size, int(round(
-                frac * args.context / args.page_size)) * args.page_size)
+            res["ll_budget"] = lb = max(
+                2 * args.page_size,
+                int(round(frac * args.context / args.page_size)) * args.page_size,
+            )
             res["ll"] = likelihood(args.model, v, lb, context, cont, args.page_size)
             table[f"{v}@{frac}"] = res
-            print(f"{v:10s} budget {frac:5.1%} ({budget} tokens): {res['solved']:.1%} "
-                  f"({res['seconds']:.0f} s); text {res['ll']['nats_per_token']:.4f} nats/token "
-                  f"at {lb} of {args.context} tokens", flush=True)
-    out = Path(args.out) if args.out else (
-        ROOT / "scripts" / "results" / f"bench_eviction_cpu_{datetime.date.today().isoformat()}.json")
-    out.write_text(json.dumps(dict(command=" ".join(sys.argv), cpu=_cpu_name(),
-                                   cores=_num_cores(), loadavg=_loadavg(),
-                                   prompt_tokens=dict(min=min(lengths), max=max(lengths),
-                                                      mean=mean_len),
-                                   table=table), indent=1))
+            print(
+                f"{v:10s} budget {frac:5.1%} ({budget} tokens): {res['solved']:.1%} "
+                f"({res['seconds']:.0f} s); text {res['ll']['nats_per_token']:.4f} nats/token "
+                f"at {lb} of {args.context} tokens",
+                flush=True,
+            )
+    out = (
+        Path(args.out)
+        if args.out
+        else (
+            ROOT
+            / "scripts"
+            / "results"
+            / f"bench_eviction_cpu_{datetime.date.today().isoformat()}.json"
+        )
+    )
+    out.write_text(
+        json.dumps(
+            dict(
+                command=" ".join(sys.argv),
+                cpu=_cpu_name(),
+                cores=_num_cores(),
+                loadavg=_loadavg(),
+                prompt_tokens=dict(min=min(lengths), max=max(lengths), mean=mean_len),
+                table=table,
+            ),
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

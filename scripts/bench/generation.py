@@ -93,10 +93,18 @@ from scripts.bench.plot import write_plot
 from scripts.bench.report import evaluate_goals, format_report  # noqa: F401 (re-exported)
 
 
-def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | tuple[str, ...] | None = None,
-                   sizes: Sizes = FULL, runs: int = 3, cold_compile: bool = False,
-                   quantize: str | None = None, also_quantize: tuple[str, ...] = (),
-                   engine_options: dict | None = None, log=print) -> dict[str, Any]:
+def run_benchmarks(
+    model: str = DEFAULT_MODEL,
+    *,
+    peer: str | tuple[str, ...] | None = None,
+    sizes: Sizes = FULL,
+    runs: int = 3,
+    cold_compile: bool = False,
+    quantize: str | None = None,
+    also_quantize: tuple[str, ...] = (),
+    engine_options: dict | None = None,
+    log=print,
+) -> dict[str, Any]:
     """Run every phase; returns the results dict (see the module docstring).
     `cold_compile` turns JAX's persistent compilation cache off, so every
     program compiles from scratch as on a machine that never ran jaxkv.
@@ -113,15 +121,28 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | tuple[str, ...] | 
         jax.config.update("jax_enable_compilation_cache", False)
     else:
         from jaxkv.paths import enable_compilation_cache
+
         enable_compilation_cache()
     t_start = time.perf_counter()
     meter = CompileMeter()
-    res: dict[str, Any] = dict(meta=dict(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        model=model, peer=peer, runs=runs, quantize=quantize, sizes=dataclasses.asdict(sizes),
-        cpu=_cpu_name(), cores=_num_cores(), platform=platform.platform(),
-        python=platform.python_version(), jax=jax.__version__, numpy=np.__version__,
-        jax_backend=jax.default_backend(), loadavg_start=_loadavg()))
+    res: dict[str, Any] = dict(
+        meta=dict(
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            model=model,
+            peer=peer,
+            runs=runs,
+            quantize=quantize,
+            sizes=dataclasses.asdict(sizes),
+            cpu=_cpu_name(),
+            cores=_num_cores(),
+            platform=platform.platform(),
+            python=platform.python_version(),
+            jax=jax.__version__,
+            numpy=np.__version__,
+            jax_backend=jax.default_backend(),
+            loadavg_start=_loadavg(),
+        )
+    )
     log(f"bench: memory bandwidth over {sizes.bandwidth_bytes >> 20} MiB ...")
     res["bandwidth"] = bw = measure_bandwidth(sizes.bandwidth_bytes)
     with meter.active():
@@ -129,37 +150,56 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | tuple[str, ...] | 
         src = jaxkv_model_source(model)
         jx = JaxkvBench(src, sizes, meter, quantize, engine_options=engine_options)
         # Lone prompts in one step: an engine whose budget holds the longest.
-        jl = JaxkvBench(src, sizes, meter, share=jx,
-                        max_num_batched_tokens=max(sizes.prefill_lens, default=16))
-        variants = {q: JaxkvBench(src, sizes, meter, q, engine_options=engine_options)
-                    for q in also_quantize}
-        benches = dict(engine=jx, prefill_engine=jl, **{f"engine_{q}": v
-                                                        for q, v in variants.items()})
+        jl = JaxkvBench(
+            src, sizes, meter, share=jx, max_num_batched_tokens=max(sizes.prefill_lens, default=16)
+        )
+        variants = {
+            q: JaxkvBench(src, sizes, meter, q, engine_options=engine_options)
+            for q in also_quantize
+        }
+        benches = dict(
+            engine=jx, prefill_engine=jl, **{f"engine_{q}": v for q, v in variants.items()}
+        )
         hf = HFBench(model, _num_cores()) if "hf" in peer_names else None
         peers = ()
         if "llamacpp" in peer_names:
             from scripts.bench.peer_llamacpp import LlamaCppBench
+
             peers = (LlamaCppBench(model, _num_cores()),)
-            res["meta"].update({f"llamacpp_{k}": v for k, v in peers[0].versions.items()},
-                               llamacpp_load_s=peers[0].load_s)
+            res["meta"].update(
+                {f"llamacpp_{k}": v for k, v in peers[0].versions.items()},
+                llamacpp_load_s=peers[0].load_s,
+            )
         res["meta"]["jaxkv_load_s"] = jx.load_s
-        res["meta"]["engine"] = {k: v for k, v in dataclasses.asdict(jx.engine.config).items()
-                                 if isinstance(v, (int, float, str, bool, type(None)))}
+        res["meta"]["engine"] = {
+            k: v
+            for k, v in dataclasses.asdict(jx.engine.config).items()
+            if isinstance(v, (int, float, str, bool, type(None)))
+        }
         res["meta"]["persistent_compilation_cache"] = bool(
-            jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+            jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+        )
         if hf is not None:
             res["meta"]["hf_load_s"] = hf.load_s
             res["meta"].update({f"hf_{k}": v for k, v in hf.versions.items()})
-        res["model"] = dict(weight_bytes=jx.weight_bytes, kv_bytes_per_token=jx.kv_bytes_per_token,
-                            num_layers=jx.config.num_layers, vocab_size=jx.config.vocab_size)
+        res["model"] = dict(
+            weight_bytes=jx.weight_bytes,
+            kv_bytes_per_token=jx.kv_bytes_per_token,
+            num_layers=jx.config.num_layers,
+            vocab_size=jx.config.vocab_size,
+        )
         res["decode"] = decode_phase(jx, hf, sizes, runs, bw, log, variants, peers)
         res["prefill"] = prefill_phase(jx, jl, hf, sizes, runs, log, peers)
         res["e2e"] = e2e_phase(jx, sizes, runs, log, hf)
     res["ttft"] = ttft_summary(res)
-    res["compile"] = dict(programs=sum(len(b.runner.compiled) for b in benches.values()),
-                          xla_compiles=meter.compiles, cache_hits=meter.cache_hits,
-                          seconds=meter.seconds, warm_up_s=jx.warm_up["wall_s"],
-                          warm_up={k: b.warm_up for k, b in benches.items()})
+    res["compile"] = dict(
+        programs=sum(len(b.runner.compiled) for b in benches.values()),
+        xla_compiles=meter.compiles,
+        cache_hits=meter.cache_hits,
+        seconds=meter.seconds,
+        warm_up_s=jx.warm_up["wall_s"],
+        warm_up={k: b.warm_up for k, b in benches.items()},
+    )
     res["goals"] = evaluate_goals(res)
     res["meta"]["loadavg_end"] = _loadavg()
     res["meta"]["total_s"] = time.perf_counter() - t_start
@@ -168,31 +208,57 @@ def run_benchmarks(model: str = DEFAULT_MODEL, *, peer: str | tuple[str, ...] | 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="scripts/bench/generation.py", description="Generation benchmarks (decode, prefill, end to end); "
-        "prints a markdown table and optionally writes JSON.")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name or path (a GGUF file or Hugging Face folder for --peer hf) "
-                        "(default: %(default)s, read from its GGUF)")
-    p.add_argument("--peer", choices=["hf", "llamacpp"], action="append", default=[],
-                   help="also run a peer on the same weights, interleaved with jaxkv, and print "
-                        "the ratios (repeatable): hf, Hugging Face transformers (torch CPU, "
-                        "float32); llamacpp, llama-cpp-python on the same GGUF (optional, "
-                        "installed by hand; batch-1 decode and prefill)")
+        prog="scripts/bench/generation.py",
+        description="Generation benchmarks (decode, prefill, end to end); "
+        "prints a markdown table and optionally writes JSON.",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model name or path (a GGUF file or Hugging Face folder for --peer hf) "
+        "(default: %(default)s, read from its GGUF)",
+    )
+    p.add_argument(
+        "--peer",
+        choices=["hf", "llamacpp"],
+        action="append",
+        default=[],
+        help="also run a peer on the same weights, interleaved with jaxkv, and print "
+        "the ratios (repeatable): hf, Hugging Face transformers (torch CPU, "
+        "float32); llamacpp, llama-cpp-python on the same GGUF (optional, "
+        "installed by hand; batch-1 decode and prefill)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write the results here")
-    p.add_argument("--quick", action="store_true",
-                   help="smaller workloads (8 decode steps, prefill 256 only, 16 e2e requests)")
-    p.add_argument("--runs", type=int, default=3,
-                   help="timed runs per figure (default: %(default)s)")
-    p.add_argument("--quantize", choices=["int8", "w8a8", "gguf-blocks"], default=None,
-                   help="jaxkv weight format (default: float32; gguf-blocks: a GGUF's weights "
-                        "kept in their blocks; see jaxkv generate --help)")
-    p.add_argument("--also-quantize", choices=["int8", "w8a8", "float32", "gguf-blocks"],
-                   action="append", default=[], help="also decode at HF's batches with these jaxkv weights (another "
-                   "engine), side by side (repeatable); gguf-blocks: a GGUF's weights kept "
-                   "in their blocks (gguf_blocks); float32: every weight dequantized")
-    p.add_argument("--cold-compile", action="store_true",
-                   help="turn JAX's persistent compilation cache off: compile times as on a "
-                        "machine that never ran jaxkv")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller workloads (8 decode steps, prefill 256 only, 16 e2e requests)",
+    )
+    p.add_argument(
+        "--runs", type=int, default=3, help="timed runs per figure (default: %(default)s)"
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "w8a8", "gguf-blocks"],
+        default=None,
+        help="jaxkv weight format (default: float32; gguf-blocks: a GGUF's weights "
+        "kept in their blocks; see jaxkv generate --help)",
+    )
+    p.add_argument(
+        "--also-quantize",
+        choices=["int8", "w8a8", "float32", "gguf-blocks"],
+        action="append",
+        default=[],
+        help="also decode at HF's batches with these jaxkv weights (another "
+        "engine), side by side (repeatable); gguf-blocks: a GGUF's weights kept "
+        "in their blocks (gguf_blocks); float32: every weight dequantized",
+    )
+    p.add_argument(
+        "--cold-compile",
+        action="store_true",
+        help="turn JAX's persistent compilation cache off: compile times as on a "
+        "machine that never ran jaxkv",
+    )
     return p
 
 
@@ -201,9 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.runs < 1:
         _parser().error("--runs must be >= 1")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    res = run_benchmarks(a.model, peer=a.peer, sizes=QUICK if a.quick else FULL, runs=a.runs,
-                         cold_compile=a.cold_compile, quantize=a.quantize,
-                         also_quantize=tuple(a.also_quantize), log=log)
+    res = run_benchmarks(
+        a.model,
+        peer=a.peer,
+        sizes=QUICK if a.quick else FULL,
+        runs=a.runs,
+        cold_compile=a.cold_compile,
+        quantize=a.quantize,
+        also_quantize=tuple(a.also_quantize),
+        log=log,
+    )
     print(format_report(res))
     if a.json:
         path = Path(a.json)

@@ -42,16 +42,34 @@ def tiny_engine(tokenizer, batch: int, length: int):
     from jaxkv.model.llama import Llama
 
     V = tokenizer.vocab_size
-    cfg = ModelConfig(architecture="llama", vocab_size=V, hidden_size=64,
-                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=1,
-                      head_dim=16, max_position_embeddings=length + 64,
-                      eos_token_ids=tuple(tokenizer.eos_token_ids))
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=length + 64,
+        eos_token_ids=tuple(tokenizer.eos_token_ids),
+    )
     model = Llama.random_init(cfg, seed=0)
     pages = batch * (-(-(length + PROMPT_TOKENS + 16) // 16)) + 16
-    return LLMEngine(model, tokenizer, EngineConfig(
-        num_pages=pages, page_size=16, max_num_seqs=batch, max_num_batched_tokens=max(512, batch),
-        num_decode_steps=1, max_model_len=length + PROMPT_TOKENS + 16, async_scheduling=False,
-        warmup=True))
+    return LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(
+            num_pages=pages,
+            page_size=16,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(512, batch),
+            num_decode_steps=1,
+            max_model_len=length + PROMPT_TOKENS + 16,
+            async_scheduling=False,
+            warmup=True,
+        ),
+    )
 
 
 def run(tokenizer, batch: int, lengths: list[int], window: int) -> dict:
@@ -62,9 +80,10 @@ def run(tokenizer, batch: int, lengths: list[int], window: int) -> dict:
     V = tokenizer.vocab_size
     for i in range(batch):
         prompt = [(7919 * i + 31 * j) % (V - 1) + 1 for j in range(PROMPT_TOKENS)]
-        eng.add_request({"prompt_token_ids": prompt},
-                        SamplingParams(max_tokens=longest, ignore_eos=True, temperature=1.0,
-                                       seed=i))
+        eng.add_request(
+            {"prompt_token_ids": prompt},
+            SamplingParams(max_tokens=longest, ignore_eos=True, temperature=1.0, seed=i),
+        )
     host_ms: dict[int, float] = {}  # output length before the step -> host ms
     generated = 0
     t_start = time.perf_counter()
@@ -82,8 +101,11 @@ def run(tokenizer, batch: int, lengths: list[int], window: int) -> dict:
     figures = {}
     for L in lengths:
         xs = [host_ms[n] for n in range(max(1, L - window), L) if n in host_ms]
-        figures[L] = dict(host_ms_median=statistics.median(xs) if xs else None,
-                          host_ms_min=min(xs) if xs else None, steps=len(xs))
+        figures[L] = dict(
+            host_ms_median=statistics.median(xs) if xs else None,
+            host_ms_min=min(xs) if xs else None,
+            steps=len(xs),
+        )
     return dict(batch=batch, figures=figures, wall_s=wall, output_tokens=generated)
 
 
@@ -110,9 +132,14 @@ def main() -> None:
         lo, hi = min(a.lengths), max(a.lengths)
         row["flatness"] = row[f"host_ms_at_{hi}"] / row[f"host_ms_at_{lo}"]
         results.append(row)
-        print(f"batch {b}: " + ", ".join(f"host {row[f'host_ms_at_{L}']:.2f} ms/step at {L} "
-                                         f"tokens" for L in a.lengths)
-              + f"; {hi}/{lo} = {row['flatness']:.2f}x", flush=True)
+        print(
+            f"batch {b}: "
+            + ", ".join(
+                f"host {row[f'host_ms_at_{L}']:.2f} ms/step at {L} tokens" for L in a.lengths
+            )
+            + f"; {hi}/{lo} = {row['flatness']:.2f}x",
+            flush=True,
+        )
     report = dict(cpu=_cpu_name(), cores=_num_cores(), loadavg=_loadavg(), results=results)
     if a.json:
         with open(a.json, "w") as f:

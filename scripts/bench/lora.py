@@ -38,10 +38,22 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:
     """A random PEFT LoRA folder for a model of `config` (jaxkv ModelConfig)."""
     from safetensors.numpy import save_file
 
-    E, H, K, D, F = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                     config.intermediate_size)
-    dims = dict(q_proj=(E, H * D), k_proj=(E, K * D), v_proj=(E, K * D), o_proj=(H * D, E),
-                gate_proj=(E, F), up_proj=(E, F), down_proj=(F, E))
+    E, H, K, D, F = (
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+    )
+    dims = dict(
+        q_proj=(E, H * D),
+        k_proj=(E, K * D),
+        v_proj=(E, K * D),
+        o_proj=(H * D, E),
+        gate_proj=(E, F),
+        up_proj=(E, F),
+        down_proj=(F, E),
+    )
     rng = np.random.default_rng(seed)
     tensors = {}
     for i in range(config.num_layers):
@@ -49,15 +61,26 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:
             part = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             n_in, n_out = dims[m]
             key = f"base_model.model.model.layers.{i}.{part}.{m}"
-            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)
-                                               ).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (0.01 * rng.standard_normal((n_out, rank))
-                                               ).astype(np.float32)
+            tensors[f"{key}.lora_A.weight"] = (
+                rng.standard_normal((rank, n_in)) / np.sqrt(n_in)
+            ).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (0.01 * rng.standard_normal((n_out, rank))).astype(
+                np.float32
+            )
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(dict(
-        peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(MODULES),
-        bias="none", task_type="CAUSAL_LM")))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            dict(
+                peft_type="LORA",
+                r=rank,
+                lora_alpha=2 * rank,
+                target_modules=list(MODULES),
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
+        )
+    )
     return folder
 
 
@@ -77,8 +100,10 @@ class Runs:
         from jaxkv import SamplingParams
 
         sp = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
-        rids = [eng.add_request({"prompt_token_ids": p}, sp, lora_request=loras[i % len(loras)])
-                for i, p in enumerate(self.prompts(batch, prompt))]
+        rids = [
+            eng.add_request({"prompt_token_ids": p}, sp, lora_request=loras[i % len(loras)])
+            for i, p in enumerate(self.prompts(batch, prompt))
+        ]
         seqs = [eng.get_request(r) for r in rids]
         while any(not s.num_output_tokens for s in seqs):
             eng.step()
@@ -100,8 +125,10 @@ class Runs:
 
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
-        rids = [eng.add_request({"prompt_token_ids": p}, sp, lora_request=loras[i % len(loras)])
-                for i, p in enumerate(self.prompts(n, length))]
+        rids = [
+            eng.add_request({"prompt_token_ids": p}, sp, lora_request=loras[i % len(loras)])
+            for i, p in enumerate(self.prompts(n, length))
+        ]
         fin = eng.run_to_completion(rids)
         wall = time.perf_counter() - t0
         if any(fin[r].outputs[0].finish_reason != "length" for r in rids):
@@ -133,13 +160,15 @@ def main(argv=None) -> int:
     cfg = module.config
     common = dict(max_num_seqs=a.batch, max_num_batched_tokens=512, num_pages=1024)
     engines = {"base": LLMEngine(module, tok, EngineConfig(**common))}
-    lora_eng = LLMEngine(module, tok, EngineConfig(**common, enable_lora=True, max_loras=4,
-                                                   max_lora_rank=a.rank))
+    lora_eng = LLMEngine(
+        module, tok, EngineConfig(**common, enable_lora=True, max_loras=4, max_lora_rank=a.rank)
+    )
     tmp = Path(tempfile.mkdtemp(prefix="bench_lora_"))
-    reqs = [LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp / f"a{i}", cfg, a.rank, i)))
-            for i in range(4)]
-    loras = {"base": [None], "lora, 0 adapters": [None], "1 adapter": reqs[:1],
-             "4 adapters": reqs}
+    reqs = [
+        LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp / f"a{i}", cfg, a.rank, i)))
+        for i in range(4)
+    ]
+    loras = {"base": [None], "lora, 0 adapters": [None], "1 adapter": reqs[:1], "4 adapters": reqs}
     runs = Runs(cfg.vocab_size)
     for v in VARIANTS[1:]:  # read the adapters and fill the slots before timing
         runs.prefill(lora_eng, loras[v], len(loras[v]), 16)
@@ -149,20 +178,37 @@ def main(argv=None) -> int:
             eng = engines.get(v, lora_eng)
             got[v]["decode"].append(runs.decode(eng, loras[v], a.batch, 128, a.steps))
             got[v]["prefill"].append(runs.prefill(eng, loras[v], a.prefill_n, a.prefill_len))
-            print(f"run {r + 1}: {v:17s} decode {got[v]['decode'][-1]:7.1f} tok/s  "
-                  f"prefill {got[v]['prefill'][-1]:7.1f} tok/s", flush=True)
+            print(
+                f"run {r + 1}: {v:17s} decode {got[v]['decode'][-1]:7.1f} tok/s  "
+                f"prefill {got[v]['prefill'][-1]:7.1f} tok/s",
+                flush=True,
+            )
     med = {v: {k: statistics.median(x) for k, x in d.items()} for v, d in got.items()}
     print(f"\n{a.model}, rank {a.rank}, {_cpu_name()} ({_num_cores()} cores), medians of {a.runs}")
-    print(f"| variant | decode batch {a.batch} tok/s | vs base | prefill {a.prefill_len} tok/s "
-          "| vs base |\n|---|---:|---:|---:|---:|")
+    print(
+        f"| variant | decode batch {a.batch} tok/s | vs base | prefill {a.prefill_len} tok/s "
+        "| vs base |\n|---|---:|---:|---:|---:|"
+    )
     for v in VARIANTS:
         d, pf = med[v]["decode"], med[v]["prefill"]
-        print(f"| {v} | {d:.1f} | {d / med['base']['decode']:.2f}x | {pf:.1f} | "
-              f"{pf / med['base']['prefill']:.2f}x |")
-    out = dict(date=datetime.date.today().isoformat(), cpu=_cpu_name(), cores=_num_cores(),
-               model=a.model, rank=a.rank, batch=a.batch, steps=a.steps,
-               prefill_len=a.prefill_len, prefill_n=a.prefill_n, runs=got, medians=med,
-               slot_loads=lora_eng.loras.stats["slot_loads"])
+        print(
+            f"| {v} | {d:.1f} | {d / med['base']['decode']:.2f}x | {pf:.1f} | "
+            f"{pf / med['base']['prefill']:.2f}x |"
+        )
+    out = dict(
+        date=datetime.date.today().isoformat(),
+        cpu=_cpu_name(),
+        cores=_num_cores(),
+        model=a.model,
+        rank=a.rank,
+        batch=a.batch,
+        steps=a.steps,
+        prefill_len=a.prefill_len,
+        prefill_n=a.prefill_n,
+        runs=got,
+        medians=med,
+        slot_loads=lora_eng.loras.stats["slot_loads"],
+    )
     path = Path(a.json or ROOT / "scripts" / "results" / f"bench_lora_cpu_{out['date']}.json")
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

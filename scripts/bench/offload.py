@@ -50,8 +50,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("off", "host", "host+disk", "restart")
 
 
-def conversations(tokenizer, vocab: int, n: int, turns: int, system: int,
-                  user: int) -> tuple[list[int], list[list[list[int]]]]:
+def conversations(
+    tokenizer, vocab: int, n: int, turns: int, system: int, user: int
+) -> tuple[list[int], list[list[list[int]]]]:
     """(system prompt, per conversation its users' messages) as token ids:
     distinct slices of the built-in text (or pseudo-random ids)."""
     from scripts.bench.common import prompt_stream
@@ -63,7 +64,7 @@ def conversations(tokenizer, vocab: int, n: int, turns: int, system: int,
         conv = []
         for _ in range(turns):
             off = int(rng.integers(0, len(stream) - user))
-            conv.append(stream[off:off + user])
+            conv.append(stream[off : off + user])
         msgs.append(conv)
     return stream[:system], msgs
 
@@ -71,14 +72,22 @@ def conversations(tokenizer, vocab: int, n: int, turns: int, system: int,
 def make_engine(args, variant: str, disk_dir: str | None, pool_pages: int, host_bytes: int):
     from jaxkv.core.engine import LLMEngine
 
-    kw = dict(num_pages=pool_pages, page_size=args.page_size, max_num_seqs=args.concurrency,
-              max_num_batched_tokens=args.batched_tokens, max_model_len=args.max_model_len,
-              num_decode_steps=args.decode_steps)
+    kw = dict(
+        num_pages=pool_pages,
+        page_size=args.page_size,
+        max_num_seqs=args.concurrency,
+        max_num_batched_tokens=args.batched_tokens,
+        max_model_len=args.max_model_len,
+        num_decode_steps=args.decode_steps,
+    )
     if variant == "host":
         kw.update(kv_offload_memory=host_bytes)
     elif variant in ("host+disk", "restart"):
-        kw.update(kv_offload_memory=max(1, pool_pages * args.page_bytes),
-                  kv_offload_dir=disk_dir, kv_offload_disk="16GiB")
+        kw.update(
+            kv_offload_memory=max(1, pool_pages * args.page_bytes),
+            kv_offload_dir=disk_dir,
+            kv_offload_disk="16GiB",
+        )
     return LLMEngine.from_pretrained(args.model, **kw)
 
 
@@ -96,8 +105,9 @@ def replay(eng, system, msgs, turns: range, history: dict, args) -> list[tuple[i
         while queue and len(live) < args.concurrency:
             c, k = queue.popleft()
             history[c] = history.get(c, list(system)) + msgs[c][k]
-            params = SamplingParams(max_tokens=int(args.answer_lengths[c, k]), temperature=0,
-                                    ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=int(args.answer_lengths[c, k]), temperature=0, ignore_eos=True
+            )
             rid = eng.add_request(list(history[c]), params)
             live[rid] = (c, k, time.perf_counter())
         for out in eng.step():
@@ -138,16 +148,19 @@ def run_variant(args, variant: str, system, msgs, pool_pages: int, host_bytes: i
         shutil.rmtree(disk_dir, ignore_errors=True)
     generated = sum(n for _, _, n in ttft)
     later = [t for k, t, _ in ttft if k >= 1]
-    res = dict(ttft_p50_later=float(np.percentile(later, 50)),
-               ttft_p90_later=float(np.percentile(later, 90)),
-               ttft_p50_turn1=float(np.percentile([t for k, t, _ in ttft if k == 0], 50)),
-               generated_tok_s=generated / t_busy, seconds=t_busy,
-               prompt_tokens_computed=sum(s.get("prompt_tokens_computed", 0)
-                                          for s in stats[0::2]),
-               tiers=stats[1::2])
+    res = dict(
+        ttft_p50_later=float(np.percentile(later, 50)),
+        ttft_p90_later=float(np.percentile(later, 90)),
+        ttft_p50_turn1=float(np.percentile([t for k, t, _ in ttft if k == 0], 50)),
+        generated_tok_s=generated / t_busy,
+        seconds=t_busy,
+        prompt_tokens_computed=sum(s.get("prompt_tokens_computed", 0) for s in stats[0::2]),
+        tiers=stats[1::2],
+    )
     if variant == "restart":
-        res["ttft_p50_after_restart"] = float(np.percentile(
-            [t for k, t, _ in ttft if k >= args.turns // 2], 50))
+        res["ttft_p50_after_restart"] = float(
+            np.percentile([t for k, t, _ in ttft if k >= args.turns // 2], 50)
+        )
     return res
 
 
@@ -163,9 +176,13 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--batched-tokens", type=int, default=512)
     ap.add_argument("--pool-fraction", type=float, default=0.2)
-    ap.add_argument("--decode-steps", type=int, default=1,
-                    help="the engine's num_decode_steps (1: a turn's TTFT never waits on a "
-                         "multi-step decode call already in flight)")
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="the engine's num_decode_steps (1: a turn's TTFT never waits on a "
+        "multi-step decode call already in flight)",
+    )
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None)
@@ -174,19 +191,27 @@ def main() -> None:
     from jaxkv.model.kv_cache import paged_leaves
     from scripts.bench.common import _cpu_name, _loadavg, _num_cores
 
-    probe = LLMEngine.from_pretrained(args.model, num_pages=4, page_size=args.page_size,
-                                      warmup=False)
+    probe = LLMEngine.from_pretrained(
+        args.model, num_pages=4, page_size=args.page_size, warmup=False
+    )
     tokenizer, vocab = probe.tokenizer, probe.model_config.vocab_size
     args.page_bytes = sum(x.nbytes // x.shape[1] for x in paged_leaves(probe.runner.cache))
     del probe
-    system, msgs = conversations(tokenizer, vocab, args.conversations, args.turns, args.system,
-                                 args.user)
+    system, msgs = conversations(
+        tokenizer, vocab, args.conversations, args.turns, args.system, args.user
+    )
     args.answer_lengths = np.random.default_rng(11).integers(
-        args.answer // 2, args.answer * 3 // 2 + 1, (args.conversations, args.turns))
+        args.answer // 2, args.answer * 3 // 2 + 1, (args.conversations, args.turns)
+    )
     final = args.system + args.turns * args.user + int(args.answer_lengths.sum(1).max())
     args.max_model_len = final + args.page_size
-    pool_pages = max(int(args.pool_fraction * args.conversations * final / args.page_size),
-                     args.concurrency * -(-final // args.page_size)) + 1
+    pool_pages = (
+        max(
+            int(args.pool_fraction * args.conversations * final / args.page_size),
+            args.concurrency * -(-final // args.page_size),
+        )
+        + 1
+    )
     host_bytes = int(1.25 * args.conversations * final / args.page_size) * args.page_bytes
     variants = args.variants.split(",")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
@@ -194,9 +219,12 @@ def main() -> None:
         for v in variants:
             res = run_variant(args, v, system, msgs, pool_pages, host_bytes)
             runs[v].append(res)
-            print(f"run {r} {v:10s} ttft p50 {res['ttft_p50_later'] * 1e3:8.1f} ms  p90 "
-                  f"{res['ttft_p90_later'] * 1e3:8.1f} ms  {res['generated_tok_s']:6.1f} tok/s  "
-                  f"computed {res['prompt_tokens_computed']}", flush=True)
+            print(
+                f"run {r} {v:10s} ttft p50 {res['ttft_p50_later'] * 1e3:8.1f} ms  p90 "
+                f"{res['ttft_p90_later'] * 1e3:8.1f} ms  {res['generated_tok_s']:6.1f} tok/s  "
+                f"computed {res['prompt_tokens_computed']}",
+                flush=True,
+            )
 
     def med(v, key):
         xs = [r[key] for r in runs[v] if key in r]
@@ -204,24 +232,57 @@ def main() -> None:
 
     table = {}
     for v in variants:
-        table[v] = {k: med(v, k) for k in ("ttft_p50_later", "ttft_p90_later", "ttft_p50_turn1",
-                                           "generated_tok_s", "prompt_tokens_computed",
-                                           "ttft_p50_after_restart")}
+        table[v] = {
+            k: med(v, k)
+            for k in (
+                "ttft_p50_later",
+                "ttft_p90_later",
+                "ttft_p50_turn1",
+                "generated_tok_s",
+                "prompt_tokens_computed",
+                "ttft_p50_after_restart",
+            )
+        }
         if "off" in table:
-            table[v]["ttft_p50_speedup_vs_off"] = (table["off"]["ttft_p50_later"]
-                                                   / table[v]["ttft_p50_later"])
+            table[v]["ttft_p50_speedup_vs_off"] = (
+                table["off"]["ttft_p50_later"] / table[v]["ttft_p50_later"]
+            )
     print(f"\n{'variant':10s} {'TTFT p50':>10s} {'TTFT p90':>10s} {'x off':>7s} {'tok/s':>7s}")
     for v, t in table.items():
-        print(f"{v:10s} {t['ttft_p50_later'] * 1e3:8.1f}ms {t['ttft_p90_later'] * 1e3:8.1f}ms "
-              f"{t.get('ttft_p50_speedup_vs_off', float('nan')):6.2f}x "
-              f"{t['generated_tok_s']:7.1f}")
-    out = Path(args.out) if args.out else (
-        ROOT / "scripts" / "results" / f"bench_offload_cpu_{datetime.date.today().isoformat()}.json")
-    out.write_text(json.dumps(dict(
-        command=" ".join(sys.argv), cpu=_cpu_name(), cores=_num_cores(), loadavg=_loadavg(),
-        args={k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in vars(args).items()},
-        pool_pages=pool_pages,
-        host_bytes=host_bytes, final_history_tokens=final, table=table, runs=runs), indent=1))
+        print(
+            f"{v:10s} {t['ttft_p50_later'] * 1e3:8.1f}ms {t['ttft_p90_later'] * 1e3:8.1f}ms "
+            f"{t.get('ttft_p50_speedup_vs_off', float('nan')):6.2f}x "
+            f"{t['generated_tok_s']:7.1f}"
+        )
+    out = (
+        Path(args.out)
+        if args.out
+        else (
+            ROOT
+            / "scripts"
+            / "results"
+            / f"bench_offload_cpu_{datetime.date.today().isoformat()}.json"
+        )
+    )
+    out.write_text(
+        json.dumps(
+            dict(
+                command=" ".join(sys.argv),
+                cpu=_cpu_name(),
+                cores=_num_cores(),
+                loadavg=_loadavg(),
+                args={
+                    k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in vars(args).items()
+                },
+                pool_pages=pool_pages,
+                host_bytes=host_bytes,
+                final_history_tokens=final,
+                table=table,
+                runs=runs,
+            ),
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -30,16 +30,21 @@ class HFBench:
         t = time.perf_counter()
         kw = dict(gguf_file=src[1]) if src[1] else {}
         self.model = tf.AutoModelForCausalLM.from_pretrained(
-            src[0], dtype=torch.float32, **kw).eval()
+            src[0], dtype=torch.float32, **kw
+        ).eval()
         self.load_s = time.perf_counter() - t
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep = "logits_to_keep" in params
         self.threads = dict(decode=cores, prefill=cores)
         self.calibration = self._calibrate(sorted({cores, 1}, reverse=True))
-        self.versions = dict(torch=torch.__version__, transformers=tf.__version__,
-                             attn_implementation=self.model.config._attn_implementation,
-                             threads=dict(self.threads), thread_trial_ms=self.calibration)
+        self.versions = dict(
+            torch=torch.__version__,
+            transformers=tf.__version__,
+            attn_implementation=self.model.config._attn_implementation,
+            threads=dict(self.threads),
+            thread_trial_ms=self.calibration,
+        )
 
     def _calibrate(self, candidates: list[int]) -> dict[str, dict[int, float]]:
         """ms of a 4-step batch-1 decode and of a 64-token prefill per
@@ -101,18 +106,28 @@ class HFBench:
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         n = max(olens)
         with torch.inference_mode():
             t = time.perf_counter()
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
             wall = time.perf_counter() - t
         if out.shape[1] != width + n:
             raise RuntimeError(f"HF generate returned {out.shape[1] - width} tokens, asked {n}")
-        return dict(wall_s=wall, output_tokens=sum(olens),
-                    prompt_tokens=sum(map(len, prompts)), generated_tokens=n * len(prompts))
+        return dict(
+            wall_s=wall,
+            output_tokens=sum(olens),
+            prompt_tokens=sum(map(len, prompts)),
+            generated_tokens=n * len(prompts),
+        )
 
 
 def _hf_source(model: str) -> tuple[str, str | None]:

@@ -36,9 +36,18 @@ class JaxkvBench:
     # window (they are aborted at its end, never finish inside it).
     DECODE_MARGIN = 64
 
-    def __init__(self, model: str, sizes, meter: CompileMeter, quantize: str | None = None,
-                 tensor_parallel_size: int = 1, *, share: JaxkvBench | None = None,
-                 max_num_batched_tokens: int | None = None, engine_options: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        sizes,
+        meter: CompileMeter,
+        quantize: str | None = None,
+        tensor_parallel_size: int = 1,
+        *,
+        share: JaxkvBench | None = None,
+        max_num_batched_tokens: int | None = None,
+        engine_options: dict | None = None,
+    ):
         """`max_num_batched_tokens`: an engine for lone prompts (one
         sequence a step) with this token budget instead of the default;
         `share`: reuse that bench's weights and tokenizer, not a new load;
@@ -55,43 +64,69 @@ class JaxkvBench:
         ps = 16
         pages = lambda n: -(-n // ps)  # noqa: E731
         longest = max(pages(n + 1) for n in (1, *sizes.prefill_lens, *sizes.prefill_chunked))
-        need = max(max(sizes.decode_batches) * pages(sizes.decode_prompt + sizes.decode_steps
-                                                     + self.DECODE_MARGIN),
-                   sum(pages(p + o) for p, o in zip(e2e_p, e2e_o)), longest)
+        need = max(
+            max(sizes.decode_batches)
+            * pages(sizes.decode_prompt + sizes.decode_steps + self.DECODE_MARGIN),
+            sum(pages(p + o) for p, o in zip(e2e_p, e2e_o)),
+            longest,
+        )
         # "gguf-blocks": a GGUF's weights kept in their blocks; "float32": every weight float32.
         blocks = dict(gguf_blocks=quantize == "gguf-blocks")
         quantize = None if quantize in ("float32", "gguf-blocks") else quantize
-        kw = dict(page_size=ps, num_pages=need + 2, quantize=quantize, **blocks,
-                  max_num_seqs=max(64, *sizes.decode_batches),
-                  tensor_parallel_size=tensor_parallel_size)
+        kw = dict(
+            page_size=ps,
+            num_pages=need + 2,
+            quantize=quantize,
+            **blocks,
+            max_num_seqs=max(64, *sizes.decode_batches),
+            tensor_parallel_size=tensor_parallel_size,
+        )
         kw.update(engine_options or {})
         if max_num_batched_tokens is not None:
-            kw.update(num_pages=longest + 2, max_num_seqs=1,
-                      max_num_batched_tokens=max_num_batched_tokens)
+            kw.update(
+                num_pages=longest + 2, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens
+            )
         s0, n0, h0 = meter.snapshot()
         if share is None:
             t, self.engine = _timed(lambda: LLMEngine.from_pretrained(model, **kw))
         else:
             from flax import nnx
+
             module = nnx.merge(share.runner.graphdef, share.runner.state)
             t, self.engine = _timed(lambda: LLMEngine(module, share.tokenizer, EngineConfig(**kw)))
         s1, n1, h1 = meter.snapshot()
         report = self.engine.warmup_report or dict(programs=0, seconds=0.0)
-        self.warm_up = dict(new_programs=report["programs"], wall_s=report["seconds"],
-                            xla_compiles=n1 - n0, cache_hits=h1 - h0, compile_s=s1 - s0)
+        self.warm_up = dict(
+            new_programs=report["programs"],
+            wall_s=report["seconds"],
+            xla_compiles=n1 - n0,
+            cache_hits=h1 - h0,
+            compile_s=s1 - s0,
+        )
         self.load_s = t - report["seconds"]
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.model_config
-        self.stream = prompt_stream(self.tokenizer, self.config.vocab_size,
-                                    max([sizes.decode_prompt, *sizes.prefill_lens,
-                                         *sizes.prefill_chunked, sizes.e2e_prompt[1]]))
+        self.stream = prompt_stream(
+            self.tokenizer,
+            self.config.vocab_size,
+            max(
+                [
+                    sizes.decode_prompt,
+                    *sizes.prefill_lens,
+                    *sizes.prefill_chunked,
+                    sizes.e2e_prompt[1],
+                ]
+            ),
+        )
         self._salts = sorted(set(self.stream))
         self._submissions = 0
         # Bytes a batch-1 step reads: every weight, but the embedding table
         # only where it is also the head (tied, no separate lm_head); else
         # its rows are gathered, not read whole.
-        paths = [(jax.tree_util.keystr(p), x)
-                 for p, x in jax.tree_util.tree_leaves_with_path(self.runner.state)]
+        paths = [
+            (jax.tree_util.keystr(p), x)
+            for p, x in jax.tree_util.tree_leaves_with_path(self.runner.state)
+        ]
         self.weight_bytes = sum(x.nbytes for _, x in paths)
         if any("lm_head" in k for k, _ in paths):
             self.weight_bytes -= sum(x.nbytes for k, x in paths if "embed" in k)
@@ -109,11 +144,14 @@ class JaxkvBench:
 
     def _params(self, max_tokens: int):
         from jaxkv import SamplingParams
+
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def _submit(self, prompts: list[list[int]], max_tokens: list[int]) -> list[str]:
-        return [self.engine.add_request({"prompt_token_ids": p}, self._params(m))
-                for p, m in zip(self._salted(prompts), max_tokens)]
+        return [
+            self.engine.add_request({"prompt_token_ids": p}, self._params(m))
+            for p, m in zip(self._salted(prompts), max_tokens)
+        ]
 
     def _timed_engine(self, fn: Callable[[], Any]) -> tuple[float, Any, dict[str, Any]]:
         """Run `fn`; (wall seconds, its result, runner calls / seconds and
@@ -122,9 +160,15 @@ class JaxkvBench:
         _, n0, _ = self.meter.snapshot()
         wall, out = _timed(fn)
         _, n1, _ = self.meter.snapshot()
-        return wall, out, dict(engine_steps=self.runner.stats["calls"] - st["calls"],
-                               runner_s=self.runner.stats["seconds"] - st["seconds"],
-                               new_compiles=n1 - n0)
+        return (
+            wall,
+            out,
+            dict(
+                engine_steps=self.runner.stats["calls"] - st["calls"],
+                runner_s=self.runner.stats["seconds"] - st["seconds"],
+                new_compiles=n1 - n0,
+            ),
+        )
 
     def decode_run(self, prompts: list[list[int]], steps: int) -> dict[str, Any]:
         """Prefill `prompts` (untimed), then time the engine while every
@@ -174,11 +218,18 @@ class JaxkvBench:
         wall, outs, m = self._timed_engine(run)
         for o, r in zip(outs, reqs):
             if len(o.outputs[0].token_ids) != r.max_tokens:
-                raise RuntimeError(f"request {o.request_id}: {len(o.outputs[0].token_ids)} tokens, "
-                                   f"expected {r.max_tokens} ({o.outputs[0].finish_reason})")
+                raise RuntimeError(
+                    f"request {o.request_id}: {len(o.outputs[0].token_ids)} tokens, "
+                    f"expected {r.max_tokens} ({o.outputs[0].finish_reason})"
+                )
         ttft = [o.metrics["first_token"] - o.metrics["arrival"] for o in outs]
-        return dict(wall_s=wall, output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
-                    prompt_tokens=sum(len(r.prompt) for r in reqs), ttft_s=ttft, **m)
+        return dict(
+            wall_s=wall,
+            output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+            prompt_tokens=sum(len(r.prompt) for r in reqs),
+            ttft_s=ttft,
+            **m,
+        )
 
 
 def jaxkv_model_source(model: str) -> str:
@@ -190,4 +241,3 @@ def jaxkv_model_source(model: str) -> str:
     if model.lower() == GEMMA3_MODEL:
         return str(fetch_gemma3_gguf())
     return model
-

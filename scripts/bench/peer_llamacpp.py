@@ -33,8 +33,14 @@ class _Model:
         import llama_cpp
 
         t = time.perf_counter()
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=cores,
-                                   n_threads_batch=cores, n_batch=512, verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=path,
+            n_ctx=n_ctx,
+            n_threads=cores,
+            n_threads_batch=cores,
+            n_batch=512,
+            verbose=False,
+        )
         self.load_s = time.perf_counter() - t
         self.n_vocab = self.llm.n_vocab()
         self.version = llama_cpp.__version__
@@ -88,8 +94,10 @@ class LlamaCppBench:
         import multiprocessing as mp
 
         if importlib.util.find_spec("llama_cpp") is None:
-            raise SystemExit("--peer llamacpp needs llama-cpp-python (pip install "
-                             "llama-cpp-python; it builds llama.cpp from source)")
+            raise SystemExit(
+                "--peer llamacpp needs llama-cpp-python (pip install "
+                "llama-cpp-python; it builds llama.cpp from source)"
+            )
         from scripts.bench.peer_jaxkv import jaxkv_model_source
 
         path = Path(jaxkv_model_source(model)).expanduser()
@@ -97,15 +105,18 @@ class LlamaCppBench:
             raise SystemExit(f"--peer llamacpp: {model!r} is not a GGUF file")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, str(path), cores, n_ctx),
-                                 daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(child, str(path), cores, n_ctx), daemon=True)
         self._proc.start()
         status, info = self._conn.recv()
         if status != "ok":
             raise SystemExit(f"--peer llamacpp: {info}")
         self.load_s = info["load_s"]
-        self.versions = dict(llama_cpp_python=info["version"], threads=cores, gguf=path.name,
-                             process="own child process")
+        self.versions = dict(
+            llama_cpp_python=info["version"],
+            threads=cores,
+            gguf=path.name,
+            process="own child process",
+        )
 
     def _call(self, method: str, *args) -> float:
         self._conn.send((method, args))

@@ -45,22 +45,29 @@ def main(argv=None) -> int:
         q = rng.standard_normal((T, H, D), np.float32)
         k = rng.standard_normal((K, P * ps, D), np.float32)
         v = rng.standard_normal((K, P * ps, D), np.float32)
-        args = (jnp.asarray(q), jnp.asarray(k.reshape(K, P, ps, D)),
-                jnp.asarray(v.reshape(K, P, ps, D)), jnp.array([T], jnp.int32),
-                jnp.arange(P, dtype=jnp.int32)[None], jnp.array([0, T], jnp.int32),
-                jnp.array(1, jnp.int32))
+        args = (
+            jnp.asarray(q),
+            jnp.asarray(k.reshape(K, P, ps, D)),
+            jnp.asarray(v.reshape(K, P, ps, D)),
+            jnp.array([T], jnp.int32),
+            jnp.arange(P, dtype=jnp.int32)[None],
+            jnp.array([0, T], jnp.int32),
+            jnp.array(1, jnp.int32),
+        )
         bq = dense.dense_block(T, 1)
-        fns = dict(dense=jax.jit(
-            lambda *x: dense.dense_prefill(*x, block_q=bq, sm_scale=D ** -0.5)[0]))
+        fns = dict(
+            dense=jax.jit(lambda *x: dense.dense_prefill(*x, block_q=bq, sm_scale=D**-0.5)[0])
+        )
         if cpu.available():
-            fns["native"] = jax.jit(lambda *x: cpu.dense_prefill(*x, sm_scale=D ** -0.5)[0])
+            fns["native"] = jax.jit(lambda *x: cpu.dense_prefill(*x, sm_scale=D**-0.5)[0])
         tq = torch.from_numpy(q).permute(1, 0, 2)[None]
         tk, tv = (torch.from_numpy(x[:, :T])[None] for x in (k, v))
 
         def run_torch():
             with torch.inference_mode():
                 return torch.nn.functional.scaled_dot_product_attention(
-                    tq, tk, tv, is_causal=True, enable_gqa=True)
+                    tq, tk, tv, is_causal=True, enable_gqa=True
+                )
 
         ref = run_torch()[0].permute(1, 0, 2).numpy()
         err = 0.0
@@ -78,10 +85,16 @@ def main(argv=None) -> int:
             run_torch()
             times["torch"].append(time.perf_counter() - t)
         ms = {n: statistics.median(x) * 1e3 for n, x in times.items()}
-        print(f"T={T}: " + ", ".join(
-            f"jaxkv {n}{f' (block {bq})' if n == 'dense' else ''} {ms[n]:.1f} ms "
-            f"({ms['torch'] / ms[n]:.2f}x torch)" for n in fns)
-            + f", torch sdpa {ms['torch']:.1f} ms (max |diff| {err:.1e})", flush=True)
+        print(
+            f"T={T}: "
+            + ", ".join(
+                f"jaxkv {n}{f' (block {bq})' if n == 'dense' else ''} {ms[n]:.1f} ms "
+                f"({ms['torch'] / ms[n]:.2f}x torch)"
+                for n in fns
+            )
+            + f", torch sdpa {ms['torch']:.1f} ms (max |diff| {err:.1e})",
+            flush=True,
+        )
     return 0
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 
 
-
 def _profile_run(jx, reqs) -> dict:
     runner = jx.runner
     calls = []
@@ -33,9 +32,16 @@ def _profile_run(jx, reqs) -> dict:
 
     def rec_dispatch(plan):
         p = dispatch(plan)
-        p._prof = dict(kind=p.key.kind, tokens=p.key.tokens, seqs=p.key.seqs,
-                       rows=plan.num_rows, live=plan.num_seqs, steps=plan.num_steps,
-                       prefill_rows=int((plan.q_lens[plan.q_lens > 1]).sum()), t0=p.t0)
+        p._prof = dict(
+            kind=p.key.kind,
+            tokens=p.key.tokens,
+            seqs=p.key.seqs,
+            rows=plan.num_rows,
+            live=plan.num_seqs,
+            steps=plan.num_steps,
+            prefill_rows=int((plan.q_lens[plan.q_lens > 1]).sum()),
+            t0=p.t0,
+        )
         return p
 
     def rec_fetch(p):
@@ -54,8 +60,9 @@ def _profile_run(jx, reqs) -> dict:
         wall = time.perf_counter() - t
     finally:
         runner.dispatch, runner.fetch = dispatch, fetch
-    by = collections.defaultdict(lambda: dict(calls=0, s=0.0, rows=0, padded_rows=0,
-                                              prefill_rows=0, steps=0, tokens_out=0))
+    by = collections.defaultdict(
+        lambda: dict(calls=0, s=0.0, rows=0, padded_rows=0, prefill_rows=0, steps=0, tokens_out=0)
+    )
     for c in calls:
         name = "mixed (prefill chunks)" if c["prefill_rows"] else f"decode ({c['kind']})"
         b = by[name]
@@ -67,8 +74,14 @@ def _profile_run(jx, reqs) -> dict:
         b["steps"] += c["steps"]
         b["tokens_out"] += c["tokens_out"]
     device = sum(c["s"] for c in calls)
-    return dict(wall_s=wall, output_tokens=out["output_tokens"], device_calls_s=device,
-                host_outside_calls_s=wall - device, by_kind=dict(by), calls=calls)
+    return dict(
+        wall_s=wall,
+        output_tokens=out["output_tokens"],
+        device_calls_s=device,
+        host_outside_calls_s=wall - device,
+        by_kind=dict(by),
+        calls=calls,
+    )
 
 
 def main(argv=None) -> int:
@@ -92,20 +105,35 @@ def main(argv=None) -> int:
     runs.sort(key=lambda r: r["wall_s"])
     m = runs[(len(runs) - 1) // 2]
     walls = ", ".join(f"{r['wall_s']:.2f}" for r in runs)
-    print(f"{len(reqs)} requests, {sum(plens)} prompt + {sum(olens)} output tokens; "
-          f"median run {m['wall_s']:.2f} s ({m['output_tokens'] / m['wall_s']:.1f} output tok/s; "
-          f"runs {walls} s)")
+    print(
+        f"{len(reqs)} requests, {sum(plens)} prompt + {sum(olens)} output tokens; "
+        f"median run {m['wall_s']:.2f} s ({m['output_tokens'] / m['wall_s']:.1f} output tok/s; "
+        f"runs {walls} s)"
+    )
     print("| part | calls | steps | rows (real / padded) | prefill rows | seconds | share |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, b in sorted(m["by_kind"].items()):
-        print(f"| {name} | {b['calls']} | {b['steps']} | {b['rows']} / {b['padded_rows']} | "
-              f"{b['prefill_rows']} | {b['s']:.2f} | {b['s'] / m['wall_s']:.0%} |")
-    print(f"| host outside the calls | | | | | {m['host_outside_calls_s']:.2f} | "
-          f"{m['host_outside_calls_s'] / m['wall_s']:.0%} |")
+        print(
+            f"| {name} | {b['calls']} | {b['steps']} | {b['rows']} / {b['padded_rows']} | "
+            f"{b['prefill_rows']} | {b['s']:.2f} | {b['s'] / m['wall_s']:.0%} |"
+        )
+    print(
+        f"| host outside the calls | | | | | {m['host_outside_calls_s']:.2f} | "
+        f"{m['host_outside_calls_s'] / m['wall_s']:.0%} |"
+    )
     if a.json:
-        a.json.write_text(json.dumps(dict(
-            model=a.model, quantize=a.quantize, runs_wall_s=[r["wall_s"] for r in runs],
-            median=m, median_wall_s=statistics.median(r["wall_s"] for r in runs)), indent=1))
+        a.json.write_text(
+            json.dumps(
+                dict(
+                    model=a.model,
+                    quantize=a.quantize,
+                    runs_wall_s=[r["wall_s"] for r in runs],
+                    median=m,
+                    median_wall_s=statistics.median(r["wall_s"] for r in runs),
+                ),
+                indent=1,
+            )
+        )
     return 0
 
 

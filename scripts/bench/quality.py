@@ -33,11 +33,18 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--what", choices=["kv", "weights"], default="kv",
-                    help="kv: float32 / bfloat16 / int8 KV caches; weights: float32 / int8 / "
-                         "w8a8 weights (default: %(default)s)")
-    ap.add_argument("--kv", default="float32,bfloat16,int8,int4,fp8,fp8_e5m2",
-                    help="KV dtypes for --what kv, comma-separated (default: %(default)s)")
+    ap.add_argument(
+        "--what",
+        choices=["kv", "weights"],
+        default="kv",
+        help="kv: float32 / bfloat16 / int8 KV caches; weights: float32 / int8 / "
+        "w8a8 weights (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--kv",
+        default="float32,bfloat16,int8,int4,fp8,fp8_e5m2",
+        help="KV dtypes for --what kv, comma-separated (default: %(default)s)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     from checkpoints import load_checkpoint
@@ -59,30 +66,49 @@ def main(argv=None):
         def forced(x, y):
             return teacher_forced_agreement(model, tok, runs[y], kv_dtype=x)
     else:
-        models = {q or "float32": Llama.from_params(config, params, quantize=q)
-                  for q in (None, "int8", "w8a8")}
+        models = {
+            q or "float32": Llama.from_params(config, params, quantize=q)
+            for q in (None, "int8", "w8a8")
+        }
         # 16 sequences per step, as a batched run decodes.
-        runs = {k: greedy_outputs(m, tok, a.prompts, a.tokens, max_num_seqs=16)
-                for k, m in models.items()}
+        runs = {
+            k: greedy_outputs(m, tok, a.prompts, a.tokens, max_num_seqs=16)
+            for k, m in models.items()
+        }
         ll = {k: mean_loglik(m, tok) for k, m in models.items()}
         pairs = (("int8", "float32"), ("w8a8", "float32"))
 
         def forced(x, y):
             return teacher_forced_agreement(models[x], tok, runs[y])
+
     from scripts.bench.common import _cpu_name
 
-    res = {"what": a.what, "model": a.model, "prompts": a.prompts, "tokens": a.tokens,
-           "cpu": _cpu_name(), "mean_loglik": ll, "agreement": {}}
-    print(f"| {'KV cache' if a.what == 'kv' else 'weights'} | vs | identical outputs | "
-          "mean agreeing prefix | same next token, same prefix | mean log-lik | delta |")
+    res = {
+        "what": a.what,
+        "model": a.model,
+        "prompts": a.prompts,
+        "tokens": a.tokens,
+        "cpu": _cpu_name(),
+        "mean_loglik": ll,
+        "agreement": {},
+    }
+    print(
+        f"| {'KV cache' if a.what == 'kv' else 'weights'} | vs | identical outputs | "
+        "mean agreeing prefix | same next token, same prefix | mean log-lik | delta |"
+    )
     print("|---|---|---|---|---|---|---|")
     for x, y in pairs:
         same, prefix = agreement(runs[x], runs[y])
         tf = forced(x, y)
-        res["agreement"][f"{x}_vs_{y}"] = {"identical": same, "prefix": prefix,
-                                            "teacher_forced": tf}
-        print(f"| {x} | {y} | {same}/{a.prompts} | {prefix:.3f} | {tf:.4f} | {ll[x]:.4f} | "
-              f"{ll[x] - ll[y]:+.4f} |")
+        res["agreement"][f"{x}_vs_{y}"] = {
+            "identical": same,
+            "prefix": prefix,
+            "teacher_forced": tf,
+        }
+        print(
+            f"| {x} | {y} | {same}/{a.prompts} | {prefix:.3f} | {tf:.4f} | {ll[x]:.4f} | "
+            f"{ll[x] - ll[y]:+.4f} |"
+        )
     print(f"({time.perf_counter() - t0:.0f} s)")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))

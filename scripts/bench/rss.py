@@ -37,14 +37,16 @@ def _hf_generate(prompt: str, max_tokens: int) -> None:
     path = fetch_smollm2_gguf()
     kw = dict(gguf_file=path.name)
     tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
-    model = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32,
-                                                    **kw).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                  add_generation_prompt=True, return_tensors="pt")
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), dtype=torch.float32, **kw
+    ).eval()
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids if torch.is_tensor(ids) else ids["input_ids"]
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    print(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
 
 def main(argv=None) -> int:
@@ -57,15 +59,33 @@ def main(argv=None) -> int:
     if a.hf_child:
         _hf_generate(a.prompt, a.max_tokens)
         return 0
-    cmds = {"jaxkv": [sys.executable, "-m", "jaxkv", "generate", a.prompt,
-                      "--max-tokens", str(a.max_tokens)],
-            "hf": [sys.executable, os.path.abspath(__file__), "--hf-child", "--prompt", a.prompt,
-                   "--max-tokens", str(a.max_tokens)]}
+    cmds = {
+        "jaxkv": [
+            sys.executable,
+            "-m",
+            "jaxkv",
+            "generate",
+            a.prompt,
+            "--max-tokens",
+            str(a.max_tokens),
+        ],
+        "hf": [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--hf-child",
+            "--prompt",
+            a.prompt,
+            "--max-tokens",
+            str(a.max_tokens),
+        ],
+    }
     print("| system | peak RSS (GB), each run | answer |\n|---|---|---|")
     for name, cmd in cmds.items():
         runs = [_peak_rss(cmd) for _ in range(a.runs)]
-        print(f"| {name} | {', '.join(f'{r / 1e9:.2f}' for r, _ in runs)} | "
-              f"{runs[-1][1][:60]!r} |", flush=True)
+        print(
+            f"| {name} | {', '.join(f'{r / 1e9:.2f}' for r, _ in runs)} | {runs[-1][1][:60]!r} |",
+            flush=True,
+        )
     return 0
 
 

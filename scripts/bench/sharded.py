@@ -29,15 +29,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="scripts/bench/sharded.py", description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, required=True, help="tensor_parallel_size to compare with 1")
     p.add_argument("--model", default=None, help="model name or path (default: the default model)")
-    p.add_argument("--cpu-devices", type=int, default=None,
-                   help="give this process N virtual CPU devices (XLA_FLAGS, before jax starts)")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="give this process N virtual CPU devices (XLA_FLAGS, before jax starts)",
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--full", action="store_true", help="scripts/bench/generation.py's full sizes")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     if a.cpu_devices:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
-                                   f"device_count={a.cpu_devices}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+            f"device_count={a.cpu_devices}"
+        ).strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
@@ -54,9 +60,18 @@ def main(argv=None) -> int:
     with meter.active():
         benches = {tp: JaxkvBench(model, sizes, meter, tensor_parallel_size=tp) for tp in (1, a.tp)}
         stream = benches[1].stream
-        res = dict(meta=dict(model=a.model or DEFAULT_MODEL, tp=a.tp, runs=a.runs,
-                             devices=jax.device_count(), backend=jax.default_backend(),
-                             jax=jax.__version__), decode={}, prefill={})
+        res = dict(
+            meta=dict(
+                model=a.model or DEFAULT_MODEL,
+                tp=a.tp,
+                runs=a.runs,
+                devices=jax.device_count(),
+                backend=jax.default_backend(),
+                jax=jax.__version__,
+            ),
+            decode={},
+            prefill={},
+        )
         for B in sizes.decode_batches:
             prompts = make_prompts(stream, [sizes.decode_prompt] * B)
             rates = {tp: [] for tp in benches}
@@ -78,8 +93,10 @@ def main(argv=None) -> int:
     print(f"| figure | TP 1 tok/s | TP {a.tp} tok/s | ratio |\n|---|---|---|---|")
     for phase in ("decode", "prefill"):
         for name, row in res[phase].items():
-            print(f"| {phase} {name} | {row['tp1']:.1f} | {row[f'tp{a.tp}']:.1f} | "
-                  f"{row['ratio']:.2f}x |")
+            print(
+                f"| {phase} {name} | {row['tp1']:.1f} | {row[f'tp{a.tp}']:.1f} | "
+                f"{row['ratio']:.2f}x |"
+            )
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from scripts.bench.common import TEXT, _cpu_name, _num_cores
 
-CODE = '''def total_price(items, tax):
+CODE = """def total_price(items, tax):
     result = 0
     for item in items:
         result = result + item["price"] * item["quantity"]
@@ -47,20 +47,31 @@ def cheapest(items):
         if best is None or item["price"] < best["price"]:
             best = item
     return best
-'''
+"""
 
 PASSAGE = TEXT[:700]
 TASKS = {  # name: (grounded?, user message)
-    "rewrite": (True, "Rewrite the following text in the present tense. Reply with the "
-                      "rewritten text only.\n\n" + PASSAGE),
-    "edit": (True, "In the following text, replace the word 'harbour' with 'port'. Reply "
-                   "with the full edited text only.\n\n" + PASSAGE),
-    "fix": (True, "Correct the spelling mistakes in the following text. Reply with the "
-                  "corrected text only.\n\n"
-                  + PASSAGE.replace("the ", "teh ").replace("and ", "adn ")),
+    "rewrite": (
+        True,
+        "Rewrite the following text in the present tense. Reply with the "
+        "rewritten text only.\n\n" + PASSAGE,
+    ),
+    "edit": (
+        True,
+        "In the following text, replace the word 'harbour' with 'port'. Reply "
+        "with the full edited text only.\n\n" + PASSAGE,
+    ),
+    "fix": (
+        True,
+        "Correct the spelling mistakes in the following text. Reply with the "
+        "corrected text only.\n\n" + PASSAGE.replace("the ", "teh ").replace("and ", "adn "),
+    ),
     "summarize": (True, "Summarize the following text in three sentences.\n\n" + PASSAGE),
-    "code_edit": (True, "Rename the variable `result` to `total` in the following Python "
-                        "code. Reply with the full updated code only.\n\n" + CODE),
+    "code_edit": (
+        True,
+        "Rename the variable `result` to `total` in the following Python "
+        "code. Reply with the full updated code only.\n\n" + CODE,
+    ),
     "chat_story": (False, "Write a short story about a robot who learns to paint."),
     "chat_explain": (False, "Explain why the sky is blue to a ten year old."),
     "chat_advice": (False, "Give me five tips for staying focused while studying."),
@@ -76,8 +87,14 @@ def make_engine(module, tok, spec, draft=None, **kw):
     from jaxkv import LLMEngine
     from jaxkv.config import EngineConfig
 
-    cfg = dict(num_pages=1200, page_size=16, max_num_seqs=16, max_num_batched_tokens=512,
-               warmup=False, speculative_config=spec)
+    cfg = dict(
+        num_pages=1200,
+        page_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        warmup=False,
+        speculative_config=spec,
+    )
     cfg.update(kw)
     return LLMEngine(module, tok, EngineConfig(**cfg), draft_model=draft)
 
@@ -98,9 +115,12 @@ def run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
         n = len(o.outputs[0].token_ids)
         span = o.metrics["finish"] - o.metrics["first_token"]
         rates.append((n - 1) / span if n > 1 and span > 0 else float("nan"))
-    return dict(tokens=[o.outputs[0].token_ids for o in outs], decode_tok_s=rates,
-                output_tok_s=sum(len(t.outputs[0].token_ids) for t in outs) / wall,
-                spec=engine.speculative_metrics())
+    return dict(
+        tokens=[o.outputs[0].token_ids for o in outs],
+        decode_tok_s=rates,
+        output_tok_s=sum(len(t.outputs[0].token_ids) for t in outs) / wall,
+        spec=engine.speculative_metrics(),
+    )
 
 
 def median(xs):
@@ -108,8 +128,13 @@ def median(xs):
 
 
 def bench_ngram(module, tok, a) -> dict:
-    spec = {"method": "ngram", "num_speculative_tokens": a.k, "adaptive": a.adaptive,
-            "prompt_lookup_max": a.lookup_max, "prompt_lookup_min": a.lookup_min}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": a.k,
+        "adaptive": a.adaptive,
+        "prompt_lookup_max": a.lookup_max,
+        "prompt_lookup_min": a.lookup_min,
+    }
     engines = {"plain": make_engine(module, tok, None), "ngram": make_engine(module, tok, spec)}
     prompts = {name: chat_ids(tok, text) for name, (_, text) in TASKS.items()}
     for eng in engines.values():  # compile what the timed runs use
@@ -128,12 +153,18 @@ def bench_ngram(module, tok, a) -> dict:
                 if before is not None:
                     now = eng.spec_stats.as_dict()
                     d = now["drafts"] - before["drafts"]
-                    acc[name] = dict(proposed=now["proposed"] - before["proposed"],
-                                     accepted=now["accepted"] - before["accepted"],
-                                     mean_accepted_length=1 + (now["accepted"] - before["accepted"])
-                                     / d if d else 1.0)
-            print(f"  {name}: " + ", ".join(f"{c} {rows[name][c][-1]:.1f}" for c in engines),
-                  file=sys.stderr, flush=True)
+                    acc[name] = dict(
+                        proposed=now["proposed"] - before["proposed"],
+                        accepted=now["accepted"] - before["accepted"],
+                        mean_accepted_length=1 + (now["accepted"] - before["accepted"]) / d
+                        if d
+                        else 1.0,
+                    )
+            print(
+                f"  {name}: " + ", ".join(f"{c} {rows[name][c][-1]:.1f}" for c in engines),
+                file=sys.stderr,
+                flush=True,
+            )
     batched = {c: [] for c in engines}
     many = [prompts[n] for n in TASKS] * 3
     many = (many + many)[:16]
@@ -143,9 +174,15 @@ def bench_ngram(module, tok, a) -> dict:
     out = dict(tasks={}, batched={c: median(v) for c, v in batched.items()})
     for name, (grounded, _) in TASKS.items():
         p, s = median(rows[name]["plain"]), median(rows[name]["ngram"])
-        out["tasks"][name] = dict(grounded=grounded, plain=p, ngram=s, speedup=s / p,
-                                  identical=same[name]["plain"] == same[name]["ngram"],
-                                  tokens=len(same[name]["plain"]), **(acc[name] or {}))
+        out["tasks"][name] = dict(
+            grounded=grounded,
+            plain=p,
+            ngram=s,
+            speedup=s / p,
+            identical=same[name]["plain"] == same[name]["ngram"],
+            tokens=len(same[name]["plain"]),
+            **(acc[name] or {}),
+        )
     out["batched"]["speedup"] = out["batched"]["ngram"] / out["batched"]["plain"]
     return out
 
@@ -160,10 +197,17 @@ def bench_draft_sweep(module, tok, a) -> dict:
     out = dict(plain=base, drafts=[])
     cfg = module.config
     for layers in a.draft_layers:
-        draft = module if layers == cfg.num_layers else Llama.random_init(
-            dataclasses.replace(cfg, num_layers=layers), seed=0)
-        spec = {"method": "draft_model", "model": "sweep", "num_speculative_tokens": a.k,
-                "adaptive": False}
+        draft = (
+            module
+            if layers == cfg.num_layers
+            else Llama.random_init(dataclasses.replace(cfg, num_layers=layers), seed=0)
+        )
+        spec = {
+            "method": "draft_model",
+            "model": "sweep",
+            "num_speculative_tokens": a.k,
+            "adaptive": False,
+        }
         eng = make_engine(module, tok, spec, draft=draft)
         run(eng, [prompt], 8)
         rates, m = [], None
@@ -174,40 +218,66 @@ def bench_draft_sweep(module, tok, a) -> dict:
         rate = median(rates)
         mal = m["mean_accepted_length"] or 1.0
         step = mal / rate  # seconds per verify step (one draft pass + one target pass)
-        out["drafts"].append(dict(layers=layers, self=draft is module, tok_s=rate,
-                                  mean_accepted_length=mal, step_seconds=step,
-                                  break_even_length=step * base,
-                                  propose_share=m["propose_share"]))
-        print(f"  draft {layers} layers: {rate:.1f} tok/s, accepted length {mal:.2f}",
-              file=sys.stderr, flush=True)
+        out["drafts"].append(
+            dict(
+                layers=layers,
+                self=draft is module,
+                tok_s=rate,
+                mean_accepted_length=mal,
+                step_seconds=step,
+                break_even_length=step * base,
+                propose_share=m["propose_share"],
+            )
+        )
+        print(
+            f"  draft {layers} layers: {rate:.1f} tok/s, accepted length {mal:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
 def report(res: dict) -> str:
-    lines = [f"jaxkv speculative decoding, {res['date']}, {res['cpu']} ({res['cores']} cores), "
-             f"weights {res['quantize'] or 'float32'}, k={res['k']}, {res['runs']} runs, "
-             f"max_tokens {res['max_tokens']}"]
+    lines = [
+        f"jaxkv speculative decoding, {res['date']}, {res['cpu']} ({res['cores']} cores), "
+        f"weights {res['quantize'] or 'float32'}, k={res['k']}, {res['runs']} runs, "
+        f"max_tokens {res['max_tokens']}"
+    ]
     if "ngram" in res:
-        lines += ["", "| task | grounded | plain tok/s | n-gram tok/s | speedup "
-                  "| mean accepted length | identical |", "|---|---|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| task | grounded | plain tok/s | n-gram tok/s | speedup "
+            "| mean accepted length | identical |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
         for name, t in res["ngram"]["tasks"].items():
-            lines.append(f"| {name} | {'yes' if t['grounded'] else 'no'} | {t['plain']:.1f} | "
-                         f"{t['ngram']:.1f} | {t['speedup']:.2f}x | "
-                         f"{t.get('mean_accepted_length', 1):.2f} | {t['identical']} |")
+            lines.append(
+                f"| {name} | {'yes' if t['grounded'] else 'no'} | {t['plain']:.1f} | "
+                f"{t['ngram']:.1f} | {t['speedup']:.2f}x | "
+                f"{t.get('mean_accepted_length', 1):.2f} | {t['identical']} |"
+            )
         b = res["ngram"]["batched"]
-        lines.append(f"| 16 sequences (output tok/s) | mixed | {b['plain']:.1f} | "
-                     f"{b['ngram']:.1f} | {b['speedup']:.2f}x | | |")
+        lines.append(
+            f"| 16 sequences (output tok/s) | mixed | {b['plain']:.1f} | "
+            f"{b['ngram']:.1f} | {b['speedup']:.2f}x | | |"
+        )
     if "draft_sweep" in res:
         d = res["draft_sweep"]
-        lines += ["", f"draft model at batch 1 (plain {d['plain']:.1f} tok/s)", "",
-                  "| draft layers | weights | tok/s | mean accepted length | step ms "
-                  "| break-even accepted length | proposer share |",
-                  "|---:|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"draft model at batch 1 (plain {d['plain']:.1f} tok/s)",
+            "",
+            "| draft layers | weights | tok/s | mean accepted length | step ms "
+            "| break-even accepted length | proposer share |",
+            "|---:|---|---:|---:|---:|---:|---:|",
+        ]
         for r in d["drafts"]:
-            lines.append(f"| {r['layers']} | {'target' if r['self'] else 'random'} | "
-                         f"{r['tok_s']:.1f} | {r['mean_accepted_length']:.2f} | "
-                         f"{1000 * r['step_seconds']:.0f} | {r['break_even_length']:.2f} | "
-                         f"{r['propose_share']:.0%} |")
+            lines.append(
+                f"| {r['layers']} | {'target' if r['self'] else 'random'} | "
+                f"{r['tok_s']:.1f} | {r['mean_accepted_length']:.2f} | "
+                f"{1000 * r['step_seconds']:.0f} | {r['break_even_length']:.2f} | "
+                f"{r['propose_share']:.0%} |"
+            )
     if "eagle3" in res:
         from scripts.bench.spec_eagle import report_eagle
 
@@ -220,22 +290,37 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="speculative_config's adaptive gate")
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="speculative_config's adaptive gate",
+    )
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
-    p.add_argument("--quantize", default=None, choices=("int8", "w8a8", "gguf-blocks"),
-                   help="weights as the engine's --quantize (gguf-blocks: a GGUF's weights kept "
-                        "in their blocks, as --gguf-blocks)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=("int8", "w8a8", "gguf-blocks"),
+        help="weights as the engine's --quantize (gguf-blocks: a GGUF's weights kept "
+        "in their blocks, as --gguf-blocks)",
+    )
     p.add_argument("--draft-sweep", action="store_true")
     p.add_argument("--draft-layers", type=int, nargs="+", default=[1, 4, 8, 30])
-    p.add_argument("--eagle", default=None, metavar="HEAD_DIR",
-                   help="an EAGLE-3 head: its figures on held-out open chat")
-    p.add_argument("--tasks", action="store_true",
-                   help="with --eagle: the n-gram task table too")
-    p.add_argument("--eagle-prompts", type=int, default=8,
-                   help="held-out prompts the head runs on (default: %(default)s)")
+    p.add_argument(
+        "--eagle",
+        default=None,
+        metavar="HEAD_DIR",
+        help="an EAGLE-3 head: its figures on held-out open chat",
+    )
+    p.add_argument("--tasks", action="store_true", help="with --eagle: the n-gram task table too")
+    p.add_argument(
+        "--eagle-prompts",
+        type=int,
+        default=8,
+        help="held-out prompts the head runs on (default: %(default)s)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
@@ -245,8 +330,16 @@ def main(argv=None) -> int:
     enable_compilation_cache()
     blocks = a.quantize == "gguf-blocks"
     module, tok = load_model(a.model, quantize=None if blocks else a.quantize, gguf_blocks=blocks)
-    res = dict(date=time.strftime("%Y-%m-%d"), cpu=_cpu_name(), cores=_num_cores(), k=a.k,
-               runs=a.runs, max_tokens=a.max_tokens, model=a.model, quantize=a.quantize)
+    res = dict(
+        date=time.strftime("%Y-%m-%d"),
+        cpu=_cpu_name(),
+        cores=_num_cores(),
+        k=a.k,
+        runs=a.runs,
+        max_tokens=a.max_tokens,
+        model=a.model,
+        quantize=a.quantize,
+    )
     if a.eagle:  # first: the head's figures are what this run is for
         from scripts.bench.spec_eagle import bench_eagle
 

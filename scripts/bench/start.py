@@ -48,8 +48,13 @@ def _free_port() -> int:
 
 def time_generate(env: dict, prompt: str) -> float:
     t0 = time.perf_counter()
-    r = subprocess.run(_jaxkv("generate", prompt, "--max-tokens", "8"), env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        _jaxkv("generate", prompt, "--max-tokens", "8"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise RuntimeError(f"jaxkv generate failed: {r.stderr[-2000:]}")
@@ -59,13 +64,19 @@ def time_generate(env: dict, prompt: str) -> float:
 def time_serve(env: dict, timeout: float = 1800.0) -> float:
     port = _free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(_jaxkv("serve", "--port", str(port)), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _jaxkv("serve", "--port", str(port)),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while time.perf_counter() - t0 < timeout:
             if proc.poll() is not None:
-                raise RuntimeError(f"jaxkv serve exited {proc.returncode}: "
-                                   f"{proc.stderr.read()[-2000:]}")
+                raise RuntimeError(
+                    f"jaxkv serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                     if r.status == 200:
@@ -83,10 +94,13 @@ def time_serve(env: dict, timeout: float = 1800.0) -> float:
 
 
 def import_seconds(env: dict) -> float:
-    code = "import time; t = time.perf_counter(); import jaxkv.entrypoints.cli, jaxkv.core.engine, " \
-           "checkpoints.loader; print(time.perf_counter() - t)"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       check=True)
+    code = (
+        "import time; t = time.perf_counter(); import jaxkv.entrypoints.cli, jaxkv.core.engine, "
+        "checkpoints.loader; print(time.perf_counter() - t)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     return float(r.stdout.strip().splitlines()[-1])
 
 
@@ -110,8 +124,9 @@ def main() -> None:
     from checkpoints.known_models import fetch_smollm2_gguf
 
     gguf = fetch_smollm2_gguf()
-    rows: dict[str, list[float]] = {k: [] for k in ("import", "generate_cold", "generate_warm",
-                                                    "serve_cold", "serve_warm")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("import", "generate_cold", "generate_warm", "serve_cold", "serve_warm")
+    }
     with tempfile.TemporaryDirectory(prefix="jaxkv-start-") as tmp:
         for run in range(a.runs):
             env = fresh_cache(Path(tmp) / "cache", gguf)
@@ -122,10 +137,18 @@ def main() -> None:
                 env = fresh_cache(Path(tmp) / "cache", gguf)
                 rows["serve_cold"].append(time_serve(env))
                 rows["serve_warm"].append(time_serve(env))
-            print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in rows.items()
-                                                 if v), flush=True)
-    report = dict(cpu=_cpu_name(), cores=_num_cores(), loadavg=_loadavg(), prompt=a.prompt,
-                  runs=rows, medians={k: statistics.median(v) for k, v in rows.items() if v})
+            print(
+                f"run {run + 1}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in rows.items() if v),
+                flush=True,
+            )
+    report = dict(
+        cpu=_cpu_name(),
+        cores=_num_cores(),
+        loadavg=_loadavg(),
+        prompt=a.prompt,
+        runs=rows,
+        medians={k: statistics.median(v) for k, v in rows.items() if v},
+    )
     print("medians: " + ", ".join(f"{k} {v:.1f} s" for k, v in report["medians"].items()))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))

@@ -25,17 +25,47 @@ H200_PEAK = 4.8e12  # B/s, vendor datasheet
 NOMINAL_CPU_PEAK = 50e9  # B/s, a nominal figure for smoke runs, not measured
 
 # HF-style shapes (LlamaConfig keywords); head dim 64 in all.
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                     max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
-TINY_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rope_theta=10000.0, tie_word_embeddings=False)
-LLAMA_1B_SHAPE = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                      max_position_embeddings=131072, rope_theta=5e5, tie_word_embeddings=True)
-TINY_THROUGHPUT_SHAPE = dict(TINY_SHAPE, hidden_size=128, num_attention_heads=2,
-                             num_key_value_heads=1, intermediate_size=256, tie_word_embeddings=True)
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+TINY_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+LLAMA_1B_SHAPE = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=5e5,
+    tie_word_embeddings=True,
+)
+TINY_THROUGHPUT_SHAPE = dict(
+    TINY_SHAPE,
+    hidden_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=256,
+    tie_word_embeddings=True,
+)
 
 
 class Results:
@@ -64,35 +94,51 @@ def _fmt(x, spec=".3g"):
 def markdown(data: dict) -> str:
     """One row per part, then the side-by-side throughput table."""
     meta, parts = data.get("meta", {}), data.get("parts", {})
-    lines = [f"# Device check ({meta.get('mode', '?')})", "",
-             f"device: {meta.get('device', '?')}; jax {meta.get('jax', '?')}; "
-             f"exit status {meta.get('exit_status', '?')}", "",
-             "| part | status | check | summary |", "|---|---|---|---|"]
+    lines = [
+        f"# Device check ({meta.get('mode', '?')})",
+        "",
+        f"device: {meta.get('device', '?')}; jax {meta.get('jax', '?')}; "
+        f"exit status {meta.get('exit_status', '?')}",
+        "",
+        "| part | status | check | summary |",
+        "|---|---|---|---|",
+    ]
     for name in PARTS:
         p = parts.get(name) or dict(status="failed", error="no result")
         err = p.get("error") and "error: " + p["error"].strip().splitlines()[-1][:200]
         text = "; ".join(x for x in (p.get("summary"), err, p.get("reason")) if x)
-        lines.append(f"| {name} | {p.get('status')} | {_fmt(p.get('check'))} | "
-                     f"{text.replace('|', '/')} |")
+        lines.append(
+            f"| {name} | {p.get('status')} | {_fmt(p.get('check'))} | {text.replace('|', '/')} |"
+        )
     rows = (parts.get("throughput") or {}).get("rows") or []
     if rows:
-        lines += ["", "## Throughput (same workload)", "",
-                  "| system | output tok/s | TTFT p50 s | TTFT p99 s | wall s | vs HF |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Throughput (same workload)",
+            "",
+            "| system | output tok/s | TTFT p50 s | TTFT p99 s | wall s | vs HF |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
     for r in rows:
         note = r.get("unavailable") or ((r.get("error") or "").strip().splitlines() or [""])[-1]
-        lines.append(f"| {r['system']} | {note[:150]} | | | | |" if note else
-                     f"| {r['system']} | {r['output_tok_s']:.1f} | {_fmt(r['ttft_p50_s'])} | "
-                     f"{_fmt(r['ttft_p99_s'])} | {r['wall_s']:.2f} | "
-                     f"{_fmt(r.get('ratio_vs_hf'), '.2f')} |")
+        lines.append(
+            f"| {r['system']} | {note[:150]} | | | | |"
+            if note
+            else f"| {r['system']} | {r['output_tok_s']:.1f} | {_fmt(r['ttft_p50_s'])} | "
+            f"{_fmt(r['ttft_p99_s'])} | {r['wall_s']:.2f} | "
+            f"{_fmt(r.get('ratio_vs_hf'), '.2f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def exit_status(parts: dict) -> int:
     """2 if a correctness check failed, else 1 if any part failed, else 0."""
     e = [parts.get(n) or dict(status="failed") for n in PARTS]
-    return 2 if any(x.get("check") == "fail" for x in e) else int(
-        any(x.get("status") == "failed" for x in e))
+    return (
+        2
+        if any(x.get("check") == "fail" for x in e)
+        else int(any(x.get("status") == "failed" for x in e))
+    )
 
 
 def attention_entry(out, rc: int) -> dict:
@@ -104,16 +150,28 @@ def attention_entry(out, rc: int) -> dict:
     corr = d.get("correctness") or []
     ok = sum(bool(c.get("ok")) for c in corr)
     dec = [r for r in d.get("decode", []) if "gb_s" in r]
-    best = max((r for r in dec if r["impl"].startswith("pallas-gpu")),
-               key=lambda r: r["bw_fraction"], default=None)
+    best = max(
+        (r for r in dec if r["impl"].startswith("pallas-gpu")),
+        key=lambda r: r["bw_fraction"],
+        default=None,
+    )
     text = f"{ok}/{len(corr)} kernel cases match the reference; {len(dec)} decode rows timed" + (
         f"; ours at best {best['bw_fraction']:.0%} of copy bw (B={best['batch']}, "
-        f"ctx={best['context']})" if best else "")
+        f"ctx={best['context']})"
+        if best
+        else ""
+    )
     check = None if not corr else ("pass" if ok == len(corr) else "fail")
-    return dict(status="ok" if rc == 0 and check == "pass" else "failed", check=check,
-                summary=text, errors=len(d.get("errors", [])), exit_status=rc,
-                error=None if rc == 0 else f"bench_attention.py exit status {rc}"
-                + (" (timeout)" if rc in (124, 137) else ""))
+    return dict(
+        status="ok" if rc == 0 and check == "pass" else "failed",
+        check=check,
+        summary=text,
+        errors=len(d.get("errors", [])),
+        exit_status=rc,
+        error=None
+        if rc == 0
+        else f"bench_attention.py exit status {rc}" + (" (timeout)" if rc in (124, 137) else ""),
+    )
 
 
 def summarize(out, rc_args) -> int:
@@ -129,9 +187,13 @@ def summarize(out, rc_args) -> int:
         if name == "attention":
             parts[name] = attention_entry(out, rc)
         elif not parts.get(name) or parts[name].get("status") == "running":  # keeps its figures
-            parts[name] = dict(parts.get(name) or {}, status="failed", error=f"exit status {rc}"
-                               + (" (timeout)" if rc in (124, 137) else "")
-                               + "; see device_check_engine.log")
+            parts[name] = dict(
+                parts.get(name) or {},
+                status="failed",
+                error=f"exit status {rc}"
+                + (" (timeout)" if rc in (124, 137) else "")
+                + "; see device_check_engine.log",
+            )
         res.update(name, parts[name])
     res.update(exit_status=exit_status(parts))
     print(md := markdown(res.load()))
@@ -145,8 +207,12 @@ def find_default_model(arg: str | None) -> tuple[Path | None, list[str]]:
     from jaxkv.paths import cache_dir
 
     looked = []
-    for cand in (arg, os.environ.get("JAXKV_TEST_GGUF"),
-                 cache_dir() / "downloads" / SMOLLM2_FILE, cache_dir() / "models" / DEFAULT_MODEL):
+    for cand in (
+        arg,
+        os.environ.get("JAXKV_TEST_GGUF"),
+        cache_dir() / "downloads" / SMOLLM2_FILE,
+        cache_dir() / "models" / DEFAULT_MODEL,
+    ):
         if cand:
             looked.append(str(cand))
             if Path(cand).expanduser().exists():
@@ -163,9 +229,15 @@ def workload(n: int, prompt_range, output_range, vocab: int, seed: int):
 
 
 def rate_row(system: str, wall: float, tokens: int, ttft: list, **extra) -> dict:
-    return dict(system=system, wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall,
-                ttft_p50_s=float(np.percentile(ttft, 50)),
-                ttft_p99_s=float(np.percentile(ttft, 99)), **extra)
+    return dict(
+        system=system,
+        wall_s=wall,
+        output_tokens=tokens,
+        output_tok_s=tokens / wall,
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        **extra,
+    )
 
 
 def run_hf_job(job: dict, timeout: float, log=None) -> dict:
@@ -173,8 +245,12 @@ def run_hf_job(job: dict, timeout: float, log=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="device-check-hf-") as tmp:
         jf, rf = Path(tmp) / "job.json", Path(tmp) / "result.json"
         jf.write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, __file__, "--hf", str(jf), str(rf)],
-                              stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--hf", str(jf), str(rf)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
         if not rf.is_file():
             raise RuntimeError(f"HF worker exited {proc.returncode} without a result")
         res = json.loads(rf.read_text())
@@ -189,8 +265,13 @@ def _random_hf_model(shape: dict, dtype, device, attn: str):
     import torch
     import transformers as tf
 
-    cfg = tf.LlamaConfig(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-                         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    cfg = tf.LlamaConfig(
+        **shape,
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
@@ -216,8 +297,11 @@ def _hf_greedy(job: dict, dev) -> dict:
     else:
         path = Path(job["model"])
         model = tf.AutoModelForCausalLM.from_pretrained(
-            str(path.parent if path.is_file() else path), dtype=torch.float32,
-            attn_implementation="eager", **(dict(gguf_file=path.name) if path.is_file() else {}))
+            str(path.parent if path.is_file() else path),
+            dtype=torch.float32,
+            attn_implementation="eager",
+            **(dict(gguf_file=path.name) if path.is_file() else {}),
+        )
     model = model.to(dev).eval()
     ck = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tokens = []
@@ -259,8 +343,12 @@ def _hf_generate(job: dict, dev) -> dict:
         out = model.generate(
             input_ids=torch.tensor([z + p for z, p in zip(pad, batch)], device=dev),
             attention_mask=torch.tensor([z + [1] * len(p) for z, p in zip(pad, batch)], device=dev),
-            max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-            logits_processor=tf.LogitsProcessorList([FirstCall()]))
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=tf.LogitsProcessorList([FirstCall()]),
+        )
         sync()
         return (out.shape[1] - w) * len(batch)
 
@@ -270,13 +358,19 @@ def _hf_generate(job: dict, dev) -> dict:
         t0 = time.perf_counter()
         ttft, done, computed = [], 0, 0
         while done < len(prompts) and time.perf_counter() < t0 + job["budget_s"]:
-            batch = prompts[done:done + B]
-            computed += gen(batch, max(outs[done:done + B]))
+            batch = prompts[done : done + B]
+            computed += gen(batch, max(outs[done : done + B]))
             ttft += [first[0] - t0] * len(batch)
             done += len(batch)
         wall = time.perf_counter() - t0
-    return dict(wall_s=wall, requests=done, output_tokens=sum(outs[:done]),
-                computed_tokens=computed, ttft_s=ttft, attn=model.config._attn_implementation)
+    return dict(
+        wall_s=wall,
+        requests=done,
+        output_tokens=sum(outs[:done]),
+        computed_tokens=computed,
+        ttft_s=ttft,
+        attn=model.config._attn_implementation,
+    )
 
 
 def _hf_main(job_file: str, result_file: str) -> None:
@@ -284,6 +378,7 @@ def _hf_main(job_file: str, result_file: str) -> None:
     try:
         import torch
         import transformers
+
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         res = {"greedy": _hf_greedy, "generate": _hf_generate}[job["kind"]](job, dev)
         res.update(device=str(dev), torch=torch.__version__, transformers=transformers.__version__)

@@ -28,7 +28,9 @@ PARTS = ("offline", "batch", "http", "checkpoints", "files")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
+    ap.add_argument(
+        "--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS)
+    )
     ap.add_argument("--json", type=Path, help="also write the counts and failures here")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
@@ -38,24 +40,32 @@ def main(argv: list[str] | None = None) -> int:
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="jaxkv-probe-") as tmp:
         root = Path(tmp)
-        model = (make_tiny_model(root / "model") if set(parts) & {"offline", "batch", "http", "files"}
-                 else None)
+        model = (
+            make_tiny_model(root / "model")
+            if set(parts) & {"offline", "batch", "http", "files"}
+            else None
+        )
         for part in parts:
             with timed(tally, part):
                 if part == "offline":
                     from scripts.probe.offline import run_offline
+
                     run_offline(tally, model)
                 elif part == "batch":
                     from scripts.probe.offline import run_batch
+
                     run_batch(tally, root / "batch", model)
                 elif part == "http":
                     from scripts.probe.serve import run
+
                     run(tally, root / "http", model)
                 elif part == "files":
                     from scripts.probe.files import run
+
                     run(tally, root / "files", model)
                 else:
                     from scripts.probe.checkpoint_files import run
+
                     run(tally, root / "checkpoints")
             print(f"{part}: done in {tally.seconds[part]:.0f} s", file=sys.stderr, flush=True)
     print(tally.table())

@@ -25,8 +25,12 @@ def _factors(config, rank: int, seed: int, dtype=np.float32) -> dict[str, np.nda
     out = {}
     for layer in range(config.num_layers):
         for m, n_out in (("q_proj", H * D), ("v_proj", K * D)):
-            out[KEY.format(l=layer, m=m, ab="A")] = (0.1 * rng.standard_normal((rank, E))).astype(dtype)
-            out[KEY.format(l=layer, m=m, ab="B")] = (0.1 * rng.standard_normal((n_out, rank))).astype(dtype)
+            out[KEY.format(l=layer, m=m, ab="A")] = (0.1 * rng.standard_normal((rank, E))).astype(
+                dtype
+            )
+            out[KEY.format(l=layer, m=m, ab="B")] = (
+                0.1 * rng.standard_normal((n_out, rank))
+            ).astype(dtype)
     return out
 
 
@@ -65,12 +69,21 @@ def hostile_adapters(root: Path, config) -> dict[str, tuple[Path, str]]:
     case("deep_json", "adapter_config.json", "[" * 100_000 + "]" * 100_000)
     case("broken_json", "adapter_config.json", '{"peft_type": "LORA",')
     case("backtracking_alpha_pattern", "alpha_pattern", {**LORA, "alpha_pattern": {"(.+)+Z": 1}})
-    case("backtracking_rank_pattern", "rank_pattern", {**LORA, "rank_pattern": {r"model\.(.+)+Z": 1}})
+    case(
+        "backtracking_rank_pattern", "rank_pattern", {**LORA, "rank_pattern": {r"model\.(.+)+Z": 1}}
+    )
     case("alpha_1e308", "scale", {**LORA, "lora_alpha": 1e308})
     case("nan_weights", "NaN", tensors={**good, a0: np.full_like(good[a0], np.nan)})
     case("zero_d_tensor", "shape", tensors={**good, a0: np.array(1.0, np.float32)})
-    case("rank_zero", "rank 0", tensors={**good, a0: np.zeros((0, E), np.float32),
-                                         b0: np.zeros((good[b0].shape[0], 0), np.float32)})
+    case(
+        "rank_zero",
+        "rank 0",
+        tensors={
+            **good,
+            a0: np.zeros((0, E), np.float32),
+            b0: np.zeros((good[b0].shape[0], 0), np.float32),
+        },
+    )
     case("int_tensor", "F16, BF16, F32 or F64", tensors={**good, a0: good[a0].astype(np.int32)})
     d = _folder(root, "garbage_safetensors")
     (d / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!" * 10)
@@ -80,16 +93,19 @@ def hostile_adapters(root: Path, config) -> dict[str, tuple[Path, str]]:
         f.write((600 << 20).to_bytes(8, "little") + b'{"')
         f.truncate(8 + (600 << 20))
     cases["huge_header"] = (d, "header")
-    d = _folder(root, "many_tensors", tensors={f"t{i}": np.zeros(1, np.float32) for i in range(5000)})
+    d = _folder(
+        root, "many_tensors", tensors={f"t{i}": np.zeros(1, np.float32) for i in range(5000)}
+    )
     cases["many_tensors"] = (d, "tensors")
     # A 1 GiB factor in a sparse file: refused from its header, never read.
     d = _folder(root, "sparse_gigabyte")
     _sparse_safetensors(d / "adapter_model.safetensors", a0, (1, 1 << 28))
     cases["sparse_gigabyte"] = (d, "does not fit")
-    for name, make, words in (("config_fifo", os.mkfifo, "not a regular file"),
-                              ("config_dir", os.mkdir, "not a regular file"),
-                              ("config_dev_zero", lambda p: os.symlink("/dev/zero", p),
-                               "not a regular file")):
+    for name, make, words in (
+        ("config_fifo", os.mkfifo, "not a regular file"),
+        ("config_dir", os.mkdir, "not a regular file"),
+        ("config_dev_zero", lambda p: os.symlink("/dev/zero", p), "not a regular file"),
+    ):
         d = _folder(root, name, None, good)
         make(str(d / "adapter_config.json"))
         cases[name] = (d, words)
@@ -100,8 +116,10 @@ def hostile_adapters(root: Path, config) -> dict[str, tuple[Path, str]]:
     os.mkfifo(d / "adapter_model.safetensors")
     cases["weights_fifo"] = (d, "not a regular file")
     cases["missing_folder"] = (root / "no_such_folder", "not found")
-    cases["a_file_not_a_folder"] = (root / "config_is_a_list" / "adapter_config.json",
-                                    "not a folder")
+    cases["a_file_not_a_folder"] = (
+        root / "config_is_a_list" / "adapter_config.json",
+        "not a folder",
+    )
     return cases
 
 

@@ -48,9 +48,16 @@ def convert(src: Path, dst: Path) -> tuple[int | None, str]:
     """(exit status or None on timeout, stderr) of `jaxkv convert SRC DST` in
     a limited child; its whole process group is killed on timeout."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxkv", "convert", str(src), str(dst)], cwd=REPO, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=_limit, start_new_session=True)  # noqa: PLW1509 (one setrlimit call)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxkv", "convert", str(src), str(dst)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=_limit,
+        start_new_session=True,
+    )  # noqa: PLW1509 (one setrlimit call)
     try:
         _, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -81,7 +88,9 @@ def classify(rc: int | None, err: str, pattern: str | None) -> tuple[str, str]:
     return "named", ""
 
 
-def _probe(root: Path, case: str, make: Callable[[Path], Path], pattern: str | None) -> tuple[str, str, str]:
+def _probe(
+    root: Path, case: str, make: Callable[[Path], Path], pattern: str | None
+) -> tuple[str, str, str]:
     d = root / case
     d.mkdir(parents=True)
     try:

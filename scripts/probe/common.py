@@ -51,14 +51,22 @@ class Tally:
         for part, row in self.counts.items():
             for k in total:
                 total[k] += row[k]
-            lines.append(f"| {part} | {sum(row.values())} | " + " | ".join(str(row[k]) for k in GOOD + BAD)
-                         + f" | {self.seconds.get(part, 0):.0f} |")
-        lines.append(f"| all | {sum(total.values())} | " + " | ".join(str(total[k]) for k in GOOD + BAD)
-                     + f" | {sum(self.seconds.values()):.0f} |")
+            lines.append(
+                f"| {part} | {sum(row.values())} | "
+                + " | ".join(str(row[k]) for k in GOOD + BAD)
+                + f" | {self.seconds.get(part, 0):.0f} |"
+            )
+        lines.append(
+            f"| all | {sum(total.values())} | "
+            + " | ".join(str(total[k]) for k in GOOD + BAD)
+            + f" | {sum(self.seconds.values()):.0f} |"
+        )
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps({"counts": self.counts, "failures": self.failures, "seconds": self.seconds})
+        return json.dumps(
+            {"counts": self.counts, "failures": self.failures, "seconds": self.seconds}
+        )
 
 
 class timed:
@@ -72,7 +80,9 @@ class timed:
         return self
 
     def __exit__(self, *exc):
-        self.tally.seconds[self.part] = self.tally.seconds.get(self.part, 0.0) + time.perf_counter() - self.t0
+        self.tally.seconds[self.part] = (
+            self.tally.seconds.get(self.part, 0.0) + time.perf_counter() - self.t0
+        )
         return False
 
 
@@ -89,10 +99,19 @@ def make_tiny_model(path: Path) -> Path:
     if path.exists():
         return path
     real, _, tokenizer = load_checkpoint(fetch_smollm2_gguf())
-    config = ModelConfig(architecture="llama", vocab_size=real.vocab_size, hidden_size=64,
-                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim=16, max_position_embeddings=2048,
-                         eos_token_ids=real.eos_token_ids, bos_token_id=real.bos_token_id)
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=real.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_ids=real.eos_token_ids,
+        bos_token_id=real.bos_token_id,
+    )
     rng = np.random.default_rng(0)
     params = {}
     for name, shape in expected_shapes(config).items():

@@ -38,9 +38,25 @@ class Planted:
 
 def _generate(model: Path, cache: Path) -> tuple[int, str, str]:
     env = dict(os.environ, JAXKV_CACHE=str(cache))
-    r = subprocess.run([sys.executable, "-m", "jaxkv", "generate", "--model", str(model), "--raw",
-                        "--max-tokens", "6", "--no-warmup", "Hello there"], env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxkv",
+            "generate",
+            "--model",
+            str(model),
+            "--raw",
+            "--max-tokens",
+            "6",
+            "--no-warmup",
+            "Hello there",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return r.returncode, r.stdout.strip(), r.stderr
 
 
@@ -64,8 +80,10 @@ def program_store(tally: Tally, root: Path, model: Path) -> None:
     shutil.copytree(private / "programs", shared / "programs")
     for d in [shared, *[p for p in shared.rglob("*") if p.is_dir()]]:
         d.chmod(0o1777)
-    for case, cache in (("planted in the private cache", private),
-                        ("planted in a shared (1777) cache", shared)):
+    for case, cache in (
+        ("planted in the private cache", private),
+        ("planted in a shared (1777) cache", shared),
+    ):
         n = _plant(cache / "programs", marker)
         rc, got, err = _generate(model, cache)
         if marker.exists():
@@ -75,8 +93,12 @@ def program_store(tally: Tally, root: Path, model: Path) -> None:
             tally.add(PART, "wrong", f"program store: {case}", f"rc {rc}, {got!r} vs {want!r}")
         else:
             said = "not unpickled" in err or "not using the cache folder" in err
-            tally.add(PART, "named" if said else "unnamed", f"program store: {case}",
-                      err.strip().splitlines()[-1][:200] if err.strip() else "nothing logged")
+            tally.add(
+                PART,
+                "named" if said else "unnamed",
+                f"program store: {case}",
+                err.strip().splitlines()[-1][:200] if err.strip() else "nothing logged",
+            )
 
 
 def disk_tier(tally: Tally, root: Path) -> None:
@@ -85,8 +107,10 @@ def disk_tier(tally: Tally, root: Path) -> None:
     layout = [((2, 16, 64), "float32")]
     page = [np.ones((2, 16, 64), np.float32)]
     tier = kv_disk.DiskTier(root / "kv", "fp", layout, max_bytes=64 << 20)
-    hashes = {name: name.encode().ljust(16, b"_")[:16] for name in
-              ("fifo", "dev_zero", "two_gb", "forged")}
+    hashes = {
+        name: name.encode().ljust(16, b"_")[:16]
+        for name in ("fifo", "dev_zero", "two_gb", "forged")
+    }
     for h in hashes.values():
         tier.write(h, page)
     paths = {name: tier._path(h.hex()) for name, h in hashes.items()}
@@ -110,10 +134,15 @@ def disk_tier(tally: Tally, root: Path) -> None:
             continue
         took = time.monotonic() - t0
         gone = not (paths[name].exists() or paths[name].is_symlink())
-        outcome = ("named" if got is None and gone and took < 1.0 else
-                   "hangs" if took >= 1.0 else "wrong")
-        tally.add(PART, outcome, f"disk tier: {name}", f"served {got is not None}, removed {gone}, "
-                                                       f"{took:.2f}s")
+        outcome = (
+            "named" if got is None and gone and took < 1.0 else "hangs" if took >= 1.0 else "wrong"
+        )
+        tally.add(
+            PART,
+            outcome,
+            f"disk tier: {name}",
+            f"served {got is not None}, removed {gone}, {took:.2f}s",
+        )
     size = kv_disk.DiskTier(root / "sizing", "a", layout, max_bytes=1 << 30).file_bytes
     a = kv_disk.DiskTier(root / "shared-kv", "a", layout, max_bytes=8 * size)
     b = kv_disk.DiskTier(root / "shared-kv", "b", layout, max_bytes=8 * size)
@@ -122,8 +151,12 @@ def disk_tier(tally: Tally, root: Path) -> None:
         a.write(bytes([i]) * 16, page)
         b.write(bytes([100 + i]) * 16, page)
         worst = max(worst, sum(f.stat().st_size for f in (root / "shared-kv").rglob("*.kvpage")))
-    tally.add(PART, "served" if worst <= 8 * size else "memory", "disk tier: two engines, one budget",
-              f"at most {worst / size:.0f} pages on disk for a budget of 8")
+    tally.add(
+        PART,
+        "served" if worst <= 8 * size else "memory",
+        "disk tier: two engines, one budget",
+        f"at most {worst / size:.0f} pages on disk for a budget of 8",
+    )
 
 
 def run(tally: Tally, root: Path, model: Path) -> None:

@@ -49,8 +49,18 @@ class Client:
     def __init__(self, port: int):
         self.port = port
 
-    def call(self, method: str, path: str, body=None, *, raw: bytes | None = None, key: str | None = KEY,
-             headers: dict | None = None, timeout: float = TIMEOUT, chunked: bool = False):
+    def call(
+        self,
+        method: str,
+        path: str,
+        body=None,
+        *,
+        raw: bytes | None = None,
+        key: str | None = KEY,
+        headers: dict | None = None,
+        timeout: float = TIMEOUT,
+        chunked: bool = False,
+    ):
         h = {"Content-Type": "application/json"} if body is not None or raw is not None else {}
         if key is not None:
             h["Authorization"] = f"Bearer {key}"
@@ -58,7 +68,9 @@ class Client:
         data = raw if raw is not None else None if body is None else json.dumps(body).encode()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            pieces = iter([data[i:i + 65536] for i in range(0, len(data), 65536)]) if chunked else data
+            pieces = (
+                iter([data[i : i + 65536] for i in range(0, len(data), 65536)]) if chunked else data
+            )
             conn.request(method, path, body=pieces, headers=h, encode_chunked=chunked)
             r = conn.getresponse()
             out = r.read()
@@ -73,8 +85,12 @@ class Client:
         """The text of a streamed answer (chat deltas or completion texts); raises on an error event."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
-                         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                path,
+                body=json.dumps({**body, "stream": True}).encode(),
+                headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+            )
             r = conn.getresponse()
             if r.status != 200:
                 raise RuntimeError(f"stream status {r.status}: {r.read()[:300]!r}")
@@ -85,7 +101,10 @@ class Client:
                 ev = json.loads(line[6:])
                 if "error" in ev:
                     raise RuntimeError(f"error event: {ev['error']}")
-                text += [ch.get("delta", {}).get("content") or ch.get("text") or "" for ch in ev.get("choices", [])]
+                text += [
+                    ch.get("delta", {}).get("content") or ch.get("text") or ""
+                    for ch in ev.get("choices", [])
+                ]
             raise ConnectionError("stream ended without [DONE]")
         finally:
             conn.close()
@@ -98,21 +117,32 @@ def texts(resp) -> list[str] | None:
         return [json.dumps(resp.get("tokens", resp.get("prompt")))]
     if not isinstance(ch := resp.get("choices") if isinstance(resp, dict) else None, list):
         return None
-    return [c.get("text") if "text" in c else json.dumps([t["function"] for t in c["message"]["tool_calls"]])
-            if (c.get("message") or {}).get("tool_calls") else (c.get("message") or {}).get("content")
-            for c in ch]
+    return [
+        c.get("text")
+        if "text" in c
+        else json.dumps([t["function"] for t in c["message"]["tool_calls"]])
+        if (c.get("message") or {}).get("tool_calls")
+        else (c.get("message") or {}).get("content")
+        for c in ch
+    ]
 
 
 def judge(status, resp, words, expect: str, lone=None) -> tuple[str, str]:
     """(outcome, detail) of one answer; expect: 'err' (a named 4xx), 'ok' (200 equal to `lone`) or 'either'."""
-    detail = f"{status}: {json.dumps(resp)[:240] if isinstance(resp, (dict, list)) else resp[:240]!r}"
+    detail = (
+        f"{status}: {json.dumps(resp)[:240] if isinstance(resp, (dict, list)) else resp[:240]!r}"
+    )
     if status >= 500:
         return "crashes", detail
     if status == 200:
         if expect == "err":
             return "wrong", "accepted: " + detail
         got = texts(resp)
-        return ("served", detail) if got is not None and got == lone else ("wrong", f"lone {lone!r} vs {detail}")
+        return (
+            ("served", detail)
+            if got is not None and got == lone
+            else ("wrong", f"lone {lone!r} vs {detail}")
+        )
     if expect == "ok":
         return "wrong", "refused a control: " + detail
     err = resp.get("error") if isinstance(resp, dict) else None
@@ -128,7 +158,9 @@ def send(client: Client, probe, lone: dict) -> tuple[str, str]:
     try:
         if path == "/metrics" and expect == "ok":  # Prometheus text
             status, resp = client.call(method, path, **kw)
-            return ("served" if status == 200 and b"# TYPE" in resp else "crashes"), f"{status}: {resp[:200]!r}"
+            return (
+                "served" if status == 200 and b"# TYPE" in resp else "crashes"
+            ), f"{status}: {resp[:200]!r}"
         if method in ("SILENT", "SLOWHEAD", "SLOWBODY"):
             return sockets(client.port, method)
         if case.startswith("tools: forced"):
@@ -138,13 +170,19 @@ def send(client: Client, probe, lone: dict) -> tuple[str, str]:
             return ("wrong", f"arguments break the schema: {why}") if why else (outcome, detail)
         if method == "STREAM":
             got = client.stream(path, body)
-            return ("served", got) if [got] == lone[case] else ("wrong", f"lone {lone[case]!r} vs {got!r}")
+            return (
+                ("served", got)
+                if [got] == lone[case]
+                else ("wrong", f"lone {lone[case]!r} vs {got!r}")
+            )
         if method in ("CUT", "HALF"):
             with socket.create_connection(("127.0.0.1", client.port), timeout=TIMEOUT) as s:
                 data = json.dumps({**body, "stream": method == "CUT"}).encode()
-                head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-                        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
-                s.sendall(head + (data if method == "CUT" else data[:len(data) // 2]))
+                head = (
+                    f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                ).encode()
+                s.sendall(head + (data if method == "CUT" else data[: len(data) // 2]))
                 first = s.recv(4096) if method == "CUT" else b""
             if method == "CUT" and not first.startswith(b"HTTP/1.1 200"):
                 return "crashes", f"stream opened with {first[:200]!r}"
@@ -161,8 +199,13 @@ def send(client: Client, probe, lone: dict) -> tuple[str, str]:
 
 def failure(e: Exception) -> str:
     """No answer in time: hangs; a stream cut short: lost; a reset, a refused connection, an error event: crashes."""
-    return "hangs" if isinstance(e, TimeoutError) else "lost" if isinstance(e, ConnectionError) and str(
-        e).startswith("stream ended") else "crashes"
+    return (
+        "hangs"
+        if isinstance(e, TimeoutError)
+        else "lost"
+        if isinstance(e, ConnectionError) and str(e).startswith("stream ended")
+        else "crashes"
+    )
 
 
 def vocab_size(client: Client) -> int:
@@ -170,7 +213,11 @@ def vocab_size(client: Client) -> int:
     lo, hi = 0, 1 << 24  # lo is a token id, hi is not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if client.call("POST", "/detokenize", {"tokens": [mid]})[0] == 200 else (lo, mid)
+        lo, hi = (
+            (mid, hi)
+            if client.call("POST", "/detokenize", {"tokens": [mid]})[0] == 200
+            else (lo, mid)
+        )
     return hi
 
 
@@ -178,9 +225,14 @@ def rss(pid: int) -> int:
     """The resident memory of process `pid` in bytes."""
     try:
         import psutil
+
         return psutil.Process(pid).memory_info().rss
     except ImportError:
-        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+        line = next(
+            x
+            for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if x.startswith("VmRSS:")
+        )
         return int(line.split()[1]) * 1024
 
 
@@ -201,11 +253,41 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
 
     loras = root / "loras"
     hostile = plan_hostile(loras, load_config(model))
-    cmd = [sys.executable, "-m", "jaxkv", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--api-key", KEY, "--no-warmup", "--max-num-seqs", "8", "--num-pages", "256", "--page-size", "16",
-           "--max-request-bytes", str(MAX_BYTES), "--shutdown-timeout", "20", "--enable-lora",
-           "--max-lora-rank", "8", "--enable-runtime-lora-loading", "--lora-root", str(loras),
-           "--header-timeout", "2", "--body-timeout", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxkv",
+        "serve",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--no-warmup",
+        "--max-num-seqs",
+        "8",
+        "--num-pages",
+        "256",
+        "--page-size",
+        "16",
+        "--max-request-bytes",
+        str(MAX_BYTES),
+        "--shutdown-timeout",
+        "20",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--enable-runtime-lora-loading",
+        "--lora-root",
+        str(loras),
+        "--header-timeout",
+        "2",
+        "--body-timeout",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     client, stop = Client(port), threading.Event()
     try:
@@ -215,12 +297,24 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
                     break
             time.sleep(0.5)
         if proc.poll() is not None or client.call("GET", "/health", timeout=2.0)[0] != 200:
-            tally.add(PART, "crashes" if proc.poll() is not None else "hangs", "start",
-                      f"rc {proc.poll()}; see {root / 'serve.log'}")
+            tally.add(
+                PART,
+                "crashes" if proc.poll() is not None else "hangs",
+                "start",
+                f"rc {proc.poll()}; see {root / 'serve.log'}",
+            )
             return
         plan = plan_probes(vocab_size(client))[:limit] + hostile
         lone: dict[str, list] = {}
-        for case, method, path, body, _, _, expect in plan:  # lone runs of the controls, one at a time
+        for (
+            case,
+            method,
+            path,
+            body,
+            _,
+            _,
+            expect,
+        ) in plan:  # lone runs of the controls, one at a time
             if expect != "err" and method in ("POST", "STREAM"):
                 lone[case] = texts(client.call("POST", path, body)[1])
         bystander_lone = texts(client.call("POST", CH, BYSTANDER)[1])
@@ -233,8 +327,12 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
                     return
                 try:
                     got = client.stream(CH, BYSTANDER, timeout=60)
-                    tally.add(PART, "served" if [got] == bystander_lone else "wrong", "bystander",
-                              f"lone {bystander_lone!r} vs streamed {got!r}")
+                    tally.add(
+                        PART,
+                        "served" if [got] == bystander_lone else "wrong",
+                        "bystander",
+                        f"lone {bystander_lone!r} vs streamed {got!r}",
+                    )
                 except Exception as e:  # noqa: BLE001 - every failure is classified
                     tally.add(PART, failure(e), "bystander", repr(e))
 
@@ -248,8 +346,13 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
                     t0 = time.monotonic()
                     status, _ = client.call("GET", "/health", timeout=2.0)
                     took = time.monotonic() - t0
-                    slow.extend([f"status {status}"] if status != 200 else
-                                [f"answered in {took:.2f} s"] if took > 1.0 else [])
+                    slow.extend(
+                        [f"status {status}"]
+                        if status != 200
+                        else [f"answered in {took:.2f} s"]
+                        if took > 1.0
+                        else []
+                    )
                 except OSError as e:
                     slow.append(f"{type(e).__name__}: {e}")
 
@@ -257,22 +360,33 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
         for t in threads:
             t.start()
         with ThreadPoolExecutor(4) as pool, open(root / "probes.jsonl", "w") as record:
-            for probe, (outcome, detail) in zip(plan, pool.map(lambda p: send(client, p, lone), plan), strict=True):
+            for probe, (outcome, detail) in zip(
+                plan, pool.map(lambda p: send(client, p, lone), plan), strict=True
+            ):
                 tally.add(PART, outcome, probe[0], detail)
-                record.write(json.dumps({"case": probe[0], "outcome": outcome, "detail": detail}) + "\n")
+                record.write(
+                    json.dumps({"case": probe[0], "outcome": outcome, "detail": detail}) + "\n"
+                )
         stop.set()
         for t in threads:
             t.join(timeout=90)
         for s in slow[:10] or [None]:
             tally.add(PART, "hangs" if s else "served", "health", s or "")
         if proc.poll() is not None:
-            tally.add(PART, "crashes", "alive", f"server exited rc {proc.returncode} during the probes")
+            tally.add(
+                PART, "crashes", "alive", f"server exited rc {proc.returncode} during the probes"
+            )
             return
-        for case, method, path, body in (("final control", "POST", CH, BYSTANDER), ("metrics", "GET", "/metrics", {})):
+        for case, method, path, body in (
+            ("final control", "POST", CH, BYSTANDER),
+            ("metrics", "GET", "/metrics", {}),
+        ):
             outcome, detail = send(client, (case, method, path, body, {}, (), "ok"), lone)
             tally.add(PART, outcome, case, detail)
         grown = rss(proc.pid) - rss0
-        tally.add(PART, "memory" if grown > 1 << 30 else "served", "rss", f"grew {grown / 2 ** 20:.0f} MiB")
+        tally.add(
+            PART, "memory" if grown > 1 << 30 else "served", "rss", f"grew {grown / 2**20:.0f} MiB"
+        )
         proc.send_signal(signal.SIGTERM)
         try:
             rc = proc.wait(timeout=40)
@@ -280,7 +394,12 @@ def _run(tally: Tally, root: Path, model: Path, limit: int) -> None:
         except subprocess.TimeoutExpired:
             tally.add(PART, "hangs", "sigterm", "still running 40 s after SIGTERM")
         tb = (root / "serve.log").read_text(errors="replace").split("Traceback")[1:]
-        tally.add(PART, "crashes" if tb else "served", "server log", f"{len(tb)} tracebacks, first: {tb[:1]}")
+        tally.add(
+            PART,
+            "crashes" if tb else "served",
+            "server log",
+            f"{len(tb)} tracebacks, first: {tb[:1]}",
+        )
     except Exception as e:  # noqa: BLE001 - a lone run or a final check failed: the server's doing
         tally.add(PART, failure(e), "run", f"{type(e).__name__}: {e}")
     finally:
@@ -295,7 +414,9 @@ if __name__ == "__main__":
     from scripts.probe.common import make_tiny_model
 
     t0, tally = time.time(), Tally()
-    with tempfile.TemporaryDirectory() as d:  # argv[1]: a folder to keep serve.log and probes.jsonl in
+    with (
+        tempfile.TemporaryDirectory() as d
+    ):  # argv[1]: a folder to keep serve.log and probes.jsonl in
         out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(d)
         run(tally, out, make_tiny_model(Path(d) / "tiny"))
     print(tally.table(), *tally.failures, f"wall {time.time() - t0:.0f} s", sep="\n")

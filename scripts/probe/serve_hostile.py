@@ -17,14 +17,32 @@ from scripts.probe.serve_cases import CH, GREEDY, KEY
 TIMEOUT = 30.0
 
 LOAD, R = "/v1/load_lora_adapter", "/v1/responses"
-ORDER = {"type": "object", "$defs": {"Item": {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 8}, "qty": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["name", "qty"], "additionalProperties": False}},
+ORDER = {
+    "type": "object",
+    "$defs": {
+        "Item": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 8},
+                "qty": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["name", "qty"],
+            "additionalProperties": False,
+        }
+    },
     "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "maxItems": 2}},
-    "required": ["items"], "additionalProperties": False}
-CHAIN = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "next": {
-    "anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["v", "next"],
-    "additionalProperties": False}
+    "required": ["items"],
+    "additionalProperties": False,
+}
+CHAIN = {
+    "type": "object",
+    "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    },
+    "required": ["v", "next"],
+    "additionalProperties": False,
+}
 
 
 def plan_hostile(loras: Path, config) -> list[tuple]:
@@ -38,32 +56,91 @@ def plan_hostile(loras: Path, config) -> list[tuple]:
     for case, (folder, words) in hostile_adapters(loras / "hostile", config).items():
         err(f"adapter: {case}", LOAD, {"lora_name": case, "lora_path": str(folder)}, words)
     outside = good_adapter(loras.parent / "outside", config, "x")
-    err("adapter: outside --lora-root", LOAD, {"lora_name": "o", "lora_path": str(outside)},
-        "--lora-root")
+    err(
+        "adapter: outside --lora-root",
+        LOAD,
+        {"lora_name": "o", "lora_path": str(outside)},
+        "--lora-root",
+    )
     base = {"input": "hi", "max_output_tokens": 4}
-    err("responses: 17 metadata pairs", R, {**base, "metadata": {f"k{i}": "v" for i in range(17)}},
-        "metadata")
-    err("responses: metadata value 600 KB", R, {**base, "metadata": {"k": "v" * 600_000}},
-        "metadata")
+    err(
+        "responses: 17 metadata pairs",
+        R,
+        {**base, "metadata": {f"k{i}": "v" for i in range(17)}},
+        "metadata",
+    )
+    err(
+        "responses: metadata value 600 KB",
+        R,
+        {**base, "metadata": {"k": "v" * 600_000}},
+        "metadata",
+    )
     err("responses: metadata not strings", R, {**base, "metadata": {"k": [1] * 10_000}}, "metadata")
-    err("responses: text.format junk", R, {**base, "text": {"format": {"type": "text", "x": 1}}},
-        "text.format")
-    err("responses: previous id a list", R, {**base, "previous_response_id": [7] * 100_000},
-        "previous_response_id")
-    err("responses: GET 300-char id", "/v1/responses/" + "r" * 300, None, "response_id",
-        method="GET")
-    err("tools: 200 tools", CH, {**M, "tools": [{"type": "function", "function": {
-        "name": f"f{i}"}} for i in range(200)]}, "tools")
-    err("grammar: 200 KB", CH, {**M, "structured_outputs": {"grammar": 'start: "a"\n' + "#" * 200_000}},
-        "structured_outputs", "grammar")
+    err(
+        "responses: text.format junk",
+        R,
+        {**base, "text": {"format": {"type": "text", "x": 1}}},
+        "text.format",
+    )
+    err(
+        "responses: previous id a list",
+        R,
+        {**base, "previous_response_id": [7] * 100_000},
+        "previous_response_id",
+    )
+    err(
+        "responses: GET 300-char id",
+        "/v1/responses/" + "r" * 300,
+        None,
+        "response_id",
+        method="GET",
+    )
+    err(
+        "tools: 200 tools",
+        CH,
+        {**M, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]},
+        "tools",
+    )
+    err(
+        "grammar: 200 KB",
+        CH,
+        {**M, "structured_outputs": {"grammar": 'start: "a"\n' + "#" * 200_000}},
+        "structured_outputs",
+        "grammar",
+    )
     chain = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000)) + '\nr3000: "b"'
-    out.append(("grammar: 3000-rule chain", "POST", CH, {**GREEDY, **M, "structured_outputs": {
-        "grammar": chain}}, {}, ("structured_outputs", "grammar"), "either"))
+    out.append(
+        (
+            "grammar: 3000-rule chain",
+            "POST",
+            CH,
+            {**GREEDY, **M, "structured_outputs": {"grammar": chain}},
+            {},
+            ("structured_outputs", "grammar"),
+            "either",
+        )
+    )
     err("Host: evil.example", CH, M, "host", headers={"Host": "evil.example"})
     for name, schema in (("$defs", ORDER), ("$ref #", CHAIN)):
-        out.append((f"tools: forced, {name}", "POST", CH, {**GREEDY, **M, "max_tokens": 96, "tools": [
-            {"type": "function", "function": {"name": "f", "parameters": schema}}],
-            "tool_choice": "required"}, {}, (), "ok"))
+        out.append(
+            (
+                f"tools: forced, {name}",
+                "POST",
+                CH,
+                {
+                    **GREEDY,
+                    **M,
+                    "max_tokens": 96,
+                    "tools": [
+                        {"type": "function", "function": {"name": "f", "parameters": schema}}
+                    ],
+                    "tool_choice": "required",
+                },
+                {},
+                (),
+                "ok",
+            )
+        )
     out.append(("1000 silent sockets", "SILENT", "/health", None, {}, (), "ok"))
     out.append(("slow request head", "SLOWHEAD", "/health", None, {}, ("408",), "err"))
     out.append(("slow request body", "SLOWBODY", "/tokenize", None, {}, ("408",), "err"))
@@ -78,10 +155,16 @@ def invalid_calls(body: dict, resp) -> str | None:
     if any(ch.get("finish_reason") == "length" for ch in resp.get("choices", [])):
         return None
     schemas = {t["function"]["name"]: t["function"].get("parameters") for t in body["tools"]}
-    calls = [c for ch in resp.get("choices", []) for c in (ch.get("message") or {}).get("tool_calls") or []]
+    calls = [
+        c
+        for ch in resp.get("choices", [])
+        for c in (ch.get("message") or {}).get("tool_calls") or []
+    ]
     for c in calls:
         try:
-            jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]])
+            jsonschema.validate(
+                json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]]
+            )
         except (ValueError, KeyError, jsonschema.ValidationError) as e:
             return f"{type(e).__name__}: {str(e)[:200]}"
     return None if calls else "no tool call"
@@ -103,9 +186,12 @@ def sockets(port: int, method: str) -> tuple[str, str]:
         finally:
             for s in held:
                 s.close()
-    data = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" if method == "SLOWHEAD" else
-            f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Length: 100\r\n\r\n{".encode())
+    data = (
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        if method == "SLOWHEAD"
+        else f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Length: 100\r\n\r\n{".encode()
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
         s.sendall(data)
         t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """Batch generation over a JSONL file (same as `jaxkv batch`).
 
-    python scripts/tools/batch_generate.py IN.jsonl OUT.jsonl [--model M] [--max-tokens N]
+python scripts/tools/batch_generate.py IN.jsonl OUT.jsonl [--model M] [--max-tokens N]
 """
 
 import sys

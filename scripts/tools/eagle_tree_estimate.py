@@ -34,8 +34,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 
 
-SHAPES = [(1,), (1, 1), (1, 1, 1), (1, 1, 1, 1), (1,) * 6, (1,) * 8, (2, 1, 1, 1),
-          (3, 1, 1, 1), (4, 1, 1, 1), (2, 2, 1, 1), (2, 2, 2, 1), (4, 2, 1, 1)]
+SHAPES = [
+    (1,),
+    (1, 1),
+    (1, 1, 1),
+    (1, 1, 1, 1),
+    (1,) * 6,
+    (1,) * 8,
+    (2, 1, 1, 1),
+    (3, 1, 1, 1),
+    (4, 1, 1, 1),
+    (2, 2, 1, 1),
+    (2, 2, 2, 1),
+    (4, 2, 1, 1),
+]
 
 
 def ranks(head: str, target: str, max_tokens: int, depth: int):
@@ -71,13 +83,16 @@ def ranks(head: str, target: str, max_tokens: int, depth: int):
         return jnp.where(ok & b["mask"][None], r, 1 << 20).transpose(1, 2, 0), anchors
 
     rows = [one(take(data, np.asarray([i]))) for i in range(len(data["tokens"]))]
-    return (np.stack([np.asarray(r[0]) for r, _ in rows]),
-            np.stack([np.asarray(a[0]) for _, a in rows]), data)
+    return (
+        np.stack([np.asarray(r[0]) for r, _ in rows]),
+        np.stack([np.asarray(a[0]) for _, a in rows]),
+        data,
+    )
 
 
 def tree_lengths(ranks_, anchors, shape) -> np.ndarray:
     """[B, T] each anchor's accepted length under `shape` (0 elsewhere)."""
-    hit = ranks_[..., :len(shape)] < np.asarray(shape)
+    hit = ranks_[..., : len(shape)] < np.asarray(shape)
     return np.where(anchors, 1 + np.cumprod(hit, axis=-1).sum(-1), 0)
 
 
@@ -85,8 +100,11 @@ def estimate(ranks_, anchors, shape) -> dict:
     from jaxkv.training.draft_data import per_step_length
 
     acc, drafts = per_step_length(tree_lengths(ranks_, anchors, shape))
-    return {"shape": list(shape), "rows": int(sum(np.prod(shape[:j + 1]) for j in range(len(shape)))),
-            "mean_accepted_length": 1 + acc / max(drafts, 1)}
+    return {
+        "shape": list(shape),
+        "rows": int(sum(np.prod(shape[: j + 1]) for j in range(len(shape)))),
+        "mean_accepted_length": 1 + acc / max(drafts, 1),
+    }
 
 
 def with_lookup(ranks_, anchors, data, k: int = 4, n_max: int = 4, n_min: int = 2) -> dict:
@@ -99,7 +117,7 @@ def with_lookup(ranks_, anchors, data, k: int = 4, n_max: int = 4, n_min: int = 
     for i, row in enumerate(lengths):
         toks, end = data["tokens"][i], int(data["mask"][i].sum())
         for t in np.flatnonzero(anchors[i]):
-            prop = ngram_lookup(np.asarray(toks[:t + 2]), k, n_max, n_min)
+            prop = ngram_lookup(np.asarray(toks[: t + 2]), k, n_max, n_min)
             matched.append(bool(prop))
             if prop:
                 n = 0
@@ -107,9 +125,12 @@ def with_lookup(ranks_, anchors, data, k: int = 4, n_max: int = 4, n_min: int = 
                     n += 1
                 row[t] = 1 + n
     acc, drafts = per_step_length(lengths)
-    return {"shape": f"prompt lookup (n = {n_max}..{n_min}) where it matches, else chain of {k}",
-            "rows": k, "mean_accepted_length": 1 + acc / max(drafts, 1),
-            "lookup_matches": float(np.mean(matched))}
+    return {
+        "shape": f"prompt lookup (n = {n_max}..{n_min}) where it matches, else chain of {k}",
+        "rows": k,
+        "mean_accepted_length": 1 + acc / max(drafts, 1),
+        "lookup_matches": float(np.mean(matched)),
+    }
 
 
 def main() -> int:
@@ -127,8 +148,9 @@ def main() -> int:
         shape = r["shape"] if isinstance(r["shape"], str) else tuple(r["shape"])
         print(f"| {shape} | {r['rows']} | {r['mean_accepted_length']:.2f} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"head": a.head, "max_tokens": a.max_tokens,
-                                            "shapes": res}, indent=1) + "\n")
+        Path(a.json).write_text(
+            json.dumps({"head": a.head, "max_tokens": a.max_tokens, "shapes": res}, indent=1) + "\n"
+        )
     return 0
 
 

@@ -8,15 +8,43 @@ import pytest
 # name -> (transformers config class, config kwargs). Covers GQA, MQA, MHA,
 # biases, tied embeddings and a head_dim that is not hidden / heads.
 TINY_CONFIGS = {
-    "llama": ("LlamaConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=40,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  tie_word_embeddings=False)),
-    "qwen2": ("Qwen2Config", dict(vocab_size=80, hidden_size=32, intermediate_size=24,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                                  tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", dict(vocab_size=72, hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                                      head_dim=12, tie_word_embeddings=False)),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            vocab_size=80,
+            hidden_size=32,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        dict(
+            vocab_size=72,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=12,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

@@ -25,8 +25,9 @@ def test_convert_moe_round_trip_and_counts(tmp_path, capsys):
     for k in params:
         np.testing.assert_array_equal(back[k], params[k])
     total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for n, p in model.named_parameters()
-                  if ".experts." in n and "shared" not in n)
+    experts = sum(
+        p.numel() for n, p in model.named_parameters() if ".experts." in n and "shared" not in n
+    )
     # Active: all but the experts, plus k of the 8 experts' share.
     active = total - experts + experts // 8 * 2
     assert f"{total:,} parameters, {experts:,} in 8 experts, {active:,} active per token" in printed

@@ -16,11 +16,24 @@ from jaxkv.model.llama import Llama
 from tests.helpers.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
 
 CASES = {  # HF config overrides; Gemma at head_dim 256, the attention scale GGUF implies
-    "qwen3": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128),  # the head_dim GGUF implies to transformers
-    "gemma2": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
-                   tie_word_embeddings=True),
-    "gemma3": dict(num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-                   query_pre_attn_scalar=256, tie_word_embeddings=True),  # five sliding layers to one global
+    "qwen3": dict(
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128
+    ),  # the head_dim GGUF implies to transformers
+    "gemma2": dict(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        tie_word_embeddings=True,
+    ),
+    "gemma3": dict(
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        tie_word_embeddings=True,
+    ),  # five sliding layers to one global
 }
 
 
@@ -32,15 +45,23 @@ def _write_gguf(hf, path, arch: str) -> None:
     for i in range(cfg.num_hidden_layers):
         to_gguf |= {f"model.layers.{i}.{hf_name}": f"blk.{i}.{g}" for g, hf_name in layer.items()}
     w = GGUFWriter(str(path), arch)
-    for key, value in {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
-                       "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
-                       "attention.head_count": cfg.num_attention_heads,
-                       "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": cfg.head_dim,
-                       "attention.value_length": cfg.head_dim}.items():
+    for key, value in {
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.key_length": cfg.head_dim,
+        "attention.value_length": cfg.head_dim,
+    }.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters.get("rope_theta")
-                  or cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_float32(
+        f"{arch}.rope.freq_base",
+        cfg.rope_parameters.get("rope_theta")
+        or cfg.rope_parameters["full_attention"]["rope_theta"],
+    )
     if gemma:
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
     if arch == "gemma2":
@@ -72,10 +93,17 @@ def test_family_gguf_loads_like_transformers(tmp_path, arch):
     _write_gguf(hf, gguf, arch)
     tokens = list(np.random.default_rng(1).integers(0, 128, 23))
     want = hf_logits(hf, tokens)
-    back = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf.name, dtype=torch.float32).eval()
+    back = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     assert np.abs(hf_logits(back, tokens) - want).max() <= 1e-4 * np.abs(want).max(), "the file"
     config, params, _ = load_checkpoint(gguf)
     assert config.architecture == arch
-    (got,), _ = step_logits(Llama.from_params(config, params), nan_cache(config, 8, 8),
-                            [Seq(tokens, 0, [3, 1, 2])], 8, rows_per_seq=True)
+    (got,), _ = step_logits(
+        Llama.from_params(config, params),
+        nan_cache(config, 8, 8),
+        [Seq(tokens, 0, [3, 1, 2])],
+        8,
+        rows_per_seq=True,
+    )
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -16,12 +16,28 @@ E, F, H, K, D, V, L = 64, 96, 4, 2, 16, 40, 2
 # Max abs dequantization error as a fraction of the tensor's max |x|: one
 # quantization step (Q4_0/Q5_0 can land a full step off at the clamped end)
 # plus slack for the fp16 scales.
-TOL = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1.1 / 127, Q.Q4_0: 1.1 / 8,
-       Q.Q4_1: 1.1 / 15, Q.Q5_0: 1.1 / 16, Q.Q5_1: 1.1 / 31}
+TOL = {
+    Q.F32: 0.0,
+    Q.F16: 1e-3,
+    Q.BF16: 8e-3,
+    Q.Q8_0: 1.1 / 127,
+    Q.Q4_0: 1.1 / 8,
+    Q.Q4_1: 1.1 / 15,
+    Q.Q5_0: 1.1 / 16,
+    Q.Q5_1: 1.1 / 31,
+}
 
-LAYER_TYPES = {"attn_norm": Q.F32, "attn_q": Q.F16, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0,
-               "attn_output": Q.Q4_1, "ffn_norm": Q.F32, "ffn_gate": Q.BF16, "ffn_up": Q.Q5_0,
-               "ffn_down": Q.Q5_1}
+LAYER_TYPES = {
+    "attn_norm": Q.F32,
+    "attn_q": Q.F16,
+    "attn_k": Q.Q8_0,
+    "attn_v": Q.Q4_0,
+    "attn_output": Q.Q4_1,
+    "ffn_norm": Q.F32,
+    "ffn_gate": Q.BF16,
+    "ffn_up": Q.Q5_0,
+    "ffn_down": Q.Q5_1,
+}
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -39,7 +55,10 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def hf_weights(arch: str, tied: bool, seed: int = 0, E: int = E) -> dict[str, np.ndarray]:
     """Random HF-layout ([out, in]) float32 weights, keyed by GGUF name."""
     rng = np.random.default_rng(seed)
-    w = {"token_embd.weight": rng.standard_normal((V, E)), "output_norm.weight": rng.standard_normal(E)}
+    w = {
+        "token_embd.weight": rng.standard_normal((V, E)),
+        "output_norm.weight": rng.standard_normal(E),
+    }
     if not tied:
         w["output.weight"] = rng.standard_normal((V, E))
     for i in range(L):
@@ -127,9 +146,17 @@ def expected_params(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def source_type(param_name: str, arch: str) -> Q:
-    inv = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
-           "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up",
-           "w_down": "ffn_down"}
+    inv = {
+        "attn_norm": "attn_norm",
+        "mlp_norm": "ffn_norm",
+        "wq": "attn_q",
+        "wk": "attn_k",
+        "wv": "attn_v",
+        "wo": "attn_output",
+        "w_gate": "ffn_gate",
+        "w_up": "ffn_up",
+        "w_down": "ffn_down",
+    }
     if param_name.startswith("layers."):
         kind = param_name.split(".")[2]
         return Q.F32 if kind in ("bq", "bk", "bv") else LAYER_TYPES[inv[kind]]
@@ -142,7 +169,12 @@ def test_dequantize_and_layout(tmp_path, arch, tied):
     weights = write_gguf(path, arch, tied)
     config, params, info = load_gguf(path)
     assert (config.architecture, config.hidden_size, config.intermediate_size) == (arch, E, F)
-    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.num_layers) == (H, K, D, L)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.num_layers) == (
+        H,
+        K,
+        D,
+        L,
+    )
     assert (config.vocab_size, config.tie_word_embeddings, config.rope_theta) == (V, tied, 5000.0)
     assert config.attention_bias == (arch == "qwen2")
     assert config.eos_token_ids == (3,)
@@ -180,21 +212,25 @@ def test_k_quant_matches_transformers_dequant(tmp_path):
     rng = np.random.default_rng(3)
     weights = hf_weights("llama", tied=False, E=e)
     qtypes = {}
-    for name, qt, block_bytes, half_at in [("blk.0.ffn_gate.weight", Q.Q4_K, 144, (0, 2)),
-                                           ("blk.1.ffn_up.weight", Q.Q6_K, 210, (208,))]:
+    for name, qt, block_bytes, half_at in [
+        ("blk.0.ffn_gate.weight", Q.Q4_K, 144, (0, 2)),
+        ("blk.1.ffn_up.weight", Q.Q6_K, 210, (208,)),
+    ]:
         # Random bytes are valid K-quant blocks once the fp16 scales are finite and small.
         blocks = rng.integers(0, 256, size=(F, e // 256, block_bytes), dtype=np.uint8)
         for at in half_at:
             scales = rng.uniform(-1, 1, (F, e // 256, 1)).astype(np.float16)
-            blocks[:, :, at:at + 2] = scales.view(np.uint8)
+            blocks[:, :, at : at + 2] = scales.view(np.uint8)
         weights[name] = blocks.reshape(F, -1)
         qtypes[name] = qt
     qtypes.update({n: Q.F32 for n in weights if n not in qtypes})
     path = tmp_path / "k.gguf"
     write_gguf(path, weights=weights, qtypes=qtypes, E=e)
     _, params, _ = load_gguf(path)
-    for name, param in [("blk.0.ffn_gate.weight", params["layers.0.w_gate"]),
-                        ("blk.1.ffn_up.weight", params["layers.1.w_up"])]:
+    for name, param in [
+        ("blk.0.ffn_gate.weight", params["layers.0.w_gate"]),
+        ("blk.1.ffn_up.weight", params["layers.1.w_up"]),
+    ]:
         flat = torch.from_numpy(weights[name].reshape(-1).copy())
         ref = hf_dequantize(flat, int(qtypes[name])).numpy().reshape(F, e)
         assert np.isfinite(ref).all() and np.abs(ref).max() > 0
@@ -232,7 +268,7 @@ def good_gguf_bytes(tmp_path_factory):
 @pytest.mark.parametrize("frac", [0.0, 0.001, 0.01, 0.3, 0.9, 0.999])
 def test_truncated_gguf(tmp_path, good_gguf_bytes, frac):
     path = tmp_path / "t.gguf"
-    path.write_bytes(good_gguf_bytes[:max(1, int(len(good_gguf_bytes) * frac))])
+    path.write_bytes(good_gguf_bytes[: max(1, int(len(good_gguf_bytes) * frac))])
     with pytest.raises(ValueError, match=r"t\.gguf.*(truncated|corrupt)"):
         load_gguf(path)
 
@@ -256,11 +292,17 @@ def test_detect_by_magic(tmp_path):
 def test_gguf_rope_scaling_linear_is_kept_and_others_refused():
     from checkpoints.gguf_config import from_gguf_metadata
 
-    base = {"general.architecture": "llama", "llama.embedding_length": 64,
-            "llama.attention.head_count": 4, "llama.feed_forward_length": 96,
-            "llama.block_count": 2, "llama.vocab_size": 128}
-    cfg = from_gguf_metadata({**base, "llama.rope.scaling.type": "linear",
-                              "llama.rope.scaling.factor": 2.0})
+    base = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 4,
+        "llama.feed_forward_length": 96,
+        "llama.block_count": 2,
+        "llama.vocab_size": 128,
+    }
+    cfg = from_gguf_metadata(
+        {**base, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    )
     assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 2.0)
     assert from_gguf_metadata({**base, "llama.rope.scaling.type": "none"}).rope_scaling is None
     with pytest.raises(ValueError, match="rope.scaling.type: unsupported 'yarn'"):

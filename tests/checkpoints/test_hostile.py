@@ -34,19 +34,43 @@ from jaxkv.model.params import expected_shapes
 from tests.helpers.model_utils import save_tiny_tokenizer
 
 V, E, F, L, H, K, D = 64, 16, 24, 2, 4, 2, 4
-HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": E,
-             "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": H,
-             "num_key_value_heads": K, "bos_token_id": 1, "eos_token_id": 2}
-CONFIG = ModelConfig(architecture="llama", vocab_size=V, hidden_size=E, intermediate_size=F,
-                     num_layers=L, num_heads=H, num_kv_heads=K, head_dim=D)
-GGUF_META = {"block_count": L, "embedding_length": E, "feed_forward_length": F,
-             "attention.head_count": H, "attention.head_count_kv": K, "context_length": 128}
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": V,
+    "hidden_size": E,
+    "intermediate_size": F,
+    "num_hidden_layers": L,
+    "num_attention_heads": H,
+    "num_key_value_heads": K,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=V,
+    hidden_size=E,
+    intermediate_size=F,
+    num_layers=L,
+    num_heads=H,
+    num_kv_heads=K,
+    head_dim=D,
+)
+GGUF_META = {
+    "block_count": L,
+    "embedding_length": E,
+    "feed_forward_length": F,
+    "attention.head_count": H,
+    "attention.head_count_kv": K,
+    "context_length": 128,
+}
 
 
 def hf_tensors() -> dict[str, np.ndarray]:
     """Random float32 weights of the tiny llama, in HF names and layout."""
     rng = np.random.default_rng(0)
-    return {n: rng.standard_normal(t[2]).astype(np.float32) for n, t in hf_tensor_map(CONFIG).items()}
+    return {
+        n: rng.standard_normal(t[2]).astype(np.float32) for n, t in hf_tensor_map(CONFIG).items()
+    }
 
 
 def write_hf(path: Path, tokenizer_vocab: int | None = V, **config) -> Path:
@@ -64,7 +88,11 @@ def write_gguf(path: Path, **meta) -> Path:
     from checkpoints.gguf_io import GGUF_LAYER_MAP, GGUF_TOP_MAP
 
     to_gguf = {hf: g for g, hf in GGUF_TOP_MAP.items()}
-    to_gguf |= {f"model.layers.{i}.{hf}": f"blk.{i}.{g}" for i in range(L) for g, hf in GGUF_LAYER_MAP.items()}
+    to_gguf |= {
+        f"model.layers.{i}.{hf}": f"blk.{i}.{g}"
+        for i in range(L)
+        for g, hf in GGUF_LAYER_MAP.items()
+    }
     w = GGUFWriter(str(path), "llama")
     for key, value in {**GGUF_META, **meta}.items():
         add = w.add_array if isinstance(value, list) else w.add_uint32
@@ -73,14 +101,21 @@ def write_gguf(path: Path, **meta) -> Path:
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(V)])
     for name, x in hf_tensors().items():
         w.add_tensor(to_gguf[name], x)
-    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+    for write in (
+        w.write_header_to_file,
+        w.write_kv_data_to_file,
+        w.write_tensors_to_file,
+        w.close,
+    ):
         write()
     return path
 
 
 def write_jaxkv(path: Path) -> Path:
     rng = np.random.default_rng(0)
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in expected_shapes(CONFIG).items()}
+    params = {
+        k: rng.standard_normal(s).astype(np.float32) for k, s in expected_shapes(CONFIG).items()
+    }
     return save(path, CONFIG, params)
 
 
@@ -91,7 +126,11 @@ def edit_json(path: Path, edit) -> None:
 
 
 def test_the_builders_make_loadable_checkpoints(tmp_path):
-    for path in (write_hf(tmp_path / "hf"), write_gguf(tmp_path / "m.gguf"), write_jaxkv(tmp_path / "ck")):
+    for path in (
+        write_hf(tmp_path / "hf"),
+        write_gguf(tmp_path / "m.gguf"),
+        write_jaxkv(tmp_path / "ck"),
+    ):
         config, params, _ = load_checkpoint(path)
         assert config.num_layers == L and len(params) == len(expected_shapes(config))
 
@@ -124,9 +163,14 @@ SIDE_FILES = {  # case -> (checkpoint kind, file, replaced by a link to /dev/zer
     "params_fifo": ("jaxkv", "params/_METADATA", "fifo"),
 }
 GUARDED = {  # case -> what the one-line refusal must say
-    "hf_layers": r"num_hidden_layers.*1000000000.*2 ", "gguf_layers": r"llama\.block_count.*1000000000.*2 ",
-    "jaxkv_layers": r"num_layers.*1000000000.*2 ", "manifest_shape": r"embed.*1000000",
-    **{case: re.escape(Path(f).name) + ".*not a regular file" for case, (_, f, _) in SIDE_FILES.items()},
+    "hf_layers": r"num_hidden_layers.*1000000000.*2 ",
+    "gguf_layers": r"llama\.block_count.*1000000000.*2 ",
+    "jaxkv_layers": r"num_layers.*1000000000.*2 ",
+    "manifest_shape": r"embed.*1000000",
+    **{
+        case: re.escape(Path(f).name) + ".*not a regular file"
+        for case, (_, f, _) in SIDE_FILES.items()
+    },
 }
 
 
@@ -150,7 +194,10 @@ def _hostile(root: Path, case: str) -> Path:
     if case == "jaxkv_layers":
         edit_json(path / "model_config.json", lambda c: c.update(num_layers=10**9))
     else:
-        edit_json(path / "jaxkv_checkpoint.json", lambda m: m["tensors"]["embed"].__setitem__(0, [10**6] * 2))
+        edit_json(
+            path / "jaxkv_checkpoint.json",
+            lambda m: m["tensors"]["embed"].__setitem__(0, [10**6] * 2),
+        )
     return path
 
 
@@ -161,9 +208,14 @@ def guarded(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     cases = [(c, str(_hostile(root / c, c))) for c in GUARDED]
     try:
-        out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], check=False,
-                             capture_output=True, text=True, timeout=240,
-                             cwd=Path(__file__).resolve().parents[2]).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, json.dumps(cases)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=Path(__file__).resolve().parents[2],
+        ).stdout
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
     return dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
@@ -193,8 +245,12 @@ def test_checksums_are_written_and_no_bit_flip_loads_changed_data(tmp_path):
     manifest = json.loads((path / "jaxkv_checkpoint.json").read_text())
     _, params, _ = restore(path)
     assert manifest["version"] == 2
-    assert {k: v[2] for k, v in manifest["tensors"].items()} == {k: _digest(v) for k, v in params.items()}
-    data = max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    assert {k: v[2] for k, v in manifest["tensors"].items()} == {
+        k: _digest(v) for k, v in params.items()
+    }
+    data = max(
+        (f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size
+    )
     original = data.read_bytes()
     errors = []
     for pos in np.linspace(len(original) // 8, len(original) - 8, 12).astype(int):
@@ -208,7 +264,9 @@ def test_checksums_are_written_and_no_bit_flip_loads_changed_data(tmp_path):
             continue
         for k in params:  # loaded: then the flip hit no tensor's data
             np.testing.assert_array_equal(back[k], params[k], err_msg=f"flip at byte {pos}")
-    assert any("checksum mismatch" in m for m in errors), errors  # decodable flips: only the sums see them
+    assert any("checksum mismatch" in m for m in errors), (
+        errors
+    )  # decodable flips: only the sums see them
 
 
 def test_changed_tensor_is_named_with_both_digests_and_opt_out_loads(tmp_path):
@@ -218,8 +276,11 @@ def test_changed_tensor_is_named_with_both_digests_and_opt_out_loads(tmp_path):
     (path / "params").rename(tmp_path / "old_params")
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "params", params)
-    with pytest.raises(ValueError, match=r"tensor 'layers\.0\.wq': checksum mismatch \(manifest sha256 "
-                                         r"[0-9a-f]{64}, data [0-9a-f]{64}\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'layers\.0\.wq': checksum mismatch \(manifest sha256 "
+        r"[0-9a-f]{64}, data [0-9a-f]{64}\)",
+    ):
         load_checkpoint(path)
     _, back, _ = load_checkpoint(path, verify_checksums=False)
     np.testing.assert_array_equal(back["layers.0.wq"], params["layers.0.wq"])
@@ -230,7 +291,9 @@ def test_checkpoint_without_checksums(tmp_path, caplog):
     path = write_jaxkv(tmp_path / "ck")
     marker = path / "jaxkv_checkpoint.json"
     v2 = marker.read_text()
-    edit_json(marker, lambda m: m.update(version=1, tensors={k: v[:2] for k, v in m["tensors"].items()}))
+    edit_json(
+        marker, lambda m: m.update(version=1, tensors={k: v[:2] for k, v in m["tensors"].items()})
+    )
     with caplog.at_level("WARNING", logger="checkpoints.jaxkv_format"):
         restore(path)
     assert "unverified" in caplog.text and "version 1" in caplog.text
@@ -243,8 +306,12 @@ def test_checkpoint_without_checksums(tmp_path, caplog):
 @pytest.mark.parametrize("verify", [True, False])
 def test_manifest_dtype_must_match_the_stored_data(tmp_path, verify):
     path = write_jaxkv(tmp_path / "ck")
-    edit_json(path / "jaxkv_checkpoint.json", lambda m: m["tensors"]["embed"].__setitem__(1, "bfloat16"))
-    with pytest.raises(ValueError, match=r"tensor 'embed': manifest says bfloat16, the data is float32"):
+    edit_json(
+        path / "jaxkv_checkpoint.json", lambda m: m["tensors"]["embed"].__setitem__(1, "bfloat16")
+    )
+    with pytest.raises(
+        ValueError, match=r"tensor 'embed': manifest says bfloat16, the data is float32"
+    ):
         restore(path, verify_checksums=verify)
 
 
@@ -252,41 +319,79 @@ def test_manifest_dtype_must_match_the_stored_data(tmp_path, verify):
 @pytest.mark.parametrize("theta", [0, -1.0, math.nan, math.inf])
 @pytest.mark.parametrize("where", ["rope_theta", "rope_parameters"])
 def test_bad_rope_theta_is_refused_not_defaulted(theta, where):
-    cfg = {**HF_CONFIG, **({"rope_theta": theta} if where == "rope_theta"
-                           else {"rope_parameters": {"rope_type": "default", "rope_theta": theta}})}
-    with pytest.raises(ValueError, match=rf"^{where}(\.rope_theta)?: must be a positive finite number"):
+    cfg = {
+        **HF_CONFIG,
+        **(
+            {"rope_theta": theta}
+            if where == "rope_theta"
+            else {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+        ),
+    }
+    with pytest.raises(
+        ValueError, match=rf"^{where}(\.rope_theta)?: must be a positive finite number"
+    ):
         from_hf_config(cfg)
     assert from_hf_config(HF_CONFIG).rope_theta == 10000.0  # only an absent value gets the default
 
 
-@pytest.mark.parametrize("override,field", [
-    ({"head_dim": 0}, "head_dim"), ({"eos_token_id": {}}, "eos_token_id"),
-    ({"eos_token_id": [2, "x"]}, "eos_token_id"), ({"bos_token_id": {}}, "bos_token_id"),
-    ({"architectures": 5}, "architectures"), ({"attention_bias": "yes"}, "attention_bias"),
-    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"), ({"rope_parameters": "x"}, "rope_parameters"),
-    ({"rope_scaling": 5}, "rope_scaling"), ({"rms_norm_eps": math.nan}, "rms_norm_eps"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": "abc"}}, r"rope_scaling\.factor"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ({"head_dim": 0}, "head_dim"),
+        ({"eos_token_id": {}}, "eos_token_id"),
+        ({"eos_token_id": [2, "x"]}, "eos_token_id"),
+        ({"bos_token_id": {}}, "bos_token_id"),
+        ({"architectures": 5}, "architectures"),
+        ({"attention_bias": "yes"}, "attention_bias"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+        ({"rope_parameters": "x"}, "rope_parameters"),
+        ({"rope_scaling": 5}, "rope_scaling"),
+        ({"rms_norm_eps": math.nan}, "rms_norm_eps"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "abc"}}, r"rope_scaling\.factor"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
+    ],
+)
 def test_present_but_invalid_hf_values_are_refused_by_name(override, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         from_hf_config({**HF_CONFIG, **override})
 
 
-@pytest.mark.parametrize("key,value", [
-    ("attention.head_count", 0), ("block_count", [1, 2]), ("embedding_length", "x"),
-    ("rope.freq_base", 0.0), ("attention.sliding_window", 0), ("attention.key_length", -4),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("attention.head_count", 0),
+        ("block_count", [1, 2]),
+        ("embedding_length", "x"),
+        ("rope.freq_base", 0.0),
+        ("attention.sliding_window", 0),
+        ("attention.key_length", -4),
+    ],
+)
 def test_bad_gguf_metadata_is_refused_by_name(key, value):
-    meta = {"general.architecture": "llama", "llama.vocab_size": V, **{f"llama.{k}": v for k, v in GGUF_META.items()}}
+    meta = {
+        "general.architecture": "llama",
+        "llama.vocab_size": V,
+        **{f"llama.{k}": v for k, v in GGUF_META.items()},
+    }
     with pytest.raises(ValueError, match=rf"^llama\.{re.escape(key)}: "):
         from_gguf_metadata({**meta, f"llama.{key}": value})
 
 
-@pytest.mark.parametrize("key,value", [("tokenizer.ggml.merges", [1, 2]), ("tokenizer.ggml.tokens", "abc"),
-                                       ("tokenizer.ggml.scores", ["1"]), ("tokenizer.ggml.eos_token_id", "x")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("tokenizer.ggml.merges", [1, 2]),
+        ("tokenizer.ggml.tokens", "abc"),
+        ("tokenizer.ggml.scores", ["1"]),
+        ("tokenizer.ggml.eos_token_id", "x"),
+    ],
+)
 def test_bad_gguf_tokenizer_types_are_refused_by_name(key, value):
-    info = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [f"t{i}" for i in range(V)], key: value}
+    info = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(V)],
+        key: value,
+    }
     with pytest.raises(ValueError, match=rf"^{re.escape(key)}: must be"):
         tokenizer_from_gguf(info)
 
@@ -294,18 +399,28 @@ def test_bad_gguf_tokenizer_types_are_refused_by_name(key, value):
 def test_a_sentencepiece_vocabulary_with_an_endless_piece_is_refused_fast():
     # One 1 MB piece once made the merge search run for hours (every cut of it).
     tokens = ["<unk>", "\u2581a", "a" * 2**20] + [f"t{i}" for i in range(V - 3)]
-    info = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.scores": [0.0] * V}
+    info = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * V,
+    }
     with pytest.raises(ValueError, match=r"^tokenizer\.ggml\.tokens: pieces of up to 1048576"):
         tokenizer_from_gguf(info)
 
 
-@pytest.mark.parametrize("file,entry,match", [
-    ("generation_config.json", {"eos_token_id": {}}, r"generation_config\.json: eos_token_id"),
-    ("generation_config.json", {"eos_token_id": [2, 10**6]}, r"generation_config\.json: eos_token_id"),
-    ("tokenizer_config.json", {"eos_token": 5}, r"tokenizer_config\.json: eos_token"),
-    ("tokenizer_config.json", {"chat_template": [7]}, r"tokenizer_config\.json: chat_template"),
-])
+@pytest.mark.parametrize(
+    "file,entry,match",
+    [
+        ("generation_config.json", {"eos_token_id": {}}, r"generation_config\.json: eos_token_id"),
+        (
+            "generation_config.json",
+            {"eos_token_id": [2, 10**6]},
+            r"generation_config\.json: eos_token_id",
+        ),
+        ("tokenizer_config.json", {"eos_token": 5}, r"tokenizer_config\.json: eos_token"),
+        ("tokenizer_config.json", {"chat_template": [7]}, r"tokenizer_config\.json: chat_template"),
+    ],
+)
 def test_bad_tokenizer_side_files_are_refused_by_name(tmp_path, file, entry, match):
     path = write_hf(tmp_path / "hf")
     old = json.loads((path / file).read_text()) if (path / file).exists() else {}
@@ -319,26 +434,41 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
         load_checkpoint(write_hf(tmp_path / "hf", tokenizer_vocab=128))
     _, params, tok = load_checkpoint(write_hf(tmp_path / "small", tokenizer_vocab=48))
     with pytest.raises(ValueError, match=r"tokenizer: .*48 .*vocab_size 40"):
-        save(tmp_path / "ck", ModelConfig(**{**CONFIG.to_dict(), "vocab_size": 40, "eos_token_ids": ()}),
-             {**params, "embed": params["embed"][:40], "lm_head": params["lm_head"][:, :40]}, tok)
+        save(
+            tmp_path / "ck",
+            ModelConfig(**{**CONFIG.to_dict(), "vocab_size": 40, "eos_token_ids": ()}),
+            {**params, "embed": params["embed"][:40], "lm_head": params["lm_head"][:, :40]},
+            tok,
+        )
 
 
 # ------------------------------------------------------------ convert CLI
 BAD_SOURCES = {
-    "gguf_heads": (lambda root: write_gguf(root / "m.gguf", **{"attention.head_count": 0}),
-                   r"llama\.attention\.head_count"),
+    "gguf_heads": (
+        lambda root: write_gguf(root / "m.gguf", **{"attention.head_count": 0}),
+        r"llama\.attention\.head_count",
+    ),
     "hf_eos": (lambda root: write_hf(root / "hf", eos_token_id={}), "eos_token_id"),
-    "hf_rope": (lambda root: write_hf(root / "hf", rope_parameters={"rope_theta": 0}),
-                r"rope_parameters\.rope_theta"),
+    "hf_rope": (
+        lambda root: write_hf(root / "hf", rope_parameters={"rope_theta": 0}),
+        r"rope_parameters\.rope_theta",
+    ),
     "manifest_shape": (lambda root: _hostile(root, "manifest_shape"), "embed"),
     # Found by scripts/probe/__main__.py: named by jaxkv's field, not the file's key.
-    "hf_kv_heads": (lambda root: write_hf(root / "hf", num_key_value_heads=3), "num_key_value_heads"),
+    "hf_kv_heads": (
+        lambda root: write_hf(root / "hf", num_key_value_heads=3),
+        "num_key_value_heads",
+    ),
     # Found by scripts/probe/__main__.py: a progress bar's lines came before the error.
-    "hf_tokenizer_zero": (lambda root: _side_file(write_hf(root / "hf"), "tokenizer.json", "zero"),
-                          r"tokenizer\.json.*not a regular file"),
+    "hf_tokenizer_zero": (
+        lambda root: _side_file(write_hf(root / "hf"), "tokenizer.json", "zero"),
+        r"tokenizer\.json.*not a regular file",
+    ),
     # Found by scripts/probe/__main__.py: once "neither a jaxkv checkpoint nor a Hugging Face dir".
-    "hf_config_fifo": (lambda root: _side_file(write_hf(root / "hf"), "config.json", "fifo"),
-                       r"config\.json: not a regular file \(a FIFO\)"),
+    "hf_config_fifo": (
+        lambda root: _side_file(write_hf(root / "hf"), "config.json", "fifo"),
+        r"config\.json: not a regular file \(a FIFO\)",
+    ),
 }
 
 
@@ -359,7 +489,12 @@ def test_convert_prints_one_line_and_fails(tmp_path, capsys, name):
     with pytest.raises(SystemExit) as e:
         convert_main([src, str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert e.value.code == 1 and err.count("\n") == 1 and err.startswith("error: ") and re.search(match, err)
+    assert (
+        e.value.code == 1
+        and err.count("\n") == 1
+        and err.startswith("error: ")
+        and re.search(match, err)
+    )
     assert cli_main(["convert", src, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and re.search(match, err), err

@@ -17,9 +17,20 @@ from jaxkv.config import ModelConfig
 from jaxkv.model.params import check_params, expected_shapes
 from tests.test_tokenizer import tiny_gguf_info
 
-CONFIG = ModelConfig(architecture="qwen2", vocab_size=300, hidden_size=16, intermediate_size=24,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True,
-                     tie_word_embeddings=False, bos_token_id=0, eos_token_ids=(1, 2))
+CONFIG = ModelConfig(
+    architecture="qwen2",
+    vocab_size=300,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    attention_bias=True,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_ids=(1, 2),
+)
 
 
 def random_params(config, dtype=np.float32, seed=0):
@@ -95,21 +106,41 @@ def test_check_params_messages():
 
 
 def test_expected_shapes_by_hand():
-    tied = ModelConfig(architecture="llama", vocab_size=10, hidden_size=6, intermediate_size=7,
-                       num_layers=1, num_heads=3, num_kv_heads=1, head_dim=4, tie_word_embeddings=True)
+    tied = ModelConfig(
+        architecture="llama",
+        vocab_size=10,
+        hidden_size=6,
+        intermediate_size=7,
+        num_layers=1,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=4,
+        tie_word_embeddings=True,
+    )
     assert expected_shapes(tied) == {
-        "embed": (10, 6), "layers.0.attn_norm": (6,), "layers.0.wq": (6, 3, 4),
-        "layers.0.wk": (6, 1, 4), "layers.0.wv": (6, 1, 4), "layers.0.wo": (3, 4, 6),
-        "layers.0.mlp_norm": (6,), "layers.0.w_gate": (6, 7), "layers.0.w_up": (6, 7),
-        "layers.0.w_down": (7, 6), "final_norm": (6,)}
+        "embed": (10, 6),
+        "layers.0.attn_norm": (6,),
+        "layers.0.wq": (6, 3, 4),
+        "layers.0.wk": (6, 1, 4),
+        "layers.0.wv": (6, 1, 4),
+        "layers.0.wo": (3, 4, 6),
+        "layers.0.mlp_norm": (6,),
+        "layers.0.w_gate": (6, 7),
+        "layers.0.w_up": (6, 7),
+        "layers.0.w_down": (7, 6),
+        "final_norm": (6,),
+    }
     assert len(expected_shapes(CONFIG)) == 2 + 2 * 12 + 1
 
 
 def test_convert_cli_hf_to_jaxkv(tiny_hf, tmp_path):
     src, _ = tiny_hf["llama"]
     config, params = load_hf_dir(src)
-    proc = subprocess.run([sys.executable, "-m", "checkpoints.convert", str(src), str(tmp_path / "out")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "checkpoints.convert", str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     config2, back, tok = load_checkpoint(tmp_path / "out")
     assert config2 == config and tok is None

@@ -60,11 +60,15 @@ def test_load_matches_torch(tiny_hf, name):
     hf = model.config
     assert config.architecture == hf.model_type
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (
-        hf.num_attention_heads, hf.num_key_value_heads, getattr(hf, "head_dim", None) or
-        hf.hidden_size // hf.num_attention_heads)
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+    )
     assert config.tie_word_embeddings == hf.tie_word_embeddings
-    assert all(type(v) is np.ndarray and v.dtype == np.float32 and v.flags.c_contiguous
-               for v in params.values())
+    assert all(
+        type(v) is np.ndarray and v.dtype == np.float32 and v.flags.c_contiguous
+        for v in params.values()
+    )
     assert_matches_torch(config, params, model)
 
 
@@ -122,7 +126,9 @@ def test_missing_tensor(tiny_hf, tmp_path):
 
 def test_unexpected_tensor(tiny_hf, tmp_path):
     path = copy_dir(tiny_hf["llama"][0], tmp_path / "m")
-    _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)}))
+    _rewrite(
+        path, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)})
+    )
     with pytest.raises(ValueError, match=r"unexpected.*model\.layers\.0\.self_attn\.o_proj\.bias"):
         load_hf_dir(path)
 
@@ -142,6 +148,7 @@ def test_tied_lm_head_and_inv_freq_are_dropped(tiny_hf, tmp_path):
     def add(t):
         t["lm_head.weight"] = sd["model.embed_tokens.weight"]
         t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+
     _rewrite(path, add)
     config, params = load_hf_dir(path)
     assert "lm_head" not in params
@@ -188,35 +195,53 @@ def test_bad_index(tiny_hf, tmp_path, bad):
 
 def _write_raw_safetensors(path, header: dict, data: bytes):
     import json as _json
+
     raw = _json.dumps(header).encode()
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
 
 
-@pytest.mark.parametrize("offsets,what", [
-    ([[0, 16], [0, 16]], "two tensors share the same bytes"),
-    ([[0, 16], [8, 24]], "overlapping tensors"),
-    ([[0, 16], [16, 40]], "a tensor past the end of the file"),
-])
+@pytest.mark.parametrize(
+    "offsets,what",
+    [
+        ([[0, 16], [0, 16]], "two tensors share the same bytes"),
+        ([[0, 16], [8, 24]], "overlapping tensors"),
+        ([[0, 16], [16, 40]], "a tensor past the end of the file"),
+    ],
+)
 def test_bad_offsets_are_refused_naming_the_file(tmp_path, offsets, what):
     from checkpoints.safetensors_io import open_safetensors
 
     path = tmp_path / "model.safetensors"
-    header = {n: {"dtype": "F32", "shape": [4], "data_offsets": o}
-              for n, o in zip(("a.weight", "b.weight"), offsets)}
+    header = {
+        n: {"dtype": "F32", "shape": [4], "data_offsets": o}
+        for n, o in zip(("a.weight", "b.weight"), offsets)
+    }
     _write_raw_safetensors(path, header, bytes(32))
     with pytest.raises(ValueError, match=r"model\.safetensors: corrupt or truncated"):
         open_safetensors(path)
 
 
-@pytest.mark.parametrize("header,data,match", [
-    ({"a.weight": {"dtype": "I32", "shape": [4], "data_offsets": [0, 16]}}, bytes(16),
-     "unsupported dtype I32"),
-    ({"a.weight": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}}, bytes(16),
-     "corrupt or truncated"),
-    (["not", "an", "object"], b"", "corrupt or truncated"),
-    ({"a.weight": {"dtype": "F32", "shape": "four", "data_offsets": [0, 16]}}, bytes(16),
-     "corrupt or truncated"),
-])
+@pytest.mark.parametrize(
+    "header,data,match",
+    [
+        (
+            {"a.weight": {"dtype": "I32", "shape": [4], "data_offsets": [0, 16]}},
+            bytes(16),
+            "unsupported dtype I32",
+        ),
+        (
+            {"a.weight": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}},
+            bytes(16),
+            "corrupt or truncated",
+        ),
+        (["not", "an", "object"], b"", "corrupt or truncated"),
+        (
+            {"a.weight": {"dtype": "F32", "shape": "four", "data_offsets": [0, 16]}},
+            bytes(16),
+            "corrupt or truncated",
+        ),
+    ],
+)
 def test_bad_headers_are_refused_naming_the_file(tmp_path, header, data, match):
     from checkpoints.safetensors_io import open_safetensors
 

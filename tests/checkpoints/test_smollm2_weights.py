@@ -24,9 +24,18 @@ def hf_model(hf_smollm2):
 def test_config_matches_published(ours):
     """SmolLM2-135M-Instruct's published config.json values."""
     config, params, info = ours
-    assert (config.architecture, config.vocab_size, config.hidden_size, config.intermediate_size) == (
-        "llama", 49152, 576, 1536)
-    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
+    assert (
+        config.architecture,
+        config.vocab_size,
+        config.hidden_size,
+        config.intermediate_size,
+    ) == ("llama", 49152, 576, 1536)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        30,
+        9,
+        3,
+        64,
+    )
     assert config.rope_theta == 100000.0 and config.rope_scaling is None
     assert config.rms_norm_eps == pytest.approx(1e-5)
     assert config.tie_word_embeddings and "lm_head" not in params
@@ -42,8 +51,15 @@ def test_params_match_transformers(ours, hf_model):
     config, params, _ = ours
     hf = hf_model.config
     assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers) == (
-        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
-    assert (config.num_heads, config.num_kv_heads) == (hf.num_attention_heads, hf.num_key_value_heads)
+        hf.vocab_size,
+        hf.hidden_size,
+        hf.intermediate_size,
+        hf.num_hidden_layers,
+    )
+    assert (config.num_heads, config.num_kv_heads) == (
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+    )
     assert config.rope_theta == hf.rope_parameters["rope_theta"]
     assert config.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
     assert config.tie_word_embeddings == hf.tie_word_embeddings

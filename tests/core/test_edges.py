@@ -18,9 +18,18 @@ from jaxkv.core.engine import LLMEngine
 from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.model.llama import Llama
 
-CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  max_position_embeddings=256, eos_token_ids=())
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    eos_token_ids=(),
+)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
@@ -30,8 +39,7 @@ def model():
 
 
 def engine(model, **kw):
-    opts = dict(warmup=False, num_pages=64, page_size=8, max_num_seqs=8,
-                max_num_batched_tokens=32)
+    opts = dict(warmup=False, num_pages=64, page_size=8, max_num_seqs=8, max_num_batched_tokens=32)
     return LLMEngine(model, None, EngineConfig(**{**opts, **kw}))
 
 
@@ -41,23 +49,34 @@ def lone(model, prompt, params=GREEDY):
     return eng.run_to_completion()[rid].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("params,field", [
-    (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
-    (dict(stop=["ok", 3]), "stop"), (dict(stop_token_ids=[True]), "stop_token_ids"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(top_p=float("nan")), "top_p"), (dict(max_tokens="7"), "max_tokens"),
-    (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop="\ud800"), "stop"),
-    (dict(n=0), "n"), (dict(n=9), "n"),  # the engine holds 8 sequences
-    (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={3: "big"}), "logit_bias"),
-    (dict(logit_bias={"\u00b2": 1}), "logit_bias"), (dict(logit_bias={"\u0663": 1}), "logit_bias"),
-    (dict(allowed_token_ids=[]), "allowed_token_ids"),
-    (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
-    (dict(bad_words=[""]), "bad_words"), (dict(bad_words="no"), "bad_words"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
-    (dict(structured_outputs={"regex": 5}), "structured_outputs"),
-    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        (dict(stop=5), "stop"),
+        (dict(stop_token_ids=5), "stop_token_ids"),
+        (dict(stop=["ok", 3]), "stop"),
+        (dict(stop_token_ids=[True]), "stop_token_ids"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(max_tokens="7"), "max_tokens"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(stop="\ud800"), "stop"),
+        (dict(n=0), "n"),
+        (dict(n=9), "n"),  # the engine holds 8 sequences
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(logit_bias={3: "big"}), "logit_bias"),
+        (dict(logit_bias={"\u00b2": 1}), "logit_bias"),
+        (dict(logit_bias={"\u0663": 1}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
+        (dict(bad_words=[""]), "bad_words"),
+        (dict(bad_words="no"), "bad_words"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(structured_outputs={"regex": 5}), "structured_outputs"),
+        (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
+    ],
+)
 def test_bad_sampling_values_are_named_errors_beside_good_requests(model, params, field):
     eng = engine(model)
     good = eng.add_request([1, 2, 3], GREEDY)
@@ -68,11 +87,16 @@ def test_bad_sampling_values_are_named_errors_beside_good_requests(model, params
     assert out[good].outputs[0].token_ids == lone(model, [1, 2, 3])
 
 
-@pytest.mark.parametrize("prompt,field", [
-    ({"prompt_token_ids": 5}, "prompt_token_ids"), ({"prompt_token_ids": [1, "a"]},
-                                                     "prompt_token_ids"),
-    (np.zeros((2, 2), np.int32), "prompt_token_ids"), ({"text": "x"}, "prompt"), (3.5, "prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt,field",
+    [
+        ({"prompt_token_ids": 5}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, "a"]}, "prompt_token_ids"),
+        (np.zeros((2, 2), np.int32), "prompt_token_ids"),
+        ({"text": "x"}, "prompt"),
+        (3.5, "prompt"),
+    ],
+)
 def test_bad_prompts_are_named_errors(model, prompt, field):
     eng = engine(model)
     rid = eng.add_request(prompt, GREEDY)
@@ -82,8 +106,9 @@ def test_bad_prompts_are_named_errors(model, prompt, field):
 
 def test_huge_top_k_samples_from_the_whole_vocabulary(model):
     eng = engine(model)
-    rid = eng.add_request([1, 2], SamplingParams(max_tokens=5, temperature=1.0, top_k=3 * 10**9,
-                                                 seed=1))
+    rid = eng.add_request(
+        [1, 2], SamplingParams(max_tokens=5, temperature=1.0, top_k=3 * 10**9, seed=1)
+    )
     same = eng.add_request([1, 2], SamplingParams(max_tokens=5, temperature=1.0, top_k=0, seed=1))
     out = eng.run_to_completion()
     assert out[rid].outputs[0].finish_reason == "length"
@@ -108,24 +133,44 @@ def test_unchunked_prompt_longer_than_a_step_is_refused_and_starves_nobody(model
     assert out[short].outputs[0].token_ids == lone(model, [1, 2, 3])
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(max_model_len=-5), "max_model_len"), (dict(num_pages=1), "num_pages"),
-    (dict(kv_cache_memory=0), "kv_cache_memory"), (dict(kv_dtype="int3"), "kv_dtype"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(max_model_len=-5), "max_model_len"),
+        (dict(num_pages=1), "num_pages"),
+        (dict(kv_cache_memory=0), "kv_cache_memory"),
+        (dict(kv_dtype="int3"), "kv_dtype"),
+    ],
+)
 def test_bad_engine_options_are_refused_at_start(kw, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         EngineConfig(**kw)
 
 
-@pytest.mark.parametrize("key,value", [("max_position_embeddings", None), ("rms_norm_eps", None),
-                                       ("hidden_size", "big"), ("vocab_size", None)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("max_position_embeddings", None),
+        ("rms_norm_eps", None),
+        ("hidden_size", "big"),
+        ("vocab_size", None),
+    ],
+)
 def test_config_json_nulls_and_bad_types(key, value):
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
-           "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     cfg[key] = value
     if value is None and key != "vocab_size":  # optional: its default
-        assert getattr(from_hf_config(cfg), key) == {"max_position_embeddings": 2048,
-                                                     "rms_norm_eps": 1e-6}[key]
+        assert (
+            getattr(from_hf_config(cfg), key)
+            == {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6}[key]
+        )
     else:
         with pytest.raises(ValueError, match=f"^{key}"):
             from_hf_config(cfg)
@@ -146,8 +191,14 @@ def test_two_threads_share_one_llm(tmp_path):
     from tests.helpers.model_utils import make_hf_model
 
     _, path = make_hf_model("llama", tmp_path)
-    llm = LLM(str(path), warmup=False, num_pages=64, page_size=8, max_num_seqs=4,
-              max_num_batched_tokens=32)
+    llm = LLM(
+        str(path),
+        warmup=False,
+        num_pages=64,
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
     prompts = [[[1 + i, 2 + j] for j in range(3)] for i in range(2)]
     want = [[o.outputs[0].token_ids for o in llm.generate(p, GREEDY)] for p in prompts]
     got, errors = [None, None], []
@@ -168,12 +219,20 @@ def test_two_threads_share_one_llm(tmp_path):
     assert jax.default_backend()  # the engine still works after both
 
 
-ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.integers(0, 5),
-                st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
-                st.lists(st.one_of(st.integers(-3, 200), st.text(max_size=3)), max_size=3),
-                st.dictionaries(st.one_of(st.integers(-3, 200), st.text(max_size=3)),
-                                st.one_of(st.floats(-200, 200), st.text(max_size=2)),
-                                max_size=3))
+ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.integers(0, 5),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.lists(st.one_of(st.integers(-3, 200), st.text(max_size=3)), max_size=3),
+    st.dictionaries(
+        st.one_of(st.integers(-3, 200), st.text(max_size=3)),
+        st.one_of(st.floats(-200, 200), st.text(max_size=2)),
+        max_size=3,
+    ),
+)
 FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -183,9 +242,12 @@ def shared(model):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(values=st.dictionaries(st.sampled_from(FIELDS), ANY, min_size=1, max_size=4),
-       prompt=st.one_of(st.lists(st.integers(-5, 120), max_size=6), st.text(max_size=5),
-                        st.none(), st.integers()))
+@given(
+    values=st.dictionaries(st.sampled_from(FIELDS), ANY, min_size=1, max_size=4),
+    prompt=st.one_of(
+        st.lists(st.integers(-5, 120), max_size=6), st.text(max_size=5), st.none(), st.integers()
+    ),
+)
 def test_any_request_ends_once_named_and_leaves_others_alone(shared, values, prompt):
     eng, control = shared
     ok = eng.add_request([5, 6, 7], GREEDY)

@@ -16,9 +16,18 @@ from jaxkv.core.requests import child_seed
 from jaxkv.core.sampling_params import SamplingParams
 from jaxkv.model.llama import Llama
 
-CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  max_position_embeddings=256, eos_token_ids=())
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    eos_token_ids=(),
+)
 SEATS = 8
 
 
@@ -28,8 +37,9 @@ def model():
 
 
 def engine(model, **kw):
-    opts = dict(warmup=False, num_pages=160, page_size=8, max_num_seqs=SEATS,
-                max_num_batched_tokens=64)
+    opts = dict(
+        warmup=False, num_pages=160, page_size=8, max_num_seqs=SEATS, max_num_batched_tokens=64
+    )
     return LLMEngine(model, None, EngineConfig(**{**opts, **kw}))
 
 
@@ -57,8 +67,10 @@ def test_many_n2_requests_never_overfill_a_step_and_equal_lone_runs(model):
     # 40 prompts of 20 tokens, n = 2: admitted while earlier ones still
     # prefilled before their fork, they once made steps of 14 sequences in 8 seats.
     eng = engine(model, max_num_batched_tokens=256)
-    params = [SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=100 + i, ignore_eos=True)
-              for i in range(40)]
+    params = [
+        SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=100 + i, ignore_eos=True)
+        for i in range(40)
+    ]
     rids = [eng.add_request(prompt(i), p) for i, p in enumerate(params)]
     done = drain(eng)
     assert set(done) == set(rids)
@@ -67,9 +79,15 @@ def test_many_n2_requests_never_overfill_a_step_and_equal_lone_runs(model):
         out = done[rids[i]]
         assert out.error is None and [c.index for c in out.outputs] == [0, 1]
         for c in out.outputs:
-            rid = lone.add_request(prompt(i), SamplingParams(
-                max_tokens=8, temperature=1.0, seed=child_seed(100 + i, c.index),
-                ignore_eos=True))
+            rid = lone.add_request(
+                prompt(i),
+                SamplingParams(
+                    max_tokens=8,
+                    temperature=1.0,
+                    seed=child_seed(100 + i, c.index),
+                    ignore_eos=True,
+                ),
+            )
             assert c.token_ids == lone.run_to_completion([rid])[rid].outputs[0].token_ids
     assert all(len(c.token_ids) == 8 for o in done.values() for c in o.outputs)
 
@@ -86,22 +104,32 @@ def test_a_wide_request_beside_streams_admitted_later(model):
     assert set(done) == {first, wide, late}
     lone = engine(model, max_num_seqs=1, enable_prefix_caching=False)
     for rid, p, n in ((first, prompt(1), 12), (wide, prompt(2, 30), 6), (late, prompt(3), 6)):
-        ref = lone.run_to_completion([lone.add_request(p, SamplingParams(
-            max_tokens=n, temperature=0.0))])
+        ref = lone.run_to_completion(
+            [lone.add_request(p, SamplingParams(max_tokens=n, temperature=0.0))]
+        )
         want = next(iter(ref.values())).outputs[0].token_ids
         assert all(c.token_ids == want for c in done[rid].outputs), rid
     assert len(done[wide].outputs) == 7
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(reqs=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 30), st.integers(1, 5)),
-                     min_size=1, max_size=10))
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(1, 4), st.integers(1, 30), st.integers(1, 5)), min_size=1, max_size=10
+    )
+)
 def test_any_mix_of_n_and_lengths_fills_at_most_the_seats(shared, reqs):
     eng = shared
-    rids = {eng.add_request(prompt(i, length), SamplingParams(
-        n=n, max_tokens=m, temperature=0.0, ignore_eos=True)): (n, m)
-        for i, (n, length, m) in enumerate(reqs)}
+    rids = {
+        eng.add_request(
+            prompt(i, length), SamplingParams(n=n, max_tokens=m, temperature=0.0, ignore_eos=True)
+        ): (n, m)
+        for i, (n, length, m) in enumerate(reqs)
+    }
     done = drain(eng, cap=4)
     assert set(done) == set(rids)
     for rid, (n, m) in rids.items():

@@ -43,8 +43,9 @@ LONG = " ".join(WORDS[:41])  # 42 tokens with BOS: 5 full pages of 8 before the 
 
 def test_n_prefills_once_shares_full_pages_and_equals_lone_runs(tiny):
     eng = _engine(tiny)
-    rid = eng.add_request(LONG, SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=8,
-                                               ignore_eos=True))
+    rid = eng.add_request(
+        LONG, SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    )
     parent = eng.get_request(rid)
     prompt_len = len(parent.prompt_token_ids)
     most_sharing = 0
@@ -63,11 +64,11 @@ def test_n_prefills_once_shares_full_pages_and_equals_lone_runs(tiny):
     assert len({tuple(t) for t in texts}) == 8  # temperature 1: all differ
     lone = _engine(tiny)
     for i, c in enumerate(final.outputs):
-        ref = _run(lone, LONG, temperature=1.0, seed=child_seed(3, i), max_tokens=8,
-                   ignore_eos=True)
+        ref = _run(
+            lone, LONG, temperature=1.0, seed=child_seed(3, i), max_tokens=8, ignore_eos=True
+        )
         assert c.token_ids == ref.outputs[0].token_ids, i
-    again = _run(_engine(tiny), LONG, n=8, temperature=1.0, seed=3, max_tokens=8,
-                 ignore_eos=True)
+    again = _run(_engine(tiny), LONG, n=8, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
     assert [c.token_ids for c in again.outputs] == texts
 
 
@@ -78,8 +79,10 @@ def test_greedy_n_equals_n_1_and_short_prompts_and_abort(tiny):
     assert [c.token_ids for c in four.outputs] == [one.outputs[0].token_ids] * 4
     short = _run(eng, "the sky", n=3, max_tokens=5, temperature=0)  # no full page to share
     assert len({tuple(c.token_ids) for c in short.outputs}) == 1
-    assert short.outputs[0].token_ids == _run(eng, "the sky", max_tokens=5,
-                                              temperature=0).outputs[0].token_ids
+    assert (
+        short.outputs[0].token_ids
+        == _run(eng, "the sky", max_tokens=5, temperature=0).outputs[0].token_ids
+    )
     rid = eng.add_request(LONG, SamplingParams(n=5, max_tokens=50, ignore_eos=True))
     eng.step()
     eng.step()
@@ -95,8 +98,9 @@ def test_n_under_preemption_still_equals_lone_runs(tiny):
     assert small.scheduler.num_preemptions > 0
     lone = _engine(tiny)
     for i, c in enumerate(out.outputs):
-        ref = _run(lone, LONG, temperature=1.0, seed=child_seed(11, i), max_tokens=40,
-                   ignore_eos=True)
+        ref = _run(
+            lone, LONG, temperature=1.0, seed=child_seed(11, i), max_tokens=40, ignore_eos=True
+        )
         assert c.token_ids == ref.outputs[0].token_ids, i
 
 
@@ -128,8 +132,18 @@ def test_logit_bias_allowed_tokens_and_bad_words_match_numpy(tiny):
             row[int(t)] += v
         return row
 
-    got = _run(eng, {"prompt_token_ids": ids}, max_tokens=n, temperature=0, ignore_eos=True,
-               logit_bias=bias).outputs[0].token_ids
+    got = (
+        _run(
+            eng,
+            {"prompt_token_ids": ids},
+            max_tokens=n,
+            temperature=0,
+            ignore_eos=True,
+            logit_bias=bias,
+        )
+        .outputs[0]
+        .token_ids
+    )
     assert got == _greedy_oracle(torch_model, ids, n, with_bias)
     allowed = [7, 9, 30, 31, 50, 77]
 
@@ -138,11 +152,32 @@ def test_logit_bias_allowed_tokens_and_bad_words_match_numpy(tiny):
         keep[allowed] = row[allowed]
         return keep
 
-    got = _run(eng, {"prompt_token_ids": ids}, max_tokens=n, temperature=0, ignore_eos=True,
-               allowed_token_ids=allowed).outputs[0].token_ids
+    got = (
+        _run(
+            eng,
+            {"prompt_token_ids": ids},
+            max_tokens=n,
+            temperature=0,
+            ignore_eos=True,
+            allowed_token_ids=allowed,
+        )
+        .outputs[0]
+        .token_ids
+    )
     assert got == _greedy_oracle(torch_model, ids, n, only)
-    sampled = _run(eng, {"prompt_token_ids": ids}, max_tokens=30, temperature=1.0, seed=1,
-                   ignore_eos=True, allowed_token_ids=allowed).outputs[0].token_ids
+    sampled = (
+        _run(
+            eng,
+            {"prompt_token_ids": ids},
+            max_tokens=30,
+            temperature=1.0,
+            seed=1,
+            ignore_eos=True,
+            allowed_token_ids=allowed,
+        )
+        .outputs[0]
+        .token_ids
+    )
     assert set(sampled) <= set(allowed)
     # bad_words: single-word bans (the tiny tokenizer has one token per word)
     words = [eng.tokenizer.decode([b0]), eng.tokenizer.decode([b1])]
@@ -152,8 +187,18 @@ def test_logit_bias_allowed_tokens_and_bad_words_match_numpy(tiny):
         row[[b0, b1]] = -np.inf
         return row
 
-    got = _run(eng, {"prompt_token_ids": ids}, max_tokens=n, temperature=0, ignore_eos=True,
-               bad_words=words).outputs[0].token_ids
+    got = (
+        _run(
+            eng,
+            {"prompt_token_ids": ids},
+            max_tokens=n,
+            temperature=0,
+            ignore_eos=True,
+            bad_words=words,
+        )
+        .outputs[0]
+        .token_ids
+    )
     assert got == _greedy_oracle(torch_model, ids, n, banned)
     assert b0 not in got and b1 not in got
 
@@ -162,8 +207,11 @@ def test_two_token_bad_word_bans_only_after_its_start(tiny):
     torch_model, _ = tiny
     eng = _engine(tiny)
     ids = eng.tokenizer.encode("hello world how")
-    base = _run(eng, {"prompt_token_ids": ids}, max_tokens=8, temperature=0,
-                ignore_eos=True).outputs[0].token_ids
+    base = (
+        _run(eng, {"prompt_token_ids": ids}, max_tokens=8, temperature=0, ignore_eos=True)
+        .outputs[0]
+        .token_ids
+    )
     first, second = base[0], base[1]
     phrase = eng.tokenizer.decode([first, second])
 
@@ -173,8 +221,18 @@ def test_two_token_bad_word_bans_only_after_its_start(tiny):
             row[second] = -np.inf
         return row
 
-    got = _run(eng, {"prompt_token_ids": ids}, max_tokens=8, temperature=0, ignore_eos=True,
-               bad_words=[phrase]).outputs[0].token_ids
+    got = (
+        _run(
+            eng,
+            {"prompt_token_ids": ids},
+            max_tokens=8,
+            temperature=0,
+            ignore_eos=True,
+            bad_words=[phrase],
+        )
+        .outputs[0]
+        .token_ids
+    )
     assert got == _greedy_oracle(torch_model, ids, 8, ban_pair)
     assert got[0] == first and got[1] != second
 
@@ -186,8 +244,14 @@ def test_prompt_logprobs_match_transformers_with_and_without_a_cache_hit(tiny):
     lp = _log_softmax(hf_logits(torch_model, ids).astype(np.float64))
     _run(eng, {"prompt_token_ids": ids}, max_tokens=2)  # caches the prompt's pages
     for _attempt in range(2):
-        out = _run(eng, {"prompt_token_ids": ids}, max_tokens=3, temperature=0,
-                   prompt_logprobs=3, logprobs=1)
+        out = _run(
+            eng,
+            {"prompt_token_ids": ids},
+            max_tokens=3,
+            temperature=0,
+            prompt_logprobs=3,
+            logprobs=1,
+        )
         plp = out.prompt_logprobs
         assert plp is not None and len(plp) == len(ids) and plp[0] is None
         for pos in range(1, len(ids)):
@@ -195,7 +259,8 @@ def test_prompt_logprobs_match_transformers_with_and_without_a_cache_hit(tiny):
             assert e.token_id == ids[pos]
             assert e.logprob == pytest.approx(lp[pos - 1, ids[pos]], abs=1e-4)
             assert sorted(e.top.values(), reverse=True) == pytest.approx(
-                np.sort(lp[pos - 1])[::-1][:3], abs=1e-4)
+                np.sort(lp[pos - 1])[::-1][:3], abs=1e-4
+            )
         assert out.num_cached_tokens == 0  # recomputed, not served from the cache
         ref = _run(eng, {"prompt_token_ids": ids}, max_tokens=3, temperature=0)
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -19,19 +19,42 @@ def _lines():
         elif i == 13:
             lines.append('{"prompt": "unknown field", "temprature": 0.5}')
         elif i % 3 == 0:
-            lines.append(json.dumps({"messages": [{"role": "user", "content": f"Say the number {i}."}],
-                                     "max_tokens": 6, "id": f"q{i}"}))
+            lines.append(
+                json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": f"Say the number {i}."}],
+                        "max_tokens": 6,
+                        "id": f"q{i}",
+                    }
+                )
+            )
         else:
             lines.append(json.dumps({"prompt": f"{i} plus one is", "max_tokens": 4 + i % 3}))
     return lines
 
 
 def _run(inp, out, model):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "batch_generate.py"), str(inp),
-                           str(out), "--model", str(model), "--quiet", "--max-num-seqs", "8",
-                           "--max-num-batched-tokens", "64",
-                           "--kv-cache-memory", "1MB"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "batch_generate.py"),
+            str(inp),
+            str(out),
+            "--model",
+            str(model),
+            "--quiet",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--kv-cache-memory",
+            "1MB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
 
 
 def test_batch_generate_writes_every_line_in_order_and_resumes(tmp_path):

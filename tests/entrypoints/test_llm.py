@@ -14,18 +14,25 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def tiny(tmp_path_factory):
     hf, path = make_hf_model("llama", tmp_path_factory.mktemp("tiny-llm"), eos_token_id=2)
     save_tiny_tokenizer(path)
-    llm = LLM(str(path), warmup=False, num_pages=64, page_size=8, max_num_seqs=4,
-              max_num_batched_tokens=32)
+    llm = LLM(
+        str(path),
+        warmup=False,
+        num_pages=64,
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
     return hf, path, llm
 
 
 def hf_greedy(hf, ids, n):
     import torch
+
     out = list(ids)
     with torch.no_grad():
         for _ in range(n):
             out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 def test_generate_matches_hf_greedy_in_order_with_an_error_in_place(tiny):
@@ -53,8 +60,10 @@ def test_chat_renders_the_template_like_transformers(tiny):
 
     hf, path, llm = tiny
     hf_tok = AutoTokenizer.from_pretrained(str(path))
-    convs = [[{"role": "user", "content": "hello world"}],
-             [{"role": "system", "content": "yes"}, {"role": "user", "content": "why the sky"}]]
+    convs = [
+        [{"role": "user", "content": "hello world"}],
+        [{"role": "system", "content": "yes"}, {"role": "user", "content": "why the sky"}],
+    ]
     outs = llm.chat(convs, GREEDY)
     for conv, o in zip(convs, outs):
         text = hf_tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)

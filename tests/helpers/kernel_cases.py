@@ -26,11 +26,29 @@ def length_mix(page_size, kind):
     q_len <= 1 (the kernels' decode path)."""
     p = page_size
     if kind == "decode":
-        pairs = [(1, 1), (1, p - 1), (1, p), (1, p + 1), (0, 9), (1, 2 * p + 3), (1, LONG),
-                 (1, LONG - p // 2)]
+        pairs = [
+            (1, 1),
+            (1, p - 1),
+            (1, p),
+            (1, p + 1),
+            (0, 9),
+            (1, 2 * p + 3),
+            (1, LONG),
+            (1, LONG - p // 2),
+        ]
     else:
-        pairs = [(0, 7), (1, 1), (1, p - 1), (1, p), (1, p + 1), (5, 5), (5, 2 * p + 3),
-                 (p + 9, 2 * p + 9), (1, LONG), (17, LONG - 3)]
+        pairs = [
+            (0, 7),
+            (1, 1),
+            (1, p - 1),
+            (1, p),
+            (1, p + 1),
+            (5, 5),
+            (5, 2 * p + 3),
+            (p + 9, 2 * p + 9),
+            (1, LONG),
+            (17, LONG - 3),
+        ]
     return [q for q, _ in pairs], [k for _, k in pairs]
 
 
@@ -41,11 +59,20 @@ def batch(seed, *, page_size, kind, num_heads, num_kv_heads, head_dim, dtype=np.
     pages_per_seq = -(-LONG // page_size) + 1
     total_pages = NUM_SEQS * pages_per_seq + 4
     need = sum(-(-k // page_size) for k in kv_lens)
-    return make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                     pages_per_seq=pages_per_seq, extra_pages=total_pages - need - 1,
-                     pad_tokens=NUM_TOKENS - sum(q_lens), pad_seqs=NUM_SEQS - len(q_lens),
-                     dtype=dtype)
+    return make_case(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        extra_pages=total_pages - need - 1,
+        pad_tokens=NUM_TOKENS - sum(q_lens),
+        pad_seqs=NUM_SEQS - len(q_lens),
+        dtype=dtype,
+    )
 
 
 KV_FORMATS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
@@ -101,12 +128,14 @@ def tolerance(dtype):
     """Elementwise (atol, rtol) for outputs of unit-scale attention: f32 is
     exact up to summation order; bf16 rounds p before the PV product and the
     output itself (2^-8 relative each)."""
-    return {np.dtype(np.float32): (3e-5, 3e-5),
-            np.dtype(jnp.bfloat16): (3e-2, 3e-2)}[np.dtype(dtype)]
+    return {np.dtype(np.float32): (3e-5, 3e-5), np.dtype(jnp.bfloat16): (3e-2, 3e-2)}[
+        np.dtype(dtype)
+    ]
 
 
 class Config(NamedTuple):
     """One compiled kernel configuration of the test grid."""
+
     dtype: str  # "float32" | "bfloat16" (q; pages too unless int8)
     head_dim: int
     page_size: int
@@ -124,8 +153,12 @@ class Config(NamedTuple):
 
     @property
     def id(self):
-        parts = [self.dtype[:4] if self.dtype == "float32" else "bf16", f"d{self.head_dim}",
-                 f"p{self.page_size}", f"h{self.num_heads}kv{self.num_kv_heads}"]
+        parts = [
+            self.dtype[:4] if self.dtype == "float32" else "bf16",
+            f"d{self.head_dim}",
+            f"p{self.page_size}",
+            f"h{self.num_heads}kv{self.num_kv_heads}",
+        ]
         if self.sliding_window:
             parts.append(f"win{self.sliding_window}")
         if self.soft_cap:
@@ -161,21 +194,43 @@ def sweep_configs():
     """The full product, every page format included; opt-in with -m sweep."""
     out = []
     for dtype, d, p, (h, kv), (win, cap), fmt in itertools.product(
-            ("float32", "bfloat16"), (64, 128), (8, 16, 32), ((2, 2), (6, 2), (8, 1)),
-            ((None, None), (24, None), (None, 2.0)), ("float", "int8", "int4", "fp8_e4m3")):
-        out.append(Config(dtype, d, p, h, kv, win, cap, fmt == "int8",
-                          fmt if fmt in ("int4", "fp8_e4m3") else None))
+        ("float32", "bfloat16"),
+        (64, 128),
+        (8, 16, 32),
+        ((2, 2), (6, 2), (8, 1)),
+        ((None, None), (24, None), (None, 2.0)),
+        ("float", "int8", "int4", "fp8_e4m3"),
+    ):
+        out.append(
+            Config(
+                dtype,
+                d,
+                p,
+                h,
+                kv,
+                win,
+                cap,
+                fmt == "int8",
+                fmt if fmt in ("int4", "fp8_e4m3") else None,
+            )
+        )
     return out
 
 
 def config_batches(cfg: Config, seed=0):
     """The config's (kind, case, attention kwargs) for the mixed and the decode batch."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else np.float32
-    kw = dict(sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
-              soft_cap=cfg.soft_cap)
+    kw = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap)
     for i, kind in enumerate(("mixed", "decode")):
-        case = batch(seed + i, page_size=cfg.page_size, kind=kind, num_heads=cfg.num_heads,
-                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
+        case = batch(
+            seed + i,
+            page_size=cfg.page_size,
+            kind=kind,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
+        )
         if cfg.fmt != "float":
             case = quantize(case, seed + 10 + i, cfg.fmt)
         yield kind, case, kw
@@ -190,8 +245,9 @@ def check_against_reference_and_oracle(run_kernel, cfg: Config, seed=0):
     for kind, case, kw in config_batches(cfg, seed):
         args = {k: jnp.asarray(v) for k, v in case.items()}
         got = np.asarray(run_kernel(args, **kw).astype(jnp.float32), np.float64)
-        ref = np.asarray(reference.ragged_paged_attention(**args, **kw).astype(jnp.float32),
-                         np.float64)
+        ref = np.asarray(
+            reference.ragged_paged_attention(**args, **kw).astype(jnp.float32), np.float64
+        )
         want = oracle(case, **kw)
         assert np.isfinite(got).all(), f"{kind}: non-finite output"
         T_live = int(case["cu_q_lens"][int(case["num_seqs"])])

@@ -26,20 +26,32 @@ def make_hf_model(kind: str, tmp_path, **overrides):
     import torch
     import transformers as tf
 
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                bos_token_id=1, eos_token_id=2)
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     base.update(overrides)
     if kind in ("gemma2", "gemma3"):  # their defaults are a large model's
         base.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
         base.update(overrides)
-    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-           "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
-           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[kind]
+    cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+    }[kind]
     torch.manual_seed(0)
     cfg = cls[0](**base)
     cfg._attn_implementation = "eager"
@@ -56,6 +68,7 @@ def make_hf_model(kind: str, tmp_path, **overrides):
 
 def hf_logits(model, token_ids) -> np.ndarray:
     import torch
+
     with torch.no_grad():
         out = model(torch.tensor([list(token_ids)]))
     return out.logits[0].float().numpy()
@@ -63,10 +76,12 @@ def hf_logits(model, token_ids) -> np.ndarray:
 
 def nan_cache(model_cfg, num_pages, page_size, kv_dtype="float32"):
     """A cache whose every slot is NaN, so a read of an unwritten slot shows."""
-    cache = create_cache(model_cfg, CacheConfig(num_pages=num_pages, page_size=page_size,
-                                                kv_dtype=kv_dtype))
+    cache = create_cache(
+        model_cfg, CacheConfig(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+    )
     return jax.tree_util.tree_map(
-        lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x, cache)
+        lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x, cache
+    )
 
 
 class Seq(NamedTuple):
@@ -86,11 +101,15 @@ def step_logits(model, cache, seqs: list[Seq], page_size: int, rows_per_seq: boo
     return prefill_logits(model, [tuple(s) for s in seqs], cache, rows_per_seq=rows_per_seq)
 
 
-WORDS = ("the a cache key value page token model step is of and to in it that "
-         "what why how fast slow big small red blue one two three four five six "
-         "seven eight nine ten yes no hello world sky sea tree run read write").split()
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+WORDS = (
+    "the a cache key value page token model step is of and to in it that "
+    "what why how fast slow big small red blue one two three four five six "
+    "seven eight nine ten yes no hello world sky sea tree run read write"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def save_tiny_tokenizer(path, vocab_size: int = 128):
@@ -107,9 +126,17 @@ def save_tiny_tokenizer(path, vocab_size: int = 128):
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.add_special_tokens(special)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     return path
 
 
@@ -125,11 +152,14 @@ def greedy_runs(module, tokenizer, prompts, max_tokens: int = 8, top: int = 0):
     eng = LLMEngine(module, tokenizer, EngineConfig(warmup=False, num_pages=32, max_num_seqs=4))
     ids = [eng.add_request(p, params) for p in prompts]
     fin = eng.run_to_completion()
-    runs = [(fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs])
-            for i in ids]
+    runs = [
+        (fin[i].outputs[0].token_ids, [lp.logprob for lp in fin[i].outputs[0].logprobs])
+        for i in ids
+    ]
     if top:
-        return [r + ([dict(lp.top) for lp in fin[i].outputs[0].logprobs],)
-                for r, i in zip(runs, ids)]
+        return [
+            r + ([dict(lp.top) for lp in fin[i].outputs[0].logprobs],) for r, i in zip(runs, ids)
+        ]
     return runs
 
 
@@ -159,10 +189,20 @@ def one_gguf_parse():
 
 # A small model of every per-layer feature (Gemma's sliding and global
 # layers, soft caps, ...): the hybrid pool's tests' model.
-SMALL = dataclasses.replace(FAMILY, vocab_size=97, hidden_size=32, intermediate_size=48, num_heads=4,
-                            num_kv_heads=2, head_dim=16, num_layers=3, query_pre_attn_scalar=12.0,
-                            layer_types=("sliding_attention", "full_attention", "sliding_attention"),
-                            attn_logit_softcap=4.0, final_logit_softcap=6.0)
+SMALL = dataclasses.replace(
+    FAMILY,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_layers=3,
+    query_pre_attn_scalar=12.0,
+    layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    attn_logit_softcap=4.0,
+    final_logit_softcap=6.0,
+)
 
 
 def small_engine(model, **kw):
@@ -171,6 +211,19 @@ def small_engine(model, **kw):
     from jaxkv.config import EngineConfig
     from jaxkv.core.engine import LLMEngine
 
-    return LLMEngine(model, None, EngineConfig(**{**dict(warmup=False, num_pages=24, page_size=8,
-                                                         max_num_seqs=8, max_num_batched_tokens=48),
-                                                  **kw}))
+    return LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            **{
+                **dict(
+                    warmup=False,
+                    num_pages=24,
+                    page_size=8,
+                    max_num_seqs=8,
+                    max_num_batched_tokens=48,
+                ),
+                **kw,
+            }
+        ),
+    )

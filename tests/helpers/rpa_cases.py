@@ -7,9 +7,22 @@ from __future__ import annotations
 import numpy as np
 
 
-def make_case(rng, *, q_lens, kv_lens, num_heads, num_kv_heads, head_dim, page_size,
-              pages_per_seq=None, extra_pages=3, pad_tokens=0, pad_seqs=0,
-              dtype=np.float32, nan_fill=True):
+def make_case(
+    rng,
+    *,
+    q_lens,
+    kv_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    pages_per_seq=None,
+    extra_pages=3,
+    pad_tokens=0,
+    pad_seqs=0,
+    dtype=np.float32,
+    nan_fill=True,
+):
     """Random ragged batch. Returns a dict of numpy inputs for the kernel
     signature (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)."""
     S = len(q_lens)
@@ -25,7 +38,7 @@ def make_case(rng, *, q_lens, kv_lens, num_heads, num_kv_heads, head_dim, page_s
     used = np.zeros((total, page_size), bool)
     i = 0
     for s, n in enumerate(need):
-        block_tables[s, :n] = perm[i:i + n]
+        block_tables[s, :n] = perm[i : i + n]
         for j in range(n):
             used[perm[i + j], : max(0, min(page_size, kv_lens[s] - j * page_size))] = True
         i += n
@@ -35,17 +48,37 @@ def make_case(rng, *, q_lens, kv_lens, num_heads, num_kv_heads, head_dim, page_s
     T = sum(q_lens) + pad_tokens
     q = rng.standard_normal((T, num_heads, head_dim)).astype(np.float32)
     cu = np.zeros(S + pad_seqs + 1, np.int32)
-    cu[1:S + 1] = np.cumsum(q_lens)
-    cu[S + 1:] = cu[S]
+    cu[1 : S + 1] = np.cumsum(q_lens)
+    cu[S + 1 :] = cu[S]
     kv = np.zeros(S + pad_seqs, np.int32)
     kv[:S] = kv_lens
-    return dict(q=q.astype(dtype), k_pages=k_pages.astype(dtype), v_pages=v_pages.astype(dtype),
-                kv_lens=kv, block_tables=block_tables, cu_q_lens=cu, num_seqs=np.int32(S))
+    return dict(
+        q=q.astype(dtype),
+        k_pages=k_pages.astype(dtype),
+        v_pages=v_pages.astype(dtype),
+        kv_lens=kv,
+        block_tables=block_tables,
+        cu_q_lens=cu,
+        num_seqs=np.int32(S),
+    )
 
 
-def naive_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                    sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-                    num_sink_tokens=0):
+def naive_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    num_sink_tokens=0,
+):
     """Loop-per-query oracle in float64."""
     q = np.asarray(q, np.float64)
     kp = np.asarray(k_pages, np.float64)
@@ -62,10 +95,16 @@ def naive_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_s
         start, end = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
         q_len = end - start
         pos = np.arange(kv_len)
-        keys = np.stack([kp[:, block_tables[s, p // page_size], p % page_size] for p in pos], 1) \
-            if kv_len else np.zeros((KVH, 0, D))
-        vals = np.stack([vp[:, block_tables[s, p // page_size], p % page_size] for p in pos], 1) \
-            if kv_len else np.zeros((KVH, 0, D))
+        keys = (
+            np.stack([kp[:, block_tables[s, p // page_size], p % page_size] for p in pos], 1)
+            if kv_len
+            else np.zeros((KVH, 0, D))
+        )
+        vals = (
+            np.stack([vp[:, block_tables[s, p // page_size], p % page_size] for p in pos], 1)
+            if kv_len
+            else np.zeros((KVH, 0, D))
+        )
         for i in range(q_len):
             qpos = kv_len - q_len + i
             allowed = pos <= qpos

@@ -27,7 +27,7 @@ def free_port() -> int:
 
 class ThreadServer:
     """uvicorn serving `app` from a thread, as `jaxkv serve` configures it
-(`config`: `connections.uvicorn_config`'s options); `stop()` ends it."""
+    (`config`: `connections.uvicorn_config`'s options); `stop()` ends it."""
 
     def __init__(self, app, **config):
         import uvicorn
@@ -39,8 +39,9 @@ class ThreadServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", **config))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -104,8 +105,12 @@ class SSEStream:
 
     def __init__(self, port: int, path: str, body: dict, timeout: float = 120):
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        self.conn.request("POST", path, json.dumps({**body, "stream": True}).encode(),
-                          {"Content-Type": "application/json"})
+        self.conn.request(
+            "POST",
+            path,
+            json.dumps({**body, "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        )
         self.resp = self.conn.getresponse()
         self.status = self.resp.status
 
@@ -118,7 +123,7 @@ class SSEStream:
             line = line.decode().strip()
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 yield data
                 return
@@ -137,9 +142,14 @@ def start_cli_server(model: Path, *args: str, port: int | None = None):
     /health answers."""
     port = port or free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxkv", "serve", "--model", str(model),
-                             "--port", str(port), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxkv", "serve", "--model", str(model), "--port", str(port), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:

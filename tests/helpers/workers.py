@@ -15,11 +15,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def start_worker(args, devices: int, timeout: int = 900, env=None, **popen):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "tests.helpers.sharding_worker", *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **popen)
+    env = dict(
+        os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **(env or {})
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.sharding_worker", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def worker_result(proc, timeout: int = 900) -> dict:

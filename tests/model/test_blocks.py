@@ -29,7 +29,7 @@ def k_blocks(rng, qtype, rows: int, cols: int, scale: float = 1e-2) -> np.ndarra
     raw = rng.integers(0, 256, (rows, cols // values, nbytes), dtype=np.uint8)
     for off in HALVES[qtype]:
         d = rng.uniform(scale / 10, scale, (rows, cols // values, 1)).astype(np.float16)
-        raw[..., off:off + 2] = d.view(np.uint8)
+        raw[..., off : off + 2] = d.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -70,7 +70,9 @@ def test_native_block_matmul_matches_a_float64_product(qtype):
         rounded = t <= blocks.INT_ROWS and qtype in INT_PATH  # x rounded to int8 blocks of 32 first
         want = (q8_rows(x) if rounded else x.astype(np.float64)) @ ref.T
         got = np.asarray(fn(jnp.asarray(x), raw))
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=str(t))
+        np.testing.assert_allclose(
+            got, want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=str(t)
+        )
         if rounded:  # and the rounding is what separates it from x's own product
             assert np.abs(got - x.astype(np.float64) @ ref.T).max() > 10 * np.abs(got - want).max()
         # One-hot rows pick columns of W: each value as the gguf library gives it
@@ -78,8 +80,9 @@ def test_native_block_matmul_matches_a_float64_product(qtype):
         cols_at = rng.choice(cols, t, replace=t > cols)
         got = np.asarray(fn(jnp.asarray(np.eye(cols, dtype=np.float32)[cols_at]), raw))
         if rounded:
-            np.testing.assert_allclose(got, ref.T[cols_at], rtol=1e-6,
-                                       atol=1e-6 * np.abs(ref).max(), err_msg=str(t))
+            np.testing.assert_allclose(
+                got, ref.T[cols_at], rtol=1e-6, atol=1e-6 * np.abs(ref).max(), err_msg=str(t)
+            )
         else:
             np.testing.assert_array_equal(got, ref.T[cols_at].astype(np.float32), err_msg=str(t))
 
@@ -154,7 +157,13 @@ def test_an_engine_on_k_quant_blocks_gives_the_float32_engines_tokens(tmp_path):
 
     # Rows of E = 256 values (q, k, v, gate, up) as random K super-blocks; o
     # and down (64 and 96 values: no K type) stay Q4_1 (kept) and Q5_1.
-    types = {"attn_q": Q.Q4_K, "attn_k": Q.Q6_K, "attn_v": Q.Q5_K, "ffn_gate": Q.Q6_K, "ffn_up": Q.Q4_K}
+    types = {
+        "attn_q": Q.Q4_K,
+        "attn_k": Q.Q6_K,
+        "attn_v": Q.Q5_K,
+        "ffn_gate": Q.Q6_K,
+        "ffn_up": Q.Q4_K,
+    }
     rng, weights, qtypes = np.random.default_rng(3), hf_weights("llama", True, E=256), {}
     for name in list(weights):
         if name.split(".")[-2] in types:
@@ -168,8 +177,14 @@ def test_an_engine_on_k_quant_blocks_gives_the_float32_engines_tokens(tmp_path):
         module, tok = load_model(str(path), gguf_blocks=keep)
         attn, block = module.layers[1].attn, module.layers[1]
         kinds = (attn.wqkv.kinds, attn.wo.kinds, block.w_gate_up.kinds) if keep else None
-        assert kinds in (None, (tuple(int(types[k]) for k in ("attn_q", "attn_k", "attn_v")),
-                                (int(Q.Q4_1),), (int(Q.Q6_K), int(Q.Q4_K))))
+        assert kinds in (
+            None,
+            (
+                tuple(int(types[k]) for k in ("attn_q", "attn_k", "attn_v")),
+                (int(Q.Q4_1),),
+                (int(Q.Q6_K), int(Q.Q4_K)),
+            ),
+        )
         runs[keep] = greedy_runs(module, tok, prompts)
     same_tokens_close_logprobs(runs)
 

@@ -17,7 +17,8 @@ from pallas_kernels import native
 from tests.helpers.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
 
 needs_native = pytest.mark.skipif(
-    not cpu_gemm.available(), reason=f"native CPU kernels: {native.unavailable('cpu_matmul')}")
+    not cpu_gemm.available(), reason=f"native CPU kernels: {native.unavailable('cpu_matmul')}"
+)
 
 
 @needs_native
@@ -48,8 +49,9 @@ def test_used_only_for_large_cpu_steps_on_one_device(monkeypatch):
     assert not cpu_gemm.use_native(4096, "cpu", None)
 
 
-@pytest.mark.parametrize("vendor,want", [("GenuineIntel", "blas"), ("AuthenticAMD", "xla"),
-                                         ("", "xla")])
+@pytest.mark.parametrize(
+    "vendor,want", [("GenuineIntel", "blas"), ("AuthenticAMD", "xla"), ("", "xla")]
+)
 def test_projection_gemm_is_chosen_per_cpu(vendor, want, monkeypatch):
     """MKL's sgemm leads XLA's dot on Intel's CPUs, XLA's leads on AMD's
     (`scripts/bench/blas.py`); JAXKV_CPU_PROJECTIONS overrides, a typo is
@@ -66,9 +68,13 @@ def test_projection_gemm_is_chosen_per_cpu(vendor, want, monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("kind,over", [("llama", dict(num_key_value_heads=2)),
-                                       ("qwen2", dict(num_key_value_heads=2,
-                                                      tie_word_embeddings=True))])
+@pytest.mark.parametrize(
+    "kind,over",
+    [
+        ("llama", dict(num_key_value_heads=2)),
+        ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    ],
+)
 def test_model_on_the_native_path_matches_hf(kind, over, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXKV_CPU_PROJECTIONS", "blas")  # the sgemm path on any CPU
     hf, path = make_hf_model(kind, tmp_path, **over)
@@ -79,8 +85,9 @@ def test_model_on_the_native_path_matches_hf(kind, over, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_gemm, "matmul", lambda x, w: calls.append(x.shape) or real(x, w))
     tokens = list(np.random.default_rng(3).integers(0, 128, 150))
     cache = nan_cache(model.config, 24, 8)
-    (got,), _ = step_logits(model, cache, [Seq(tokens, 0, list(range(3, 22)))], 8,
-                            rows_per_seq=True)
+    (got,), _ = step_logits(
+        model, cache, [Seq(tokens, 0, list(range(3, 22)))], 8, rows_per_seq=True
+    )
     assert len(calls) == 4 * config.num_layers  # wqkv, wo, gate/up, down of every layer
     want = hf_logits(hf, tokens)
     err = np.abs(got - want).max()
@@ -88,16 +95,25 @@ def test_model_on_the_native_path_matches_hf(kind, over, tmp_path, monkeypatch):
 
 
 def test_switched_off_by_the_environment():
-    code = ("from jaxkv.model import cpu_gemm; from pallas_kernels import native; "
-            "assert not cpu_gemm.available(); assert not cpu_gemm.use_native(4096, None, None); "
-            "print(native.unavailable('cpu_matmul'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "JAXKV_NATIVE_CPU": "0"}, check=True)
+    code = (
+        "from jaxkv.model import cpu_gemm; from pallas_kernels import native; "
+        "assert not cpu_gemm.available(); assert not cpu_gemm.use_native(4096, None, None); "
+        "print(native.unavailable('cpu_matmul'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAXKV_NATIVE_CPU": "0"},
+        check=True,
+    )
     assert "JAXKV_NATIVE_CPU=0" in out.stdout
 
 
 @needs_native
-@pytest.mark.parametrize("m,k,g,n,idle", [(40, 64, 8, 96, (0, 5)), (9, 16, 4, 300, ()), (64, 8, 3, 5, (0, 1, 2))])
+@pytest.mark.parametrize(
+    "m,k,g,n,idle", [(40, 64, 8, 96, (0, 5)), (9, 16, 4, 300, ()), (64, 8, 3, 5, (0, 1, 2))]
+)
 def test_grouped_sgemm_matches_float64_per_group(m, k, g, n, idle):
     """Each group's rows times its weights, idle groups and the rows past
     the groups (zeros) included, against numpy float64."""
@@ -116,4 +132,6 @@ def test_grouped_sgemm_matches_float64_per_group(m, k, g, n, idle):
         a, b = start[i], min(start[i + 1], m)
         want[a:b] = x[a:b].astype(np.float64) @ w[i].astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
-    np.testing.assert_allclose(got, np.asarray(jax.lax.ragged_dot(x, w, sizes)), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        got, np.asarray(jax.lax.ragged_dot(x, w, sizes)), rtol=1e-5, atol=1e-4
+    )

@@ -25,14 +25,38 @@ from checkpoints.safetensors_io import load_hf_dir
 from jaxkv.model_config import ModelConfig
 from tests.helpers.model_utils import Seq, hf_logits, nan_cache, step_logits
 
-ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 8.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 150000.0,
+}
 # swiglu_limit 1: the clamps bind on these weights' scale (7 would not).
-BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
-            max_position_embeddings=64, initializer_range=0.125, swiglu_limit=1.0, rope_parameters=ROPE,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
-TOKENS = list(map(int, np.random.default_rng(1).integers(0, 256, 40)))  # past the window and L0 = 16
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    max_position_embeddings=64,
+    initializer_range=0.125,
+    swiglu_limit=1.0,
+    rope_parameters=ROPE,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+TOKENS = list(
+    map(int, np.random.default_rng(1).integers(0, 256, 40))
+)  # past the window and L0 = 16
 
 
 def _hf_config(**kw):
@@ -62,51 +86,106 @@ def _hf_model(**kw):
 def _jaxkv_logits(config, params, tokens):
     from jaxkv.model.llama import Llama
 
-    (got,), _ = step_logits(Llama.from_params(config, params), nan_cache(config, 8, 8),
-                            [Seq(tokens, 0, [1, 2, 3, 4, 5, 6])], 8, rows_per_seq=True)
+    (got,), _ = step_logits(
+        Llama.from_params(config, params),
+        nan_cache(config, 8, 8),
+        [Seq(tokens, 0, [1, 2, 3, 4, 5, 6])],
+        8,
+        rows_per_seq=True,
+    )
     return got
 
 
 # ------------------------------------------------------------------ configs
 def test_gpt_oss_config_maps_into_model_config():
     cfg = from_hf_config(_hf_config(num_hidden_layers=4).to_dict())
-    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
-        "gpt_oss", 8, 2, 32)
-    assert cfg.moe_bias and cfg.norm_topk_prob and (cfg.swiglu_limit, cfg.swiglu_alpha) == (1.0, 1.702)
+    assert (
+        cfg.architecture,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.moe_intermediate_size,
+    ) == ("gpt_oss", 8, 2, 32)
+    assert (
+        cfg.moe_bias and cfg.norm_topk_prob and (cfg.swiglu_limit, cfg.swiglu_alpha) == (1.0, 1.702)
+    )
     assert cfg.attention_bias and cfg.attention_out_bias and cfg.attention_sinks and not cfg.qk_norm
     assert cfg.windows == (8, None, 8, None) and cfg.rope_theta == 150000.0
     rs = cfg.rope_scaling
-    assert (rs.rope_type, rs.factor, rs.beta_fast, rs.beta_slow, rs.truncate) == ("yarn", 4.0, 8.0, 1.0, False)
-    assert rs.original_max_position_embeddings == 16 and rs.attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+    assert (rs.rope_type, rs.factor, rs.beta_fast, rs.beta_slow, rs.truncate) == (
+        "yarn",
+        4.0,
+        8.0,
+        1.0,
+        False,
+    )
+    assert rs.original_max_position_embeddings == 16 and rs.attention_factor == pytest.approx(
+        0.1 * np.log(4) + 1
+    )
     assert cfg.rope_scale(0) == rs.attention_factor
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     # A released config.json's layout: rope_scaling and rope_theta at the top, no layer_types.
-    real = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
-            "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
-            "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
-            "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                                    "beta_slow": 1.0, "truncate": False,
-                                                    "original_max_position_embeddings": 4096},
-            "swiglu_limit": 7.0, "sliding_window": 128, "max_position_embeddings": 131072,
-            "quantization_config": {"quant_method": "mxfp4"}}
+    real = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "swiglu_limit": 7.0,
+        "sliding_window": 128,
+        "max_position_embeddings": 131072,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
     big = from_hf_config(real)
     assert big.windows[:3] == (128, None, 128) and big.attention_bias and big.swiglu_alpha == 1.702
     assert big.rope_scaling.factor == 32.0 and big.rope_scaling.attention_factor == pytest.approx(
-        0.1 * np.log(32) + 1)
+        0.1 * np.log(32) + 1
+    )
 
 
-@pytest.mark.parametrize("edit, match", [
-    ({"swiglu_limit": 0}, r"swiglu_limit: must be a positive"),
-    ({"swiglu_alpha": "x"}, r"swiglu_alpha: must be a number"),
-    ({"num_local_experts": None}, r"num_local_experts: missing"),
-    ({"num_experts_per_tok": 9}, r"num_experts_per_tok: must be in 1\.\.num_experts \(8\)"),
-    ({"rope_parameters": {**ROPE, "factor": 0}}, r"rope_parameters\.factor: must be a positive"),
-    ({"rope_parameters": {**ROPE, "beta_fast": "x"}}, r"rope_parameters\.beta_fast: must be a number"),
-    ({"rope_parameters": {**ROPE, "truncate": "no"}}, r"rope_parameters\.truncate: must be true or false"),
-    ({"rope_parameters": {**ROPE, "original_max_position_embeddings": None}},
-     r"rope_parameters\.original_max_position_embeddings: missing"),
-    ({"rope_parameters": {**ROPE, "attention_factor": -1.0}}, r"rope_parameters\.attention_factor: must be"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"swiglu_limit": 0}, r"swiglu_limit: must be a positive"),
+        ({"swiglu_alpha": "x"}, r"swiglu_alpha: must be a number"),
+        ({"num_local_experts": None}, r"num_local_experts: missing"),
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok: must be in 1\.\.num_experts \(8\)"),
+        (
+            {"rope_parameters": {**ROPE, "factor": 0}},
+            r"rope_parameters\.factor: must be a positive",
+        ),
+        (
+            {"rope_parameters": {**ROPE, "beta_fast": "x"}},
+            r"rope_parameters\.beta_fast: must be a number",
+        ),
+        (
+            {"rope_parameters": {**ROPE, "truncate": "no"}},
+            r"rope_parameters\.truncate: must be true or false",
+        ),
+        (
+            {"rope_parameters": {**ROPE, "original_max_position_embeddings": None}},
+            r"rope_parameters\.original_max_position_embeddings: missing",
+        ),
+        (
+            {"rope_parameters": {**ROPE, "attention_factor": -1.0}},
+            r"rope_parameters\.attention_factor: must be",
+        ),
+    ],
+)
 def test_bad_gpt_oss_fields_are_refused_by_name(edit, match):
     with pytest.raises(ValueError, match=match):
         from_hf_config({**_hf_config().to_dict(), **edit})
@@ -114,17 +193,27 @@ def test_bad_gpt_oss_fields_are_refused_by_name(edit, match):
 
 def test_model_config_refuses_bad_moe_bias_and_swiglu_fields():
     good = from_hf_config(_hf_config().to_dict())
-    for edit, match in ((dict(moe_bias=1), "moe_bias: must be true or false"),
-                        (dict(swiglu_limit=-1.0), "swiglu_limit: must be a positive"),
-                        (dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0),
-                         "moe_bias: set without experts")):
+    for edit, match in (
+        (dict(moe_bias=1), "moe_bias: must be true or false"),
+        (dict(swiglu_limit=-1.0), "swiglu_limit: must be a positive"),
+        (
+            dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0),
+            "moe_bias: set without experts",
+        ),
+    ):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(good, **edit)
 
 
-@pytest.mark.parametrize("rope", [ROPE, {**ROPE, "truncate": True, "beta_fast": 32.0},
-                                  {**ROPE, "mscale": 1.0, "mscale_all_dim": 0.5, "factor": 8.0}],
-                         ids=["ramp", "truncated", "mscale"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        ROPE,
+        {**ROPE, "truncate": True, "beta_fast": 32.0},
+        {**ROPE, "mscale": 1.0, "mscale_all_dim": 0.5, "factor": 8.0},
+    ],
+    ids=["ramp", "truncated", "mscale"],
+)
 def test_yarn_frequencies_and_attention_factor_match_transformers(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -145,15 +234,22 @@ def test_logits_match_transformers_and_each_piece_matters(tmp_path):
     model.save_pretrained(tmp_path)
     config, params = load_hf_dir(tmp_path)
     assert params["layers.1.experts_gate_up"].shape == (8, 64, 64)
-    assert params["layers.1.experts_gate_up_bias"].shape == (8, 64) and params["layers.0.router_bias"].shape == (8,)
+    assert params["layers.1.experts_gate_up_bias"].shape == (8, 64) and params[
+        "layers.0.router_bias"
+    ].shape == (8,)
     want = hf_logits(model, TOKENS)
     got = _jaxkv_logits(config, params, TOKENS)
     tol = 1e-5 * np.abs(want).max()
     assert np.abs(got - want).max() <= tol
     # Without the clamp, YaRN or the expert biases the logits move well past it.
-    no_bias = {k: (np.zeros_like(v) if k.endswith("experts_down_bias") else v) for k, v in params.items()}
-    for cfg, ps in ((dataclasses.replace(config, swiglu_limit=1e6), params),
-                    (dataclasses.replace(config, rope_scaling=None), params), (config, no_bias)):
+    no_bias = {
+        k: (np.zeros_like(v) if k.endswith("experts_down_bias") else v) for k, v in params.items()
+    }
+    for cfg, ps in (
+        (dataclasses.replace(config, swiglu_limit=1e6), params),
+        (dataclasses.replace(config, rope_scaling=None), params),
+        (config, no_bias),
+    ):
         assert np.abs(_jaxkv_logits(cfg, ps, TOKENS) - want).max() > 100 * tol
 
 
@@ -170,10 +266,18 @@ def test_engine_greedy_tokens_match_transformers_generate(tmp_path):
     config, params = load_hf_dir(tmp_path)
     rng = np.random.default_rng(2)
     prefixes = [list(map(int, rng.integers(0, 256, n))) for n in (19, 13)]
-    prompts = [(prefixes[i % 2] if i % 3 else []) + list(map(int, rng.integers(0, 256, int(rng.integers(1, 14)))))
-               for i in range(8)]
-    eng = LLMEngine(Llama.from_params(config, params), None, EngineConfig(
-        warmup=False, num_pages=12, page_size=8, max_num_seqs=4, max_num_batched_tokens=32))
+    prompts = [
+        (prefixes[i % 2] if i % 3 else [])
+        + list(map(int, rng.integers(0, 256, int(rng.integers(1, 14)))))
+        for i in range(8)
+    ]
+    eng = LLMEngine(
+        Llama.from_params(config, params),
+        None,
+        EngineConfig(
+            warmup=False, num_pages=12, page_size=8, max_num_seqs=4, max_num_batched_tokens=32
+        ),
+    )
     ids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0)) for p in prompts]
     final = eng.run_to_completion()
     assert eng.scheduler.num_preemptions > 0 and eng.bm.prefix_hit_tokens > 0
@@ -182,7 +286,9 @@ def test_engine_greedy_tokens_match_transformers_generate(tmp_path):
     inputs = torch.tensor([[0] * (n - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        want = model.generate(inputs, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = model.generate(
+            inputs, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
     for i in range(len(prompts)):
         assert final[ids[i]].outputs[0].token_ids == want[i, n:].tolist(), i
 
@@ -201,7 +307,9 @@ def _np_dequantize(blocks, scales):
     table = np.array([_e2m1(c) for c in range(16)])
     lo, hi = table[blocks & 0x0F], table[blocks >> 4]
     vals = np.stack([lo, hi], axis=-1).reshape(blocks.shape[:-1] + (32,))
-    return (vals * 2.0 ** (scales.astype(np.float64) - 127)[..., None]).reshape(blocks.shape[:-2] + (-1,))
+    return (vals * 2.0 ** (scales.astype(np.float64) - 127)[..., None]).reshape(
+        blocks.shape[:-2] + (-1,)
+    )
 
 
 def _quantize(w):
@@ -214,7 +322,9 @@ def _quantize(w):
     codes = np.abs(np.abs(g / 2.0 ** e[..., None])[..., None] - mags).argmin(-1) + 8 * (g < 0)
     codes = codes.astype(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(blocks), np.ascontiguousarray(e + 127, np.uint8)  # save_file writes raw buffers
+    return np.ascontiguousarray(blocks), np.ascontiguousarray(
+        e + 127, np.uint8
+    )  # save_file writes raw buffers
 
 
 def test_mxfp4_dequantizer_matches_a_float64_decoding_of_the_bits():
@@ -232,7 +342,9 @@ def test_mxfp4_dequantizer_matches_a_float64_decoding_of_the_bits():
     blocks = rng.integers(0, 256, (3, 5, 4, 16), dtype=np.uint8)
     scales = rng.integers(110, 140, (3, 5, 4), dtype=np.uint8)
     assert np.array_equal(dequantize_mxfp4(blocks, scales), _np_dequantize(blocks, scales))
-    with pytest.raises(ValueError, match=r"mxfp4: blocks \(3, 5, 4, 16\) do not match scales \(3, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"mxfp4: blocks \(3, 5, 4, 16\) do not match scales \(3, 5\)"
+    ):
         dequantize_mxfp4(blocks, scales[..., 0])
 
 
@@ -254,9 +366,13 @@ def test_an_mxfp4_checkpoint_loads_to_the_float_model_of_its_experts(tmp_path):
                 w = p.numpy().transpose(0, 2, 1)  # stored [X, out, in]
                 blocks, scales = _quantize(w)
                 deq = _np_dequantize(blocks, scales)
-                step = 2.0 ** (scales.astype(np.float64) - 127)  # the widest FP4 gap's half, per group
-                assert 0 < np.abs(deq - w).max() and (np.abs(deq - w).reshape(scales.shape + (32,))
-                                                      <= step[..., None]).all()
+                step = 2.0 ** (
+                    scales.astype(np.float64) - 127
+                )  # the widest FP4 gap's half, per group
+                assert (
+                    0 < np.abs(deq - w).max()
+                    and (np.abs(deq - w).reshape(scales.shape + (32,)) <= step[..., None]).all()
+                )
                 p.copy_(torch.from_numpy(deq.transpose(0, 2, 1).astype(np.float32)))
                 quantized[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
     model.save_pretrained(floats := tmp_path / "float")
@@ -267,16 +383,26 @@ def test_an_mxfp4_checkpoint_loads_to_the_float_model_of_its_experts(tmp_path):
     (mx := tmp_path / "mxfp4").mkdir()
     save_file(tensors, str(mx / "model.safetensors"))
     cfg = json.loads((floats / "config.json").read_text())
-    (mx / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    (mx / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}})
+    )
     config, params = load_hf_dir(mx)
     _, want_params = load_hf_dir(floats)
-    assert params.keys() == want_params.keys() and all(np.array_equal(params[k], want_params[k]) for k in params)
-    assert config == from_hf_config(cfg)  # so the logits are the float model's, as the logits test checks
+    assert params.keys() == want_params.keys() and all(
+        np.array_equal(params[k], want_params[k]) for k in params
+    )
+    assert config == from_hf_config(
+        cfg
+    )  # so the logits are the float model's, as the logits test checks
     shapes = {n: (t.shape, None) for n, t in tensors.items()}
     gone = "model.layers.1.mlp.experts.down_proj_scales"
-    with pytest.raises(ValueError, match="model.layers.1.mlp.experts.down_proj_blocks has no " + gone):
+    with pytest.raises(
+        ValueError, match="model.layers.1.mlp.experts.down_proj_blocks has no " + gone
+    ):
         mxfp4_tensors({n: s for n, s in shapes.items() if n != gone})
-    with pytest.raises(ValueError, match=gone + " has no model.layers.1.mlp.experts.down_proj_blocks"):
+    with pytest.raises(
+        ValueError, match=gone + " has no model.layers.1.mlp.experts.down_proj_blocks"
+    ):
         mxfp4_tensors({n: s for n, s in shapes.items() if n != gone.replace("_scales", "_blocks")})
 
 
@@ -286,8 +412,14 @@ def test_tensor_and_expert_parallel_match_one_device():
     experts split by their Fm (TP, the gate | up bias with its columns, the
     down bias added once) and whole (EP, the biases with their experts)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-m", "tests.model.test_gpt_oss"], cwd=Path(__file__).resolve().parents[2],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.model.test_gpt_oss"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(errs) == {"tp", "ep"} and all(e <= 1e-5 for e in errs.values()), errs
@@ -301,16 +433,26 @@ def _shard_main():
     from jaxkv.sharding import ShardingPlan, shard_model
     from jaxkv.worker.scoring import prefill_logits
 
-    hf = {**BASE, "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2}  # no transformers import
+    hf = {
+        **BASE,
+        "architectures": ["GptOssForCausalLM"],
+        "num_hidden_layers": 2,
+    }  # no transformers import
     cfg = from_hf_config(hf)
     model = Llama.random_init(cfg, seed=1)
     seqs = [(TOKENS, 0, [1, 2, 3, 4, 5])]
-    (want,), _ = prefill_logits(model, seqs, create_cache(cfg, CacheConfig(num_pages=8, page_size=8)))
+    (want,), _ = prefill_logits(
+        model, seqs, create_cache(cfg, CacheConfig(num_pages=8, page_size=8))
+    )
     errs = {}
     for name, ep in (("tp", False), ("ep", True)):
         plan = ShardingPlan.make(cfg, 2, expert_parallel=ep)
-        cache = create_cache(plan.model_config(cfg), CacheConfig(num_pages=8, page_size=8), plan.cache_sharding())
-        (got,), _ = prefill_logits(shard_model(model, plan), seqs, cache, attention=AttentionSpec(mesh=plan.mesh))
+        cache = create_cache(
+            plan.model_config(cfg), CacheConfig(num_pages=8, page_size=8), plan.cache_sharding()
+        )
+        (got,), _ = prefill_logits(
+            shard_model(model, plan), seqs, cache, attention=AttentionSpec(mesh=plan.mesh)
+        )
         errs[name] = float(np.abs(got - want).max() / np.abs(want).max())
     print(json.dumps(errs))
 

@@ -13,16 +13,27 @@ from jaxkv.model.llama import Llama
 from jaxkv.worker.buckets import Buckets
 from jaxkv.worker.runner import COPY_WIDTH, Runner
 
-CFG = ModelConfig(architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                  max_position_embeddings=256)
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
 
 
 def random_cache(kv_dtype, num_pages=300):
     cache = create_cache(CFG, CacheConfig(num_pages=num_pages, page_size=4, kv_dtype=kv_dtype))
     keys = iter(jax.random.split(jax.random.key(0), 100))
-    fill = lambda x: (jax.random.randint(next(keys), x.shape, -127, 128).astype(x.dtype)  # noqa: E731
-                      if x.dtype == jnp.int8 else jax.random.normal(next(keys), x.shape, x.dtype))
+    fill = lambda x: (
+        jax.random.randint(next(keys), x.shape, -127, 128).astype(x.dtype)  # noqa: E731
+        if x.dtype == jnp.int8
+        else jax.random.normal(next(keys), x.shape, x.dtype)
+    )
     return jax.tree_util.tree_map(fill, cache)
 
 

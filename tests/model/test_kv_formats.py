@@ -21,15 +21,25 @@ from jaxkv.model.llama import Llama
 from tests.helpers.kernel_cases import page_values
 from tests.helpers.sharding_worker import ENGINE, TINY, prompts
 
-FP8 = {"fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
-       "fp8_e5m2": ml_dtypes.float8_e5m2}
+FP8 = {
+    "fp8": ml_dtypes.float8_e4m3fn,
+    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+    "fp8_e5m2": ml_dtypes.float8_e5m2,
+}
 
 
 def _write(kv_dtype, x, slots, cache=None):
     cfg = dataclasses.replace(TINY, num_layers=1)
     cache = cache or create_cache(cfg, CacheConfig(num_pages=8, page_size=4, kv_dtype=kv_dtype))
-    k, v, ks, vs = write_pages(cache.k[0], cache.v[0], cache.k_scale[0], cache.v_scale[0],
-                               jnp.asarray(x), jnp.asarray(-x), jnp.asarray(slots, jnp.int32))
+    k, v, ks, vs = write_pages(
+        cache.k[0],
+        cache.v[0],
+        cache.k_scale[0],
+        cache.v_scale[0],
+        jnp.asarray(x),
+        jnp.asarray(-x),
+        jnp.asarray(slots, jnp.int32),
+    )
     return dataclasses.replace(cache, k=(k,), v=(v,), k_scale=(ks,), v_scale=(vs,))
 
 
@@ -70,7 +80,9 @@ def test_fp8_scales_calibrate_on_the_first_live_write_and_stay(kv_dtype):
     top = float(ml_dtypes.finfo(FP8[kv_dtype]).max)
     scale = np.abs(x[:4]).max(axis=(0, 2)) * FP8_HEADROOM / top
     np.testing.assert_allclose(np.asarray(cache.k_scale[0]), scale, rtol=1e-6)
-    want = (x[:4] / scale[None, :, None]).astype(FP8[kv_dtype]).astype(np.float64) * scale[None, :, None]
+    want = (x[:4] / scale[None, :, None]).astype(FP8[kv_dtype]).astype(np.float64) * scale[
+        None, :, None
+    ]
     np.testing.assert_allclose(_stored(cache, slots[:4]), want, rtol=1e-6, atol=1e-12)
     # Later, larger values keep the scale and saturate at the format's largest value.
     big = x * 10
@@ -96,16 +108,36 @@ def test_preemption_chunks_and_prefix_hits_match_lone_uncached_runs(kv_dtype):
     ps = prompts(TINY.vocab_size, 10)
     got, (preempted, hits, partial) = _tokens(model, ps, kv_dtype=kv_dtype)
     assert preempted > 0 and hits > 0 and partial > 0
-    lone = [_tokens(model, [p], kv_dtype=kv_dtype, num_pages=64, max_num_seqs=1,
-                    enable_prefix_caching=False)[0][0] for p in ps[:5]]
+    lone = [
+        _tokens(
+            model, [p], kv_dtype=kv_dtype, num_pages=64, max_num_seqs=1, enable_prefix_caching=False
+        )[0][0]
+        for p in ps[:5]
+    ]
     assert got[:5] == lone
 
 
 def test_tensor_parallel_2_matches_one_device():
     from tests.helpers.workers import start_worker, worker_result
 
-    r = worker_result(start_worker(["tp", "--tp", "1,2", "--kv-dtype", "int4,fp8", "--layers", "1",
-                         "--prompts", "10", "--max-tokens", "6"], devices=2))
+    r = worker_result(
+        start_worker(
+            [
+                "tp",
+                "--tp",
+                "1,2",
+                "--kv-dtype",
+                "int4,fp8",
+                "--layers",
+                "1",
+                "--prompts",
+                "10",
+                "--max-tokens",
+                "6",
+            ],
+            devices=2,
+        )
+    )
     for kv in ("int4", "fp8"):
         one, two = r[f"{kv}:1"], r[f"{kv}:2"]
         assert two["tokens"] == one["tokens"], kv
@@ -193,8 +225,9 @@ def test_fp8_kv_scales_come_from_the_checkpoint(tmp_path):
     for k_scale, shape in ((0.05, (1,)), (1e-3, ())):
         _add_kv_scales(path, k_scale, k_scale / 2, shape)
         module, _ = load_model(str(path))
-        np.testing.assert_allclose(module.kv_cache_scales(), [[k_scale, k_scale / 2]] * 2,
-                                   rtol=1e-7)
+        np.testing.assert_allclose(
+            module.kv_cache_scales(), [[k_scale, k_scale / 2]] * 2, rtol=1e-7
+        )
         (got,) = sequence_logits(module, [ids], kv_dtype="fp8")
         errors[k_scale] = float(np.abs(got - want).mean())
     # Measured: 0.05 (|k| up to 22) is e4m3's own rounding; 1e-3 saturates.

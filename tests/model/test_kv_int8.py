@@ -39,8 +39,9 @@ def test_int8_rotation_is_orthonormal_and_spreads_outlier_channels():
         r = hadamard(d)
         np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-6)
         x = np.random.default_rng(d).standard_normal((3, 2, d)).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(rotate_blocks(jnp.asarray(x), d & -d)), x @ r,
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(rotate_blocks(jnp.asarray(x), d & -d)), x @ r, atol=1e-5
+        )
     # A key with two channels 30x the rest (RoPE pairs of a large channel):
     # one scale per vector leaves the small channels a few levels of int8;
     # after rotation the error of the round trip is several times smaller.

@@ -22,9 +22,16 @@ EXAMPLE_BYTES = 6_442_450_944
 
 
 def cfg(num_kv_heads=64, **kw) -> ModelConfig:
-    base = dict(architecture="llama", vocab_size=32000, hidden_size=8192,
-                intermediate_size=22016, num_layers=48, num_heads=64,
-                num_kv_heads=num_kv_heads, head_dim=128)
+    base = dict(
+        architecture="llama",
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=22016,
+        num_layers=48,
+        num_heads=64,
+        num_kv_heads=num_kv_heads,
+        head_dim=128,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -101,16 +108,31 @@ def test_paged_planning_counts_whole_pages_and_trash_page():
 
 
 def test_param_count_llama2_7b():
-    llama2_7b = ModelConfig(architecture="llama", vocab_size=32000, hidden_size=4096,
-                            intermediate_size=11008, num_layers=32, num_heads=32,
-                            num_kv_heads=32, head_dim=128)
+    llama2_7b = ModelConfig(
+        architecture="llama",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+    )
     assert param_count(llama2_7b) == 6_738_415_616  # the published count
     assert weight_bytes(llama2_7b, "bfloat16") == 2 * 6_738_415_616
 
 
 def test_param_count_biases_and_tied_head():
-    small = dict(architecture="qwen2", vocab_size=10, hidden_size=4, intermediate_size=6,
-                 num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2)
+    small = dict(
+        architecture="qwen2",
+        vocab_size=10,
+        hidden_size=4,
+        intermediate_size=6,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=2,
+    )
     plain = param_count(ModelConfig(**small))
     # embed 40 + head 40 + q 16 + k 8 + v 8 + o 16 + mlp 72 + norms 8 + final 4
     assert plain == 212
@@ -119,8 +141,17 @@ def test_param_count_biases_and_tied_head():
     assert param_count(ModelConfig(**small, tie_word_embeddings=True)) == plain - 40
 
 
-SMALL = dict(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
-             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
+SMALL = dict(
+    architecture="llama",
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
 # One page of 16 tokens, float32: 2 (K, V) x 4 layers x 2 KV heads x 16 dims x 16 tokens x 4 B.
 SMALL_PAGE = 2 * 4 * 2 * 16 * 16 * 4
 
@@ -129,6 +160,7 @@ SMALL_PAGE = 2 * 4 * 2 * 16 * 16 * 4
 def host(monkeypatch):
     """A CPU-like host: devices report no memory; available RAM as set."""
     from jaxkv.model import pool_sizing as pool_plan
+
     monkeypatch.setattr(pool_plan, "_free_device_memory", lambda: None)
     avail = {"bytes": 16 << 30}
     monkeypatch.setattr(pool_plan, "host_available_memory", lambda: avail["bytes"])
@@ -154,7 +186,9 @@ def test_cpu_pool_holds_what_the_run_can_use(host):
     big = ModelConfig(**dict(SMALL, num_layers=400, max_position_embeddings=1 << 16))
     assert plan_num_pages(EngineConfig(), big, "float32") == HOST_POOL_MAX // (100 * SMALL_PAGE)
     # Asked for: the budget decides, with units.
-    assert plan_num_pages(EngineConfig(kv_cache_memory="64KiB"), m, "float32") == 65536 // SMALL_PAGE
+    assert (
+        plan_num_pages(EngineConfig(kv_cache_memory="64KiB"), m, "float32") == 65536 // SMALL_PAGE
+    )
     assert plan_num_pages(EngineConfig(num_pages=7), m, "float32") == 7
 
 
@@ -170,12 +204,15 @@ def test_kv_cache_memory_takes_units():
         EngineConfig(kv_cache_memory="0MB")
 
 
-@pytest.mark.parametrize("extra,seqs,model_len", [
-    ([], 1, len("héllo".encode()) + 256 + 10),  # the pool for this one request
-    (["--n", "3"], 3, len("héllo".encode()) + 256 + 10),
-    (["--max-model-len", "900"], 1, 900),
-    (["--kv-cache-memory", "64MB"], 64, None),  # a budget given: the engine's defaults
-])
+@pytest.mark.parametrize(
+    "extra,seqs,model_len",
+    [
+        ([], 1, len("héllo".encode()) + 256 + 10),  # the pool for this one request
+        (["--n", "3"], 3, len("héllo".encode()) + 256 + 10),
+        (["--max-model-len", "900"], 1, 900),
+        (["--kv-cache-memory", "64MB"], 64, None),  # a budget given: the engine's defaults
+    ],
+)
 def test_generate_sizes_the_default_pool_for_its_request(monkeypatch, extra, seqs, model_len):
     from jaxkv.config import EngineConfig
     from jaxkv.entrypoints import cli

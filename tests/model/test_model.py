@@ -10,26 +10,42 @@ from checkpoints.safetensors_io import load_hf_dir
 from jaxkv.model.llama import Llama
 from tests.helpers.model_utils import Seq, hf_logits, make_hf_model, nan_cache, step_logits
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 CONFIGS = {
     "llama-gqa-untied": ("llama", dict(num_key_value_heads=2)),
     "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "llama-mqa-bias": ("llama", dict(num_key_value_heads=1, attention_bias=True)),
     "llama3-rope-scaling": ("llama", dict(rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),
-    "llama-linear-rope-scaling": ("llama", dict(rope_scaling={"rope_type": "linear",
-                                                              "factor": 4.0})),
+    "llama-linear-rope-scaling": (
+        "llama",
+        dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    ),
     "qwen2-gqa-bias-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=8)),
     # The families of one decoder configured per layer (issue 27).
     "qwen3-qk-norm": ("qwen3", dict(num_key_value_heads=2, head_dim=24)),
-    "gemma2-caps-windows": ("gemma2", dict(num_key_value_heads=2, attn_logit_softcapping=5.0,
-                                           final_logit_softcapping=3.0)),
-    "gemma3-local-global": ("gemma3", dict(num_key_value_heads=1, layer_types=[
-        "sliding_attention", "full_attention"], rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "gemma2-caps-windows": (
+        "gemma2",
+        dict(num_key_value_heads=2, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    ),
+    "gemma3-local-global": (
+        "gemma3",
+        dict(
+            num_key_value_heads=1,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
 }
 
 PAGE = 8
@@ -55,8 +71,9 @@ def test_logits_match_hf_every_position(pair):
     tokens = list(np.random.default_rng(1).integers(0, 128, 37))
     want = hf_logits(hf, tokens)
     cache = nan_cache(model.config, 16, PAGE)
-    (got,), _ = step_logits(model, cache, [Seq(tokens, 0, [9, 3, 14, 6, 11])], PAGE,
-                            rows_per_seq=True)
+    (got,), _ = step_logits(
+        model, cache, [Seq(tokens, 0, [9, 3, 14, 6, 11])], PAGE, rows_per_seq=True
+    )
     _close(got, want)
 
 
@@ -68,12 +85,13 @@ def test_chunked_prefill_then_decode_matches_hf(pair):
     cache = nan_cache(model.config, 16, PAGE)
     pos = 0
     for chunk in (5, 1, 11):  # uneven chunks crossing page boundaries
-        (got,), cache = step_logits(model, cache, [Seq(tokens[pos:pos + chunk], pos, table)],
-                                    PAGE, rows_per_seq=True)
-        _close(got, want[pos:pos + chunk])
+        (got,), cache = step_logits(
+            model, cache, [Seq(tokens[pos : pos + chunk], pos, table)], PAGE, rows_per_seq=True
+        )
+        _close(got, want[pos : pos + chunk])
         pos += chunk
     while pos < len(tokens):  # then one token at a time
-        (got,), cache = step_logits(model, cache, [Seq(tokens[pos:pos + 1], pos, table)], PAGE)
+        (got,), cache = step_logits(model, cache, [Seq(tokens[pos : pos + 1], pos, table)], PAGE)
         _close(got, want[pos])
         pos += 1
 
@@ -87,16 +105,16 @@ def test_mixed_step_matches_each_sequence_alone(pair):
     cache = nan_cache(model.config, 16, PAGE)
     # Step 1: prefill the prompts up to a cut; seq 1 is fully prefilled.
     cut = [12, 4, 17, 8]
-    _, cache = step_logits(model, cache, [Seq(s[:c], 0, t) for s, c, t in
-                                          zip(seqs, cut, tables)], PAGE)
+    _, cache = step_logits(
+        model, cache, [Seq(s[:c], 0, t) for s, c, t in zip(seqs, cut, tables)], PAGE
+    )
     # Step 2: a mix of prefill chunks (seqs 0, 2) and single-token steps.
-    step = [Seq(s[c:c + n], c, t) for s, c, t, n in zip(seqs, cut, tables, (7, 0, 9, 1))
-            if n]
+    step = [Seq(s[c : c + n], c, t) for s, c, t, n in zip(seqs, cut, tables, (7, 0, 9, 1)) if n]
     which = [0, 2, 3]
     got, _ = step_logits(model, cache, step, PAGE, rows_per_seq=True)
     for g, i in zip(got, which):
         n = len(g)
-        _close(g, alone[i][cut[i]:cut[i] + n])
+        _close(g, alone[i][cut[i] : cut[i] + n])
 
 
 def test_bfloat16_model_close_to_float32(pair):
@@ -110,4 +128,3 @@ def test_bfloat16_model_close_to_float32(pair):
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 0.05, f"bfloat16 relative error {err:.3g}"
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
-

@@ -16,16 +16,36 @@ from jaxkv.model.llama import Llama
 
 # One layer: an interpreted kernel makes a large program whose compile is
 # most of these tests' time; the kernels' own tests cover their grids.
-CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
-                  num_layers=1, num_heads=6, num_kv_heads=2, head_dim=64,
-                  max_position_embeddings=256, eos_token_ids=())
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=1,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    eos_token_ids=(),
+)
 
 
 def _run(backend, prompts, kv_dtype=None, dtype="float32", cfg=CFG):
     model = Llama.random_init(cfg, seed=3, dtype=jnp.dtype(dtype))
-    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=32, page_size=8, max_num_seqs=4,
-                                              max_num_batched_tokens=32, kv_dtype=kv_dtype,
-                                              attention_backend=backend, dtype=dtype))
+    eng = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            warmup=False,
+            num_pages=32,
+            page_size=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            kv_dtype=kv_dtype,
+            attention_backend=backend,
+            dtype=dtype,
+        ),
+    )
     ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0)) for p in prompts]
     out = eng.run_to_completion()
     return [out[i].outputs[0].token_ids for i in ids]

@@ -21,14 +21,41 @@ from jaxkv.model.llama import Llama
 from jaxkv.model_config import ModelConfig
 from tests.helpers.model_utils import Seq, hf_logits, nan_cache, step_logits
 
-BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-            initializer_range=0.125, bos_token_id=None, eos_token_id=None)
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.125,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 FAMILIES = {  # 8 experts, top 2; a dense layer mixed in where the family has them
-    "qwen3_moe": ("Qwen3Moe", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                   norm_topk_prob=True, mlp_only_layers=[1])),
-    "qwen2_moe": ("Qwen2Moe", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                   shared_expert_intermediate_size=48, mlp_only_layers=[0])),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        dict(
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2Moe",
+        dict(
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+        ),
+    ),
     "mixtral": ("Mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
 }
 
@@ -67,8 +94,13 @@ def _saved(model, path, fused: bool = False):
 
 
 def _jaxkv_logits(config, params, tokens):
-    (got,), _ = step_logits(Llama.from_params(config, params), nan_cache(config, 8, 8),
-                            [Seq(tokens, 0, [1, 2, 3, 4])], 8, rows_per_seq=True)
+    (got,), _ = step_logits(
+        Llama.from_params(config, params),
+        nan_cache(config, 8, 8),
+        [Seq(tokens, 0, [1, 2, 3, 4])],
+        8,
+        rows_per_seq=True,
+    )
     return got
 
 
@@ -77,31 +109,58 @@ TOKENS = list(map(int, np.random.default_rng(1).integers(0, 256, 21)))
 
 # ------------------------------------------------------------------ configs
 def test_transformers_moe_configs_map_into_model_config():
-    q3 = from_hf_config(_hf_config("qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2,
-                                   mlp_only_layers=[3]).to_dict())
+    q3 = from_hf_config(
+        _hf_config(
+            "qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]
+        ).to_dict()
+    )
     assert (q3.architecture, q3.num_experts, q3.num_experts_per_tok, q3.moe_intermediate_size) == (
-        "qwen3_moe", 8, 2, 32)
-    assert q3.sparse_layers == (False, True, False, False, False, True) and q3.qk_norm and q3.norm_topk_prob
+        "qwen3_moe",
+        8,
+        2,
+        32,
+    )
+    assert (
+        q3.sparse_layers == (False, True, False, False, False, True)
+        and q3.qk_norm
+        and q3.norm_topk_prob
+    )
     assert q3.shared_expert_intermediate_size == 0 and not q3.attention_bias
     q2 = from_hf_config(_hf_config("qwen2_moe").to_dict())
     assert q2.sparse_layers == (False, True, True) and q2.shared_expert_intermediate_size == 48
     assert q2.attention_bias and not q2.norm_topk_prob and q2.sliding_window is None
     mx = from_hf_config(_hf_config("mixtral", sliding_window=16).to_dict())
-    assert (mx.num_experts, mx.moe_intermediate_size, mx.norm_topk_prob, mx.sliding_window) == (8, 96, True, 16)
+    assert (mx.num_experts, mx.moe_intermediate_size, mx.norm_topk_prob, mx.sliding_window) == (
+        8,
+        96,
+        True,
+        16,
+    )
     assert all(mx.layer_sparse(i) for i in range(3)) and mx.sparse_layers == ()
     assert ModelConfig.from_dict(q2.to_dict()) == q2 and ModelConfig.from_dict(q3.to_dict()) == q3
     dense = from_hf_config(_hf_config("qwen3_moe", mlp_only_layers=[0, 1, 2]).to_dict())
     assert not any(dense.layer_sparse(i) for i in range(3))
 
 
-@pytest.mark.parametrize("family, edit, match", [
-    ("qwen3_moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok: must be in 1\.\.num_experts \(8\)"),
-    ("qwen3_moe", {"mlp_only_layers": "1"}, r"mlp_only_layers: must be a list"),
-    ("qwen3_moe", {"moe_intermediate_size": 0}, r"moe_intermediate_size: must be a positive"),
-    ("qwen3_moe", {"decoder_sparse_step": 0}, r"decoder_sparse_step: must be a positive"),
-    ("qwen2_moe", {"shared_expert_intermediate_size": None}, r"shared_expert_intermediate_size: missing"),
-    ("mixtral", {"num_local_experts": None}, r"num_local_experts: missing"),
-])
+@pytest.mark.parametrize(
+    "family, edit, match",
+    [
+        (
+            "qwen3_moe",
+            {"num_experts_per_tok": 9},
+            r"num_experts_per_tok: must be in 1\.\.num_experts \(8\)",
+        ),
+        ("qwen3_moe", {"mlp_only_layers": "1"}, r"mlp_only_layers: must be a list"),
+        ("qwen3_moe", {"moe_intermediate_size": 0}, r"moe_intermediate_size: must be a positive"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, r"decoder_sparse_step: must be a positive"),
+        (
+            "qwen2_moe",
+            {"shared_expert_intermediate_size": None},
+            r"shared_expert_intermediate_size: missing",
+        ),
+        ("mixtral", {"num_local_experts": None}, r"num_local_experts: missing"),
+    ],
+)
 def test_bad_moe_config_fields_are_refused_by_name(family, edit, match):
     cfg = {**_hf_config(family).to_dict(), **edit}
     with pytest.raises(ValueError, match=match):
@@ -110,14 +169,18 @@ def test_bad_moe_config_fields_are_refused_by_name(family, edit, match):
 
 def test_model_config_validates_the_moe_fields_by_name():
     good = from_hf_config(_hf_config("qwen3_moe").to_dict())
-    for edit, match in ((dict(sparse_layers=(True,)), "sparse_layers: 1 entries for num_layers 3"),
-                        (dict(num_experts=0), "num_experts_per_tok: set without experts"),
-                        (dict(moe_intermediate_size=0), "moe_intermediate_size: must be positive"),
-                        (dict(num_experts=-1), "num_experts: must be a non-negative integer"),
-                        (dict(sparse_layers=(1, 0, 1)), "sparse_layers: must be booleans")):
+    for edit, match in (
+        (dict(sparse_layers=(True,)), "sparse_layers: 1 entries for num_layers 3"),
+        (dict(num_experts=0), "num_experts_per_tok: set without experts"),
+        (dict(moe_intermediate_size=0), "moe_intermediate_size: must be positive"),
+        (dict(num_experts=-1), "num_experts: must be a non-negative integer"),
+        (dict(sparse_layers=(1, 0, 1)), "sparse_layers: must be booleans"),
+    ):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(good, **edit)
-    with pytest.raises(ValueError, match="quantize: 'int8' is not supported for mixture-of-experts"):
+    with pytest.raises(
+        ValueError, match="quantize: 'int8' is not supported for mixture-of-experts"
+    ):
         Llama(good, lambda name, shape: np.zeros(shape, np.float32), "int8")
 
 
@@ -127,8 +190,11 @@ def test_model_config_validates_the_moe_fields_by_name():
 def test_logits_match_transformers(family, fused, tmp_path):
     model = _hf_model(family)
     config, params = load_hf_dir(_saved(model, tmp_path, fused))
-    assert config.architecture == family and params["layers.2.experts_gate_up"].shape == (8, 64, 2 * (
-        96 if family == "mixtral" else 32))
+    assert config.architecture == family and params["layers.2.experts_gate_up"].shape == (
+        8,
+        64,
+        2 * (96 if family == "mixtral" else 32),
+    )
     want = hf_logits(model, TOKENS)
     got = _jaxkv_logits(config, params, TOKENS)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
@@ -140,7 +206,9 @@ def test_missing_or_unknown_expert_tensors_are_named(tmp_path):
     tensors = load_hf_tensors(tmp_path)
 
     def load(ts):
-        return hf_to_params(config, {n: t[1] for n, t in ts.items()}, {n: t[0] for n, t in ts.items()})
+        return hf_to_params(
+            config, {n: t[1] for n, t in ts.items()}, {n: t[0] for n, t in ts.items()}
+        )
 
     assert load(tensors)["layers.0.router"].shape == (64, 8)
     gone = "model.layers.2.mlp.experts.5.up_proj.weight"
@@ -208,8 +276,15 @@ def _np_moe(h, router, gate_up, down, k, norm, shared=None):
     return out
 
 
-@pytest.mark.parametrize("k, norm, with_shared, skew", [
-    (2, True, False, False), (3, False, True, False), (1, False, False, True), (2, True, True, True)])
+@pytest.mark.parametrize(
+    "k, norm, with_shared, skew",
+    [
+        (2, True, False, False),
+        (3, False, True, False),
+        (1, False, False, True),
+        (2, True, True, True),
+    ],
+)
 @pytest.mark.parametrize("native", [False, True], ids=["ragged_dot", "mkl"])
 def test_moe_block_matches_a_float64_reference(k, norm, with_shared, skew, native):
     """jax.lax.ragged_dot and the native CPU grouped sgemm (one per expert)
@@ -231,10 +306,15 @@ def test_moe_block_matches_a_float64_reference(k, norm, with_shared, skew, nativ
         h[:, 0] = np.abs(h[:, 0]) + 3.0
         router[0] = 0.0
         router[0, 4], router[0, 1] = 4.0, -4.0
-    gate_up, down = f32(X, E, 2 * F, scale=E ** -0.5), f32(X, F, E, scale=F ** -0.5)
-    shared = (f32(E, 2 * Fs, scale=E ** -0.5), f32(Fs, E, scale=Fs ** -0.5), f32(E)) if with_shared else None
-    fn = jax.jit(lambda h, r, gu, d, s: moe_mlp(h, r, gu, d, top_k=k, norm_topk_prob=norm, act=jax.nn.silu,
-                                                  shared=s, native=native))
+    gate_up, down = f32(X, E, 2 * F, scale=E**-0.5), f32(X, F, E, scale=F**-0.5)
+    shared = (
+        (f32(E, 2 * Fs, scale=E**-0.5), f32(Fs, E, scale=Fs**-0.5), f32(E)) if with_shared else None
+    )
+    fn = jax.jit(
+        lambda h, r, gu, d, s: moe_mlp(
+            h, r, gu, d, top_k=k, norm_topk_prob=norm, act=jax.nn.silu, shared=s, native=native
+        )
+    )
     assert ("jaxkv_grouped_sgemm" in fn.lower(h, router, gate_up, down, shared).as_text()) == native
     got = np.asarray(fn(h, router, gate_up, down, shared))
     want = _np_moe(h, router, gate_up, down, k, norm, shared)
@@ -256,10 +336,18 @@ def test_engine_greedy_tokens_match_transformers_generate(tmp_path):
     config, params = load_hf_dir(_saved(model, tmp_path))
     rng = np.random.default_rng(2)
     prefixes = [list(map(int, rng.integers(0, 256, n))) for n in (19, 13)]
-    prompts = [(prefixes[i % 2] if i % 3 else []) + list(map(int, rng.integers(0, 256, int(rng.integers(1, 14)))))
-               for i in range(10)]
-    eng = LLMEngine(Llama.from_params(config, params), None, EngineConfig(
-        warmup=False, num_pages=12, page_size=8, max_num_seqs=4, max_num_batched_tokens=32))
+    prompts = [
+        (prefixes[i % 2] if i % 3 else [])
+        + list(map(int, rng.integers(0, 256, int(rng.integers(1, 14)))))
+        for i in range(10)
+    ]
+    eng = LLMEngine(
+        Llama.from_params(config, params),
+        None,
+        EngineConfig(
+            warmup=False, num_pages=12, page_size=8, max_num_seqs=4, max_num_batched_tokens=32
+        ),
+    )
     ids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0)) for p in prompts]
     final = eng.run_to_completion()
     assert eng.scheduler.num_preemptions > 0 and eng.bm.prefix_hit_tokens > 0
@@ -269,7 +357,9 @@ def test_engine_greedy_tokens_match_transformers_generate(tmp_path):
     inputs = torch.tensor([[0] * (n - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        want = model.generate(inputs, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = model.generate(
+            inputs, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
     for i in range(len(prompts)):
         assert final[ids[i]].outputs[0].token_ids == want[i, n:].tolist(), i
 
@@ -289,8 +379,13 @@ def test_routed_counts_reach_metrics_as_transformers_routes(tmp_path):
     config, params = load_hf_dir(_saved(model, tmp_path))
     rng = np.random.default_rng(5)
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (11, 6)]
-    eng = LLMEngine(Llama.from_params(config, params), None, EngineConfig(
-        warmup=False, num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=32))
+    eng = LLMEngine(
+        Llama.from_params(config, params),
+        None,
+        EngineConfig(
+            warmup=False, num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=32
+        ),
+    )
     ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0)) for p in prompts]
     final = eng.run_to_completion(ids)
     want = np.zeros(8, np.int64)
@@ -299,12 +394,15 @@ def test_routed_counts_reach_metrics_as_transformers_routes(tmp_path):
         with torch.no_grad():
             logits = model(run, output_router_logits=True).router_logits
         for layer in logits:  # the sparse layers' [T, X]
-            want += np.bincount(torch.topk(layer.float(), 2, dim=-1).indices.reshape(-1).numpy(),
-                                minlength=8)
+            want += np.bincount(
+                torch.topk(layer.float(), 2, dim=-1).indices.reshape(-1).numpy(), minlength=8
+            )
     assert eng.runner.routed.tolist() == want.tolist()
     metrics = ServerMetrics("m")
     metrics.refresh(eng)
     text = metrics.render().decode()
     for x in range(8):
-        assert f'jaxkv:moe_routed_tokens_total{{expert="{x}",model_name="m"}} {float(want[x])}' in text
+        assert (
+            f'jaxkv:moe_routed_tokens_total{{expert="{x}",model_name="m"}} {float(want[x])}' in text
+        )
     eng.shutdown()

@@ -44,16 +44,29 @@ def test_expert_parallel_decode_compiles_for_v5e_2x4():
     env = bmc.tpu_env()
     if env is None:
         pytest.skip(f"libtpu is not in {bmc.tpu_compiler()} (bash .ci/install_tpu_compiler.sh)")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_moe_compile.py"), "v5e:2x4",
-                           f"--ep={EP}", "--kind=decode", f"--layers={LAYERS}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "bench_moe_compile.py"),
+            "v5e:2x4",
+            f"--ep={EP}",
+            "--kind=decode",
+            f"--layers={LAYERS}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}:\n{proc.stderr[-4000:]}"
     got = json.loads(lines[-1])
     print(json.dumps(got))  # the figures, for the record (-s)
     cfg = bmc.qwen3_30b_a3b(LAYERS)
-    planned = memory.per_device_bytes(cfg, EP, "bfloat16", num_pages=got["pages"],
-                                      page_size=bmc.PAGE_SIZE)
+    planned = memory.per_device_bytes(
+        cfg, EP, "bfloat16", num_pages=got["pages"], page_size=bmc.PAGE_SIZE
+    )
     # The abstract parameters' shards (16 whole experts of 128 per device) are the planner's.
     assert got["sharded_params"] == planned["params"]
     assert planned["experts"] == LAYERS * (128 // EP) * 3 * 2048 * 768 * 2

@@ -34,12 +34,16 @@ def test_rows_and_head_read_the_blocks_as_the_gguf_library_dequantizes_them(monk
         for rows in (1, 3, 8, 9, 33, 64, 65):
             h = rng.standard_normal((rows, 96)).astype(np.float32)
             exact = h.astype(np.float64) @ ref.astype(np.float64).T
-            native_want = (q8_rows(h) @ ref.astype(np.float64).T
-                           if rounded and rows <= blocks.INT_ROWS else exact)
+            native_want = (
+                q8_rows(h) @ ref.astype(np.float64).T
+                if rounded and rows <= blocks.INT_ROWS
+                else exact
+            )
             for native, want in ((True, native_want), (False, exact)):
                 got = jax.jit(lambda h, n=native: table.head(h, n))(jnp.asarray(h))
-                np.testing.assert_allclose(np.asarray(got), want, rtol=0,
-                                           atol=2e-5 * np.abs(want).max(), err_msg=str(rows))
+                np.testing.assert_allclose(
+                    np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=str(rows)
+                )
     with pytest.raises(ValueError, match="Q8Blocks"):
         q8.Q8Blocks(raw[:, :40], (700, 96))
 

@@ -20,8 +20,12 @@ def test_int8_dense_matches_numpy_dequantized_matmul():
     d = Dense(jnp.asarray(w), "int8")
     q, s = quantize_int8(w)
     assert np.asarray(q).dtype == np.int8 and np.abs(np.asarray(q)).max() == 127
-    np.testing.assert_allclose(np.asarray(d(jnp.asarray(x))),
-                               x @ (np.asarray(q, np.float32) * np.asarray(s)), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(d(jnp.asarray(x))),
+        x @ (np.asarray(q, np.float32) * np.asarray(s)),
+        rtol=1e-5,
+        atol=1e-4,
+    )
     # Quantization error per column stays within half a step of that column.
     err = np.abs(np.asarray(q, np.float32) * np.asarray(s) - w).max(axis=0)
     assert (err <= np.asarray(s) / 2 + 1e-6).all()
@@ -34,8 +38,9 @@ def test_int8_model_logits_close_to_hf(tmp_path):
     want = hf_logits(hf, tokens)
     m8 = Llama.from_params(cfg, params, quantize="int8")
     assert m8.layers[0].w_down.w[...].dtype == jnp.int8
-    (got,), _ = step_logits(m8, nan_cache(cfg, 8, 8), [Seq(tokens, 0, [1, 2, 3, 4])], 8,
-                            rows_per_seq=True)
+    (got,), _ = step_logits(
+        m8, nan_cache(cfg, 8, 8), [Seq(tokens, 0, [1, 2, 3, 4])], 8, rows_per_seq=True
+    )
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < err < 0.03, err
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
@@ -84,8 +89,9 @@ def test_w8a8_model_logits_close_to_hf(tmp_path, tied):
     want = hf_logits(hf, tokens)
     m = Llama.from_params(cfg, params, quantize="w8a8")
     assert m.lm_head.w8[...].dtype == jnp.int8
-    (got,), _ = step_logits(m, nan_cache(cfg, 8, 8), [Seq(tokens, 0, [1, 2, 3, 4])], 8,
-                            rows_per_seq=True)
+    (got,), _ = step_logits(
+        m, nan_cache(cfg, 8, 8), [Seq(tokens, 0, [1, 2, 3, 4])], 8, rows_per_seq=True
+    )
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < err < 0.05, err
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9

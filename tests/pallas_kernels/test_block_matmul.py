@@ -41,7 +41,9 @@ def _weight(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     d = blocks[..., :2].view(np.uint16)  # float16 bits of each block's scale
     pick = rng.random(d.shape[:2])
     d[pick < 0.1, 0] |= 0x8000  # negative
-    d[(pick >= 0.1) & (pick < 0.15), 0] = rng.integers(1, 1024, int(((pick >= 0.1) & (pick < 0.15)).sum()))
+    d[(pick >= 0.1) & (pick < 0.15), 0] = rng.integers(
+        1, 1024, int(((pick >= 0.1) & (pick < 0.15)).sum())
+    )
     d[(pick >= 0.15) & (pick < 0.17), 0] = 0
     return raw
 
@@ -65,8 +67,11 @@ def test_planes_widen_to_the_gguf_values(fmt):
     p = block_matmul.to_planes(raw, int(TYPES[fmt]), n, k)
     assert p.shape == (n, k)
     assert sum(a.nbytes for a in (p.q, p.d, p.m, p.qh) if a is not None) == raw.nbytes
-    got = np.asarray(planes_mod.dequantize_tile(fmt, *(jnp.asarray(a) if a is not None else None
-                                                         for a in (p.q, p.d, p.m, p.qh))))
+    got = np.asarray(
+        planes_mod.dequantize_tile(
+            fmt, *(jnp.asarray(a) if a is not None else None for a in (p.q, p.d, p.m, p.qh))
+        )
+    )
     want = np.asarray(dequantize(raw, TYPES[fmt]), np.float32).reshape(n, k).T
     np.testing.assert_array_equal(got, want)
 
@@ -86,9 +91,11 @@ SHAPES = [(1, 192, 576), (20, 256, 1024), (70, 576, 64)]
 @pytest.mark.parametrize("fmt", TYPES)
 @pytest.mark.parametrize("kernel", ["tpu", "gpu", "reference"])
 def test_kernels_match_float64_oracle(kernel, fmt):
-    run = {"tpu": lambda x, p: tpu.matmul(x, p, interpret=True),
-           "gpu": lambda x, p: gpu.matmul(x, p, interpret=True),
-           "reference": reference.matmul}[kernel]
+    run = {
+        "tpu": lambda x, p: tpu.matmul(x, p, interpret=True),
+        "gpu": lambda x, p: gpu.matmul(x, p, interpret=True),
+        "reference": reference.matmul,
+    }[kernel]
     for i, (t, n, k) in enumerate(SHAPES):
         raw = _weight(fmt, n, k, seed=i)
         p = jax.tree.map(jnp.asarray, block_matmul.to_planes(raw, fmt, n, k))
@@ -100,8 +107,9 @@ def test_kernels_match_float64_oracle(kernel, fmt):
         _close(got, want, x, w_abs, rtol=2e-6)
         if kernel != "reference" and i == 1:  # bfloat16 activations: the tile rounded too
             xb = jnp.asarray(x, jnp.bfloat16)
-            _close(run(xb, p), _oracle(np.asarray(xb, np.float32), raw, fmt, n, k),
-                   x, w_abs, rtol=1e-2)
+            _close(
+                run(xb, p), _oracle(np.asarray(xb, np.float32), raw, fmt, n, k), x, w_abs, rtol=1e-2
+            )
 
 
 def test_matmul_dispatches_by_backend():
@@ -113,7 +121,6 @@ def test_matmul_dispatches_by_backend():
     for backend in ("gpu", "tpu", "cpu"):
         got = block_matmul.matmul(x, p, backend=backend, interpret=True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
-
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -143,38 +150,54 @@ def test_a_model_on_pallas_blocks_gives_the_float32_models_tokens(tmp_path, monk
         if keep:
             attn, layer = module.layers[0].attn, module.layers[0]
             assert (attn.wqkv.kinds, attn.wo.kinds, layer.w_gate_up.kinds) == (
-                (0, -int(Q.Q8_0), -int(Q.Q4_0)), (-int(Q.Q4_1),), (0, -int(Q.Q5_0)))
+                (0, -int(Q.Q8_0), -int(Q.Q4_0)),
+                (-int(Q.Q4_1),),
+                (0, -int(Q.Q5_0)),
+            )
         runs[keep] = greedy_runs(module, tok, prompts)
     for (tb, lb), (tf, lf) in zip(runs[True], runs[False]):
         assert tb == tf
         np.testing.assert_allclose(lb, lf, atol=1e-3)
 
+
 # Deviceless / lowering configs: (id, fmt, T, N, K, x dtype)
-LOWER = [("q4_1-t16-n576-k576-f32", "q4_1", 16, 576, 576, "float32"),
-         ("q8_0-t1-n49152-k576-f32", "q8_0", 1, 49152, 576, "float32"),
-         ("q4_0-t256-n1536-k2048-bf16", "q4_0", 256, 1536, 2048, "bfloat16"),
-         ("q5_0-t32-n640-k1024-bf16", "q5_0", 32, 640, 1024, "bfloat16")]
+LOWER = [
+    ("q4_1-t16-n576-k576-f32", "q4_1", 16, 576, 576, "float32"),
+    ("q8_0-t1-n49152-k576-f32", "q8_0", 1, 49152, 576, "float32"),
+    ("q4_0-t256-n1536-k2048-bf16", "q4_0", 256, 1536, 2048, "bfloat16"),
+    ("q5_0-t32-n640-k1024-bf16", "q5_0", 32, 640, 1024, "bfloat16"),
+]
 
 
 def _specs(fmt, t, n, k, dtype, sharding=None):
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sharding)
     g = k // 32
     q = sds((k, n), "int8") if fmt == "q8_0" else sds((k // 2, n), "uint8")
-    p = planes_mod.Planes(q=q, d=sds((g, n), "uint16"),
-                          m=sds((g, n), "uint16") if fmt == "q4_1" else None,
-                          qh=sds((g, n), "int32") if fmt == "q5_0" else None, fmt=fmt)
+    p = planes_mod.Planes(
+        q=q,
+        d=sds((g, n), "uint16"),
+        m=sds((g, n), "uint16") if fmt == "q4_1" else None,
+        qh=sds((g, n), "int32") if fmt == "q5_0" else None,
+        fmt=fmt,
+    )
     return sds((t, k), dtype), p
 
 
 @pytest.mark.parametrize("config", LOWER, ids=lambda c: c[0])
 def test_gpu_kernel_lowers_for_cuda(config):
     _, fmt, t, n, k, dtype = config
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                         platform="gpu")
+    device = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"
+    )
     with jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        text = jax.jit(gpu.matmul).trace(*_specs(fmt, t, n, k, dtype)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    ):
+        text = (
+            jax.jit(gpu.matmul)
+            .trace(*_specs(fmt, t, n, k, dtype))
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -183,9 +206,14 @@ def test_tpu_kernel_lowers_to_mosaic(config):
     _, fmt, t, n, k, dtype = config
     device = jax.sharding.AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
     with jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        text = jax.jit(tpu.matmul).trace(*_specs(fmt, t, n, k, dtype)).lower(
-            lowering_platforms=("tpu",)).as_text()
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    ):
+        text = (
+            jax.jit(tpu.matmul)
+            .trace(*_specs(fmt, t, n, k, dtype))
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
     assert "tpu_custom_call" in text
 
 
@@ -211,17 +239,32 @@ def test_tpu_kernel_compiles_deviceless():
     compiler = Path(os.environ.get("JAXKV_TPU_COMPILER", REPO / ".tpu-compiler"))
     if not (compiler / "libtpu").is_dir():
         pytest.skip(f"libtpu is not in {compiler} (bash .ci/install_tpu_compiler.sh installs it)")
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(compiler)]))
+    env = dict(
+        os.environ,
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(compiler)]),
+    )
     results = {}
     for topology in ("v5e:2x2", "v6e:2x2"):
         proc = subprocess.run(
-            [sys.executable, "-m", "tests.pallas_kernels.test_block_matmul", "--topology",
-             topology], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "tests.pallas_kernels.test_block_matmul",
+                "--topology",
+                topology,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
         assert proc.returncode == 0 and lines, (
             f"TPU compile subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-            f"{proc.stderr[-3000:]}")
+            f"{proc.stderr[-3000:]}"
+        )
         results[topology] = json.loads(lines[-1])
     failed = {(tp, cid): r for tp, res in results.items() for cid, r in res.items() if r != "ok"}
     assert not failed and all(len(r) == len(LOWER) for r in results.values()), failed

@@ -15,8 +15,11 @@ from tests.helpers.rpa_cases import make_case, naive_attention
 from tests.pallas_kernels.test_dense import T_STEP, _case
 
 if not cpu.available():
-    pytest.skip(f"native CPU attention unavailable: {native.unavailable('rpa_cpu')}",
-                allow_module_level=True)
+    pytest.skip(
+        f"native CPU attention unavailable: {native.unavailable('rpa_cpu')}",
+        allow_module_level=True,
+    )
+
 
 def _release_behind_window(case, q_lens, kv_lens, window, page_size):
     """Point every page wholly behind all of a sequence's windows at the
@@ -31,14 +34,15 @@ def _release_behind_window(case, q_lens, kv_lens, window, page_size):
 
 def _run(case, **kw):
     out, served = jax.jit(lambda c: cpu.dense_prefill(**c, **kw))(
-        {k: jnp.asarray(v) for k, v in case.items()})
+        {k: jnp.asarray(v) for k, v in case.items()}
+    )
     return np.asarray(out, np.float64), np.asarray(served)
 
 
 def _served(q_lens, T=T_STEP):
     rows = np.repeat(np.arange(len(q_lens)), q_lens)
     want = np.zeros(T, bool)
-    want[:len(rows)] = np.asarray(q_lens)[rows] > 1
+    want[: len(rows)] = np.asarray(q_lens)[rows] > 1
     return want
 
 
@@ -71,9 +75,16 @@ def test_matches_the_oracle(q_lens, kv_lens, heads, kv_heads):
 def test_page_sizes_and_head_dims(page_size, head_dim):
     """24 divides no key chunk: chunks and query blocks start mid-page."""
     q_lens, kv_lens = [200, 1, 150], [1100, 50, 150]
-    case = _case(page_size + head_dim, q_lens, kv_lens, heads=9, kv_heads=3, page_size=page_size,
-                 head_dim=head_dim)
-    _check(case, q_lens, sm_scale=head_dim ** -0.5)
+    case = _case(
+        page_size + head_dim,
+        q_lens,
+        kv_lens,
+        heads=9,
+        kv_heads=3,
+        page_size=page_size,
+        head_dim=head_dim,
+    )
+    _check(case, q_lens, sm_scale=head_dim**-0.5)
 
 
 @pytest.mark.parametrize("window,cap", [(40, None), (100, None), (None, 3.0), (600, 2.0)])
@@ -111,8 +122,9 @@ def test_served_mask_equals_the_dense_paths():
 
 def test_lone_prompt_equals_the_dense_path():
     rng = np.random.default_rng(7)
-    case = make_case(rng, q_lens=[1024], kv_lens=[1024], num_heads=9, num_kv_heads=3,
-                     head_dim=64, page_size=16)
+    case = make_case(
+        rng, q_lens=[1024], kv_lens=[1024], num_heads=9, num_kv_heads=3, head_dim=64, page_size=16
+    )
     args = {k: jnp.asarray(v) for k, v in case.items()}
     got, _ = cpu.dense_prefill(**args, sm_scale=0.125)
     want, _ = dense.dense_prefill(**args, block_q=512, sm_scale=0.125)
@@ -129,17 +141,39 @@ def test_int8_pages_without_scales_are_refused():
 
 # ---- cpu.ragged_paged_attention: every live row, decodes included ----
 
-def _ragged_case(seed, q_lens, kv_lens, *, heads=6, kv_heads=2, page_size=8, head_dim=16,
-                 pad_tokens=5, pad_seqs=2, **kw):
+
+def _ragged_case(
+    seed,
+    q_lens,
+    kv_lens,
+    *,
+    heads=6,
+    kv_heads=2,
+    page_size=8,
+    head_dim=16,
+    pad_tokens=5,
+    pad_seqs=2,
+    **kw,
+):
     rng = np.random.default_rng(seed)
-    return make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=head_dim, page_size=page_size, pad_tokens=pad_tokens,
-                     pad_seqs=pad_seqs, **kw)
+    return make_case(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pad_tokens=pad_tokens,
+        pad_seqs=pad_seqs,
+        **kw,
+    )
 
 
 def _ragged(case, **kw):
     out = jax.jit(lambda c: cpu.ragged_paged_attention(**c, **kw))(
-        {k: jnp.asarray(v) for k, v in case.items()})
+        {k: jnp.asarray(v) for k, v in case.items()}
+    )
     return np.asarray(out, np.float64)
 
 
@@ -148,7 +182,7 @@ def _check_ragged(case, q_lens, **kw):
     got = _ragged(case, **kw)
     assert np.isfinite(got).all()
     live = np.zeros(case["q"].shape[0], bool)
-    live[:sum(q_lens)] = np.repeat(np.asarray(q_lens) > 0, q_lens)
+    live[: sum(q_lens)] = np.repeat(np.asarray(q_lens) > 0, q_lens)
     np.testing.assert_array_equal(got[~live], 0.0)  # padding rows
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
@@ -185,9 +219,16 @@ def test_ragged_mixes(q_lens, kv_lens, heads, kv_heads):
 def test_ragged_page_sizes_and_head_dims(page_size, head_dim):
     """40 is no multiple of 16: the decode path's scalar loops."""
     q_lens, kv_lens = [1, 40, 1, 1], [1100, 40, page_size + 1, 3]
-    case = _ragged_case(page_size + head_dim, q_lens, kv_lens, heads=9, kv_heads=3,
-                        page_size=page_size, head_dim=head_dim)
-    _check_ragged(case, q_lens, sm_scale=head_dim ** -0.5)
+    case = _ragged_case(
+        page_size + head_dim,
+        q_lens,
+        kv_lens,
+        heads=9,
+        kv_heads=3,
+        page_size=page_size,
+        head_dim=head_dim,
+    )
+    _check_ragged(case, q_lens, sm_scale=head_dim**-0.5)
 
 
 @pytest.mark.parametrize("window,cap", [(7, None), (40, None), (None, 3.0), (100, 2.0)])
@@ -201,7 +242,7 @@ def test_ragged_windows_and_soft_caps(window, cap):
         _release_behind_window(case, q_lens, kv_lens, window, 16)
     got = _ragged(case, **kw)
     assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got[sum(q_lens):], 0.0)
+    np.testing.assert_array_equal(got[sum(q_lens) :], 0.0)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -231,7 +272,7 @@ def test_ragged_prefill_rows_equal_dense_prefill():
     want, served = cpu.dense_prefill(**args, sm_scale=0.25)
     served = np.asarray(served)
     np.testing.assert_array_equal(got[served], np.asarray(want)[served])
-    assert (got[~served][:sum(q_lens)] != 0).any()  # the decode rows are served too
+    assert (got[~served][: sum(q_lens)] != 0).any()  # the decode rows are served too
 
 
 def test_ragged_unread_page_dtypes_are_refused():
@@ -243,8 +284,11 @@ def test_ragged_unread_page_dtypes_are_refused():
 
 # ---- page formats (kv_formats): every format the engine stores ----
 
-FORMATS = [kc.Config("float32", 64, 8, 8, 1, sliding_window=24, int8=True),
-           kc.Config("bfloat16", 128, 16, 6, 2), *kc.FORMAT_CONFIGS]
+FORMATS = [
+    kc.Config("float32", 64, 8, 8, 1, sliding_window=24, int8=True),
+    kc.Config("bfloat16", 128, 16, 6, 2),
+    *kc.FORMAT_CONFIGS,
+]
 
 
 @pytest.mark.parametrize("cfg", FORMATS, ids=lambda c: c.id)
@@ -252,15 +296,17 @@ def test_ragged_reads_every_page_format(cfg):
     """int8 / int4 (NaN scales in unwritten slots), fp8 and bfloat16 pages
     against the reference and the float64 oracle on exactly their values."""
     kc.check_against_reference_and_oracle(
-        lambda args, **kw: cpu.ragged_paged_attention(**args, **kw), cfg)
+        lambda args, **kw: cpu.ragged_paged_attention(**args, **kw), cfg
+    )
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3"])
 def test_dense_prefill_reads_quantized_pages(fmt):
     """Long prefill chunks (the gathered key tiles) over quantized pages."""
     q_lens, kv_lens = [200, 1, 150], [1100, 50, 150]
-    case = kc.quantize(_case(11, q_lens, kv_lens, heads=9, kv_heads=3, page_size=16,
-                             head_dim=64), 3, fmt)
+    case = kc.quantize(
+        _case(11, q_lens, kv_lens, heads=9, kv_heads=3, page_size=16, head_dim=64), 3, fmt
+    )
     args = {k: jnp.asarray(v) for k, v in case.items()}
     got, served = cpu.dense_prefill(**args, sm_scale=0.125)
     served = np.asarray(served)

@@ -16,9 +16,18 @@ T_STEP, S_STEP = 384, 6  # 64 rows per sequence slot: the dense path's block is 
 
 def _case(seed, q_lens, kv_lens, *, heads=6, kv_heads=2, page_size=8, head_dim=16, **kw):
     rng = np.random.default_rng(seed)
-    return make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=head_dim, page_size=page_size, pad_tokens=T_STEP - sum(q_lens),
-                     pad_seqs=S_STEP - len(q_lens), **kw)
+    return make_case(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pad_tokens=T_STEP - sum(q_lens),
+        pad_seqs=S_STEP - len(q_lens),
+        **kw,
+    )
 
 
 def _run(case, **kw):
@@ -47,7 +56,7 @@ def test_dense_matches_the_oracle(q_lens, kv_lens, heads, kv_heads):
     got = _run(case, sm_scale=0.25)
     want = naive_attention(**case, sm_scale=0.25)
     assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got[sum(q_lens):], 0.0)  # padding rows
+    np.testing.assert_array_equal(got[sum(q_lens) :], 0.0)  # padding rows
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -57,13 +66,14 @@ def test_dense_serves_only_multi_row_sequences():
     out, served = dense.dense_prefill(**case, block_q=64, sm_scale=0.25)
     rows = np.repeat(np.arange(len(q_lens)), q_lens)
     want = np.zeros(T_STEP, bool)
-    want[:len(rows)] = np.asarray(q_lens)[rows] > 1
+    want[: len(rows)] = np.asarray(q_lens)[rows] > 1
     np.testing.assert_array_equal(np.asarray(served), want)
     assert (np.asarray(out)[~want] == 0).all()
 
 
-@pytest.mark.parametrize("window,sinks,cap", [(40, 0, None), (100, 4, None), (None, 0, 3.0),
-                                              (600, 0, 2.0)])
+@pytest.mark.parametrize(
+    "window,sinks,cap", [(40, 0, None), (100, 4, None), (None, 0, 3.0), (600, 0, 2.0)]
+)
 def test_dense_windows_sinks_and_caps(window, sinks, cap):
     """With a window (and no sinks) the pages wholly behind every row's
     window go back to the NaN trash page: nothing may read them."""

@@ -19,6 +19,7 @@ TEST_OPTIONS = dict(decode_splits=3)
 def _runner(**options):
     def run(args, **kw):
         return gpu.ragged_paged_attention(**args, **kw, interpret=True, **options)
+
     return run
 
 
@@ -36,7 +37,8 @@ def test_gpu_kernel_default_splits_and_small_blocks():
     # Defaults: as many splits as fill a GPU (capped by KV blocks); 16-token KV
     # blocks (2 pages of 8) and 4-token query blocks for prefill.
     kc.check_against_reference_and_oracle(
-        _runner(pages_per_block=2, prefill_block_q=4), kc.Config("float32", 64, 8, 6, 2))
+        _runner(pages_per_block=2, prefill_block_q=4), kc.Config("float32", 64, 8, 6, 2)
+    )
 
 
 def test_gpu_kernel_one_split_equals_many():
@@ -56,16 +58,19 @@ def test_gpu_kernel_no_sequences_gives_zeros():
     np.testing.assert_array_equal(np.asarray(_runner(**TEST_OPTIONS)(args, **kw)), 0.0)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(page_size=12), "page_size a power of two"),
-    (dict(head_dim=96), "power of two >= 16"),
-    (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
-    (dict(scales=True), "need int8 or int4 pages"),
-    (dict(int4=True, head_dim=16), "head dim >= 32 for int4"),
-    (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
-    (dict(pages_per_block=1, page_size=8), "power of two >= 16"),
-    (dict(soft_cap=-1.0), "soft_cap must be positive"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(page_size=12), "page_size a power of two"),
+        (dict(head_dim=96), "power of two >= 16"),
+        (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
+        (dict(scales=True), "need int8 or int4 pages"),
+        (dict(int4=True, head_dim=16), "head dim >= 32 for int4"),
+        (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
+        (dict(pages_per_block=1, page_size=8), "power of two >= 16"),
+        (dict(soft_cap=-1.0), "soft_cap must be positive"),
+    ],
+)
 def test_gpu_kernel_rejects_unsupported_inputs(change, match):
     H, KVH = change.get("num_heads", 4), change.get("num_kv_heads", 2)
     D, ps = change.get("head_dim", 64), change.get("page_size", 16)
@@ -74,14 +79,22 @@ def test_gpu_kernel_rejects_unsupported_inputs(change, match):
         pages = jnp.zeros((KVH, 5, ps, D // 2), jnp.uint8)
     else:
         pages = jnp.zeros((KVH, 5, ps, D), change.get("pages_dtype", jnp.float32))
-    kw = dict(sm_scale=1.0, soft_cap=change.get("soft_cap"),
-              pages_per_block=change.get("pages_per_block"))
+    kw = dict(
+        sm_scale=1.0, soft_cap=change.get("soft_cap"), pages_per_block=change.get("pages_per_block")
+    )
     if change.get("scales") or change.get("int4"):
         kw.update(k_scale=jnp.ones((KVH, 5, ps)), v_scale=jnp.ones((KVH, 5, ps)))
     with pytest.raises(ValueError, match=match):
-        gpu.ragged_paged_attention(q, pages, pages, jnp.ones(2, jnp.int32),
-                                   jnp.ones((2, 3), jnp.int32), jnp.array([0, 1, 2], jnp.int32),
-                                   jnp.int32(2), **kw)
+        gpu.ragged_paged_attention(
+            q,
+            pages,
+            pages,
+            jnp.ones(2, jnp.int32),
+            jnp.ones((2, 3), jnp.int32),
+            jnp.array([0, 1, 2], jnp.int32),
+            jnp.int32(2),
+            **kw,
+        )
 
 
 @pytest.mark.sweep

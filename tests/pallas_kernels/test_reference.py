@@ -26,10 +26,18 @@ def test_hand_computed_single_key_and_two_keys():
     v_pages[0, 1, 0] = [4.0, 0.0]
     v_pages[0, 1, 1] = [0.0, 8.0]
     q = np.array([[[1.0, 7.0]], [[1.0, 0.0]], [[9.0, 9.0]]], np.float32)  # row 2 is padding
-    out = _run(dict(q=q, k_pages=k_pages, v_pages=v_pages,
-                    kv_lens=np.array([1, 2], np.int32),
-                    block_tables=np.array([[2], [1]], np.int32),
-                    cu_q_lens=np.array([0, 1, 2], np.int32), num_seqs=np.int32(2)), sm_scale=1.0)
+    out = _run(
+        dict(
+            q=q,
+            k_pages=k_pages,
+            v_pages=v_pages,
+            kv_lens=np.array([1, 2], np.int32),
+            block_tables=np.array([[2], [1]], np.int32),
+            cu_q_lens=np.array([0, 1, 2], np.int32),
+            num_seqs=np.int32(2),
+        ),
+        sm_scale=1.0,
+    )
     np.testing.assert_allclose(out[0, 0], [5.0, -1.0], rtol=1e-6)
     np.testing.assert_allclose(out[1, 0], [1.0, 6.0], rtol=1e-6)
     np.testing.assert_array_equal(out[2], 0.0)
@@ -43,9 +51,18 @@ def test_hand_computed_causal_prefill():
     k_pages[0, 1, 2:] = np.nan
     v_pages[0, 1, 2:] = np.nan
     q = np.ones((2, 1, 1), np.float32)
-    out = _run(dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=np.array([2], np.int32),
-                    block_tables=np.array([[1]], np.int32), cu_q_lens=np.array([0, 2], np.int32),
-                    num_seqs=np.int32(1)), sm_scale=1.0)
+    out = _run(
+        dict(
+            q=q,
+            k_pages=k_pages,
+            v_pages=v_pages,
+            kv_lens=np.array([2], np.int32),
+            block_tables=np.array([[1]], np.int32),
+            cu_q_lens=np.array([0, 2], np.int32),
+            num_seqs=np.int32(1),
+        ),
+        sm_scale=1.0,
+    )
     np.testing.assert_allclose(out[:, 0, 0], [2.0, 4.0], rtol=1e-6)
 
 
@@ -63,8 +80,17 @@ CASES = [
 @pytest.mark.parametrize("window,cap", [(None, None), (6, None), (None, 5.0)])
 def test_reference_matches_naive(q_lens, kv_lens, heads, kv_heads, window, cap):
     rng = np.random.default_rng(len(q_lens) * 100 + heads)
-    case = make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=heads,
-                     num_kv_heads=kv_heads, head_dim=16, page_size=8, pad_tokens=3, pad_seqs=2)
+    case = make_case(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=16,
+        page_size=8,
+        pad_tokens=3,
+        pad_seqs=2,
+    )
     kw = dict(sm_scale=0.25, sliding_window=window, soft_cap=cap)
     got = _run(case, **kw)
     want = naive_attention(**case, **kw)
@@ -74,8 +100,16 @@ def test_reference_matches_naive(q_lens, kv_lens, heads, kv_heads, window, cap):
 
 def test_reference_int8_scales():
     rng = np.random.default_rng(7)
-    case = make_case(rng, q_lens=[4, 1], kv_lens=[4, 21], num_heads=4, num_kv_heads=2,
-                     head_dim=8, page_size=8, nan_fill=False)
+    case = make_case(
+        rng,
+        q_lens=[4, 1],
+        kv_lens=[4, 21],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        page_size=8,
+        nan_fill=False,
+    )
     KVH, P, ps, D = case["k_pages"].shape
     k8 = rng.integers(-127, 128, (KVH, P, ps, D)).astype(np.int8)
     v8 = rng.integers(-127, 128, (KVH, P, ps, D)).astype(np.int8)
@@ -90,8 +124,9 @@ def test_reference_int8_scales():
 
 def test_reference_rejects_bad_shapes():
     rng = np.random.default_rng(0)
-    case = make_case(rng, q_lens=[1], kv_lens=[3], num_heads=6, num_kv_heads=4,
-                     head_dim=8, page_size=4)
+    case = make_case(
+        rng, q_lens=[1], kv_lens=[3], num_heads=6, num_kv_heads=4, head_dim=8, page_size=4
+    )
     with pytest.raises(ValueError, match="multiple"):
         _run(case, sm_scale=1.0)
 
@@ -102,8 +137,9 @@ def test_reference_window_with_released_pages_and_sinks(sinks):
     handed back to the trash page, which is NaN: the output must not change."""
     rng = np.random.default_rng(11)
     ps, window = 8, 10
-    case = make_case(rng, q_lens=[1, 4], kv_lens=[45, 38], num_heads=4, num_kv_heads=2,
-                     head_dim=16, page_size=ps)
+    case = make_case(
+        rng, q_lens=[1, 4], kv_lens=[45, 38], num_heads=4, num_kv_heads=2, head_dim=16, page_size=ps
+    )
     kw = dict(sm_scale=0.3, sliding_window=window, num_sink_tokens=sinks)
     want = naive_attention(**case, **kw)
     released = {k: v.copy() for k, v in case.items()}
@@ -130,8 +166,17 @@ def test_reference_long_context_spans_several_key_chunks(window):
     ps = 8
     # with the window, every query's oldest key is past the first chunk
     q_lens, kv_lens = [20, 1, 64, 30], [300, 260, 250, 290]
-    case = make_case(rng, q_lens=q_lens, kv_lens=kv_lens, num_heads=6, num_kv_heads=2,
-                     head_dim=16, page_size=ps, pad_tokens=5, pad_seqs=1)
+    case = make_case(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=ps,
+        pad_tokens=5,
+        pad_seqs=1,
+    )
     kw = dict(sm_scale=0.25, sliding_window=window)
     want = naive_attention(**case, **kw)
     if window is not None:

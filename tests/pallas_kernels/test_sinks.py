@@ -31,8 +31,22 @@ def pattern_sinks(num_heads):
     return np.array([PATTERN[h % len(PATTERN)] for h in range(num_heads)], np.float32)
 
 
-def sink_oracle(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sinks,
-                sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None):
+def sink_oracle(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sinks,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+):
     """Per (sequence, head), in float64: scores = q k^T * sm_scale, soft
     capped, -inf where masked (causal, window); the head's sink logit as a
     last column; softmax over the row; that column dropped; times V."""
@@ -74,18 +88,24 @@ def _ref(case, **kw):
 
 # ---- the reference against hand-computed numbers and the oracle ----
 
+
 def _one_key_case(q_rows, keys, values, kv_len=None):
     """One sequence, KV head 1, D = 2, page size 4: its keys / values in page 1,
     the rest of the pages NaN; q_rows [rows, H, 2] (rows = q_len)."""
     kp = np.full((1, 2, 4, 2), np.nan, np.float32)
     vp = np.full((1, 2, 4, 2), np.nan, np.float32)
     if len(keys):
-        kp[0, 1, :len(keys)], vp[0, 1, :len(values)] = keys, values
+        kp[0, 1, : len(keys)], vp[0, 1, : len(values)] = keys, values
     q = np.asarray(q_rows, np.float32)
-    return dict(q=q, k_pages=kp, v_pages=vp,
-                kv_lens=np.array([len(keys) if kv_len is None else kv_len], np.int32),
-                block_tables=np.array([[1]], np.int32),
-                cu_q_lens=np.array([0, q.shape[0]], np.int32), num_seqs=np.int32(1))
+    return dict(
+        q=q,
+        k_pages=kp,
+        v_pages=vp,
+        kv_lens=np.array([len(keys) if kv_len is None else kv_len], np.int32),
+        block_tables=np.array([[1]], np.int32),
+        cu_q_lens=np.array([0, q.shape[0]], np.int32),
+        num_seqs=np.int32(1),
+    )
 
 
 def test_hand_computed_sink_is_neither_scaled_nor_capped():
@@ -101,15 +121,17 @@ def test_hand_computed_sink_is_neither_scaled_nor_capped():
     out = _ref(case, sm_scale=0.5, soft_cap=1.0, sinks=sinks)
     w0 = np.exp(0.8) / (np.exp(0.8) + 3.0)
     np.testing.assert_allclose(out[0], [[4 * w0, -8 * w0], [3.0, -6.0]], rtol=1e-6)
-    np.testing.assert_allclose(out, sink_oracle(**case, sinks=sinks, sm_scale=0.5, soft_cap=1.0),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        out, sink_oracle(**case, sinks=sinks, sm_scale=0.5, soft_cap=1.0), rtol=1e-6
+    )
 
 
 def test_hand_computed_causal_rows_and_a_row_with_no_key():
     # Two keys, scores 0 and ln 3, sink 0. Query 0 (position 0) sees key 0:
     # weight 1/2; query 1 sees both: weights 1/5, 3/5 (the sink takes 1/5).
-    case = _one_key_case([[[1.0, 0.0]], [[1.0, 0.0]]], [[0.0, 0.0], [np.log(3.0), 0.0]],
-                         [[5.0, 0.0], [0.0, 10.0]])
+    case = _one_key_case(
+        [[[1.0, 0.0]], [[1.0, 0.0]]], [[0.0, 0.0], [np.log(3.0), 0.0]], [[5.0, 0.0], [0.0, 10.0]]
+    )
     out = _ref(case, sm_scale=1.0, sinks=jnp.zeros(1, jnp.float32))
     np.testing.assert_allclose(out[:, 0], [[2.5, 0.0], [1.0, 6.0]], rtol=1e-6)
     # A decode before any key is written (kv_len 0): the sink takes everything.
@@ -125,8 +147,17 @@ def test_reference_matches_the_oracle_with_extreme_sinks(window, cap):
     the decode and dense paths are checked below): sinks from 1e4 (rows ~0)
     to -1e4 (no sink: the plain softmax), and -inf is no sinks, bit for bit."""
     rng = np.random.default_rng(3)
-    case = make_case(rng, q_lens=[1, 5, 12, 1], kv_lens=[17, 5, 40, 1], num_heads=8,
-                     num_kv_heads=2, head_dim=16, page_size=8, pad_tokens=3, pad_seqs=2)
+    case = make_case(
+        rng,
+        q_lens=[1, 5, 12, 1],
+        kv_lens=[17, 5, 40, 1],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=8,
+        pad_tokens=3,
+        pad_seqs=2,
+    )
     kw = dict(sm_scale=0.25, sliding_window=window, soft_cap=cap)
     sinks = np.array([1e4, -1e4, 2.0, -3.0, 30.0, 0.5, -30.0, 8.0], np.float32)
     want = sink_oracle(**case, sinks=sinks, **kw)
@@ -151,11 +182,12 @@ def test_dense_prefill_path_with_sinks(native):
     sinks = pattern_sinks(6)
     got = _ref(case, sinks=jnp.asarray(sinks), all_decode=False, native_cpu=native, **kw)
     assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got[sum(q_lens):T_STEP], 0.0)
+    np.testing.assert_array_equal(got[sum(q_lens) : T_STEP], 0.0)
     np.testing.assert_allclose(got, sink_oracle(**case, sinks=sinks, **kw), atol=2e-5, rtol=2e-5)
 
 
 # ---- every kernel against the reference and the oracle ----
+
 
 def _with_an_empty_decode(case):
     """The decode batch's first sequence (q_len 1, kv_len 1) with kv_len 0:
@@ -186,8 +218,10 @@ def check_with_sinks(run, cfg):
             case = _with_an_empty_decode(case)
         args = {k: jnp.asarray(v) for k, v in case.items()}
         got = np.asarray(run(args, sinks=sinks_in, **kw).astype(jnp.float32), np.float64)
-        ref = np.asarray(reference.ragged_paged_attention(**args, sinks=sinks_in, **kw)
-                         .astype(jnp.float32), np.float64)
+        ref = np.asarray(
+            reference.ragged_paged_attention(**args, sinks=sinks_in, **kw).astype(jnp.float32),
+            np.float64,
+        )
         want = sink_oracle(**case, sinks=sinks, **kw)
         assert np.abs(want - naive_attention(**case, **kw)).max() > 0.3  # the sinks matter
         np.testing.assert_allclose(ref, want, atol=atol, rtol=rtol, err_msg=f"{kind}: reference")
@@ -212,24 +246,31 @@ MOSAIC_CONFIGS = [CONFIGS[0]._replace(dtype="bfloat16"), CONFIGS[1]]
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
 def test_tpu_kernel_with_sinks(cfg):
-    check_with_sinks(lambda a, **kw: tpu.ragged_paged_attention(
-        **a, **kw, interpret=pltpu.InterpretParams(), pages_per_block=4), cfg)
+    check_with_sinks(
+        lambda a, **kw: tpu.ragged_paged_attention(
+            **a, **kw, interpret=pltpu.InterpretParams(), pages_per_block=4
+        ),
+        cfg,
+    )
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
 def test_gpu_kernel_with_sinks(cfg):
     # 3 context splits for decodes: the sink joins the split merge, once.
-    check_with_sinks(lambda a, **kw: gpu.ragged_paged_attention(
-        **a, **kw, interpret=True, decode_splits=3), cfg)
+    check_with_sinks(
+        lambda a, **kw: gpu.ragged_paged_attention(**a, **kw, interpret=True, decode_splits=3), cfg
+    )
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("cfg", MOSAIC_CONFIGS, ids=lambda c: c.id)
 def test_mosaic_gpu_kernel_with_sinks(cfg):
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
     gpu_callbacks.reset_gpu_interpret_mode_state()
-    check_with_sinks(lambda a, **kw: mosaic_gpu.ragged_paged_attention(
-        **a, **kw, interpret=True), cfg)
+    check_with_sinks(
+        lambda a, **kw: mosaic_gpu.ragged_paged_attention(**a, **kw, interpret=True), cfg
+    )
 
 
 def test_native_cpu_kernel_with_sinks():
@@ -247,22 +288,34 @@ def test_native_cpu_kernel_with_sinks():
 
 # ---- bad sinks are refused by name ----
 
-@pytest.mark.parametrize("sinks,match", [
-    (np.zeros(5, np.float32), r"sinks must be \[H\] = \[6\]"),
-    (np.zeros((6, 1), np.float32), r"sinks must be \[H\] = \[6\]"),
-    (np.zeros(6, np.int32), "sinks must be a floating array"),
-    ([0.0] * 6, "sinks must be None or a floating array"),
-])
+
+@pytest.mark.parametrize(
+    "sinks,match",
+    [
+        (np.zeros(5, np.float32), r"sinks must be \[H\] = \[6\]"),
+        (np.zeros((6, 1), np.float32), r"sinks must be \[H\] = \[6\]"),
+        (np.zeros(6, np.int32), "sinks must be a floating array"),
+        ([0.0] * 6, "sinks must be None or a floating array"),
+    ],
+)
 @pytest.mark.parametrize("impl", ["reference", "native", "tpu", "gpu", "mosaic_gpu"])
 def test_bad_sinks_are_refused(impl, sinks, match):
     H, KVH, D, ps = 6, 2, 64, 16
     dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
     q, pages = jnp.zeros((8, H, D), dtype), jnp.zeros((KVH, 5, ps, D), dtype)
-    meta = (jnp.ones(2, jnp.int32), jnp.ones((2, 3), jnp.int32), jnp.array([0, 1, 2], jnp.int32),
-            jnp.int32(2))
-    fn = {"reference": reference.ragged_paged_attention, "native": cpu.ragged_paged_attention,
-          "tpu": tpu.ragged_paged_attention, "gpu": gpu.ragged_paged_attention,
-          "mosaic_gpu": mosaic_gpu.ragged_paged_attention}[impl]
+    meta = (
+        jnp.ones(2, jnp.int32),
+        jnp.ones((2, 3), jnp.int32),
+        jnp.array([0, 1, 2], jnp.int32),
+        jnp.int32(2),
+    )
+    fn = {
+        "reference": reference.ragged_paged_attention,
+        "native": cpu.ragged_paged_attention,
+        "tpu": tpu.ragged_paged_attention,
+        "gpu": gpu.ragged_paged_attention,
+        "mosaic_gpu": mosaic_gpu.ragged_paged_attention,
+    }[impl]
     if impl == "native" and not cpu.available():
         pytest.skip("native CPU attention unavailable")
     with pytest.raises(ValueError, match=match):

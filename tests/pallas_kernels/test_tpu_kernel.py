@@ -28,6 +28,7 @@ def _races_found():
     # TPU interpret mode records races in this module global (jax 0.10 API:
     # "races.races_found will be set to True").
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
     return interpret_pallas_call.races.races_found
 
 
@@ -38,6 +39,7 @@ def _runner(interpret=PLAIN, **options):
         if interpret.detect_races:
             assert not _races_found(), "TPU interpret mode detected a data race"
         return out
+
     return run
 
 
@@ -56,8 +58,9 @@ def test_tpu_kernel_has_no_dma_races(interpret):
     # int4: the scale DMAs ride along, and its packed [.., D // 2] pages move by
     # the same page DMAs as int8 / fp8 ones; one KV head keeps the detector's
     # cost down.
-    kc.check_against_reference_and_oracle(_runner(interpret, **TEST_BLOCKS),
-                                          kc.Config("bfloat16", 128, 16, 8, 1, kv="int4"))
+    kc.check_against_reference_and_oracle(
+        _runner(interpret, **TEST_BLOCKS), kc.Config("bfloat16", 128, 16, 8, 1, kv="int4")
+    )
 
 
 def test_tpu_kernel_default_blocks():
@@ -73,32 +76,44 @@ def test_tpu_kernel_no_sequences_gives_zeros():
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(page_size=12), "page_size a multiple of 8"),
-    (dict(head_dim=48), "head dim a multiple of 64"),
-    (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
-    (dict(scales=True), "need int8 or int4 pages"),
-    (dict(pages_dtype=jnp.float8_e4m3fn, scales=True), "need int8 or int4 pages"),
-    (dict(pages_dtype=jnp.uint8), "head dim mismatch"),  # int4 holds D // 2 bytes a token
-    (dict(pages_dtype=jnp.uint8, page_dim=32), "int4 pages need k_scale"),
-    (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
-    (dict(block_q=2), "multiple of 16"),
-    (dict(sliding_window=0), "sliding_window must be positive"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(page_size=12), "page_size a multiple of 8"),
+        (dict(head_dim=48), "head dim a multiple of 64"),
+        (dict(pages_dtype=jnp.bfloat16), "must match q dtype"),
+        (dict(scales=True), "need int8 or int4 pages"),
+        (dict(pages_dtype=jnp.float8_e4m3fn, scales=True), "need int8 or int4 pages"),
+        (dict(pages_dtype=jnp.uint8), "head dim mismatch"),  # int4 holds D // 2 bytes a token
+        (dict(pages_dtype=jnp.uint8, page_dim=32), "int4 pages need k_scale"),
+        (dict(num_heads=6, num_kv_heads=4), "not a multiple"),
+        (dict(block_q=2), "multiple of 16"),
+        (dict(sliding_window=0), "sliding_window must be positive"),
+    ],
+)
 def test_tpu_kernel_rejects_unsupported_inputs(change, match):
     H, KVH = change.get("num_heads", 4), change.get("num_kv_heads", 2)
     D, ps = change.get("head_dim", 64), change.get("page_size", 8)
     q = jnp.zeros((8, H, D), jnp.float32)
-    pages = jnp.zeros((KVH, 5, ps, change.get("page_dim", D)),
-                      change.get("pages_dtype", jnp.float32))
-    kw = dict(sm_scale=1.0, sliding_window=change.get("sliding_window"),
-              block_q=change.get("block_q", 16))
+    pages = jnp.zeros(
+        (KVH, 5, ps, change.get("page_dim", D)), change.get("pages_dtype", jnp.float32)
+    )
+    kw = dict(
+        sm_scale=1.0, sliding_window=change.get("sliding_window"), block_q=change.get("block_q", 16)
+    )
     if change.get("scales"):
         kw.update(k_scale=jnp.ones((KVH, 5, ps)), v_scale=jnp.ones((KVH, 5, ps)))
     with pytest.raises(ValueError, match=match):
-        tpu.ragged_paged_attention(q, pages, pages, jnp.ones(2, jnp.int32),
-                                   jnp.ones((2, 3), jnp.int32), jnp.array([0, 1, 2], jnp.int32),
-                                   jnp.int32(2), **kw)
+        tpu.ragged_paged_attention(
+            q,
+            pages,
+            pages,
+            jnp.ones(2, jnp.int32),
+            jnp.ones((2, 3), jnp.int32),
+            jnp.array([0, 1, 2], jnp.int32),
+            jnp.int32(2),
+            **kw,
+        )
 
 
 @pytest.mark.sweep

@@ -15,25 +15,41 @@ from tests.helpers.model_utils import make_hf_model
 # One xdist worker runs this module: its benchmark fixture runs once.
 pytestmark = pytest.mark.xdist_group("bench")
 
-TINY = bench.Sizes(decode_batches=(1, 4), hf_decode_batches=(1, 4), decode_prompt=12,
-                   decode_steps=3, prefill_lens=(40,), prefill_chunked=(600,), e2e_requests=5,
-                   e2e_prompt=(3, 30), e2e_output=(2, 6), sequential_runs=2,
-                   bandwidth_bytes=8 << 20)
+TINY = bench.Sizes(
+    decode_batches=(1, 4),
+    hf_decode_batches=(1, 4),
+    decode_prompt=12,
+    decode_steps=3,
+    prefill_lens=(40,),
+    prefill_chunked=(600,),
+    e2e_requests=5,
+    e2e_prompt=(3, 30),
+    e2e_output=(2, 6),
+    sequential_runs=2,
+    bandwidth_bytes=8 << 20,
+)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     _, path = make_hf_model("llama", tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
     # 8 sequences and 256-token steps at most: fewer programs to compile
-    return bench.run_benchmarks(str(path), peer="hf", sizes=TINY, runs=2, also_quantize=("w8a8",),
-                                engine_options=dict(max_num_seqs=8, max_num_batched_tokens=256),
-                                log=lambda m: None)
+    return bench.run_benchmarks(
+        str(path),
+        peer="hf",
+        sizes=TINY,
+        runs=2,
+        also_quantize=("w8a8",),
+        engine_options=dict(max_num_seqs=8, max_num_batched_tokens=256),
+        log=lambda m: None,
+    )
 
 
 def _check_entry(s, runs=2):
     assert len(s["runs_seconds"]) == len(s["runs_tokens"]) == runs
     assert s["runs_tok_per_s"] == pytest.approx(
-        [n / t for n, t in zip(s["runs_tokens"], s["runs_seconds"])])
+        [n / t for n, t in zip(s["runs_tokens"], s["runs_seconds"])]
+    )
     assert s["tok_per_s"] == pytest.approx(sum(s["runs_tok_per_s"]) / runs)  # median of 2
 
 
@@ -48,10 +64,13 @@ def test_figures_come_from_the_measured_runs(results):
         assert e["ratio"] == pytest.approx(e["jaxkv"]["tok_per_s"] / e["hf"]["tok_per_s"])
         j = e["jaxkv"]
         assert j["bandwidth_fraction"] == pytest.approx(
-            j["bytes_per_s"] / results["bandwidth"]["read_bytes_per_s"])
+            j["bytes_per_s"] / results["bandwidth"]["read_bytes_per_s"]
+        )
         # weights + K/V of B sequences holding at least the prompt
-        assert j["bytes_per_step"] > (results["model"]["weight_bytes"] + B * TINY.decode_prompt
-                                      * results["model"]["kv_bytes_per_token"])
+        assert j["bytes_per_step"] > (
+            results["model"]["weight_bytes"]
+            + B * TINY.decode_prompt * results["model"]["kv_bytes_per_token"]
+        )
     for key, B in (("batch1", 1), ("batch4", 4)):  # the w8a8 engine beside the others
         e = results["decode"][key]
         v = e["variants"]["w8a8"]
@@ -83,15 +102,20 @@ def test_figures_come_from_the_measured_runs(results):
     assert h["generated_tokens"] == 5 * max(e2e["output_lens"])
     assert e2e["batched"]["ratio"] == pytest.approx(b["tok_per_s"] / h["tok_per_s"])
     assert 0 <= b["host_overhead_s"] < max(b["runs_seconds"])
-    assert (b["ttft_ms_median"] <= b["ttft_ms_p90"] <= b["ttft_ms_max"]
-            <= 1e3 * max(b["runs_seconds"]))
+    assert (
+        b["ttft_ms_median"] <= b["ttft_ms_p90"] <= b["ttft_ms_max"] <= 1e3 * max(b["runs_seconds"])
+    )
 
 
 def test_warm_up_compiles_everything_the_timed_runs_need(results):
-    late = [e["jaxkv"]["new_compiles_in_timed_runs"]
-            for ph in ("decode", "prefill") for e in results[ph].values()]
-    late += [results["e2e"][m]["jaxkv"]["new_compiles_in_timed_runs"]
-             for m in ("batched", "sequential")]
+    late = [
+        e["jaxkv"]["new_compiles_in_timed_runs"]
+        for ph in ("decode", "prefill")
+        for e in results[ph].values()
+    ]
+    late += [
+        results["e2e"][m]["jaxkv"]["new_compiles_in_timed_runs"] for m in ("batched", "sequential")
+    ]
     assert late == [0] * len(late)
     c = results["compile"]
     # Every program was compiled (or served by the persistent cache) once, at warm-up.
@@ -117,11 +141,18 @@ def test_plot_draws_every_figure(results, tmp_path):
 
     figs = bench_plot.figures(results)
     labels = [label for label, _ in figs]
-    assert labels == ["decode\nbatch 1", "decode\nbatch 4", "prefill 40",
-                      "prefill 600\n3 x 256", "e2e 5\nrequests"]
-    assert figs[0][1] == {"jaxkv": results["decode"]["batch1"]["jaxkv"]["tok_per_s"],
-                          "jaxkv w8a8": results["decode"]["batch1"]["variants"]["w8a8"]["tok_per_s"],
-                          "hf": results["decode"]["batch1"]["hf"]["tok_per_s"]}
+    assert labels == [
+        "decode\nbatch 1",
+        "decode\nbatch 4",
+        "prefill 40",
+        "prefill 600\n3 x 256",
+        "e2e 5\nrequests",
+    ]
+    assert figs[0][1] == {
+        "jaxkv": results["decode"]["batch1"]["jaxkv"]["tok_per_s"],
+        "jaxkv w8a8": results["decode"]["batch1"]["variants"]["w8a8"]["tok_per_s"],
+        "hf": results["decode"]["batch1"]["hf"]["tok_per_s"],
+    }
     path = bench_plot.write_plot(results, tmp_path / "r.png")
     with Image.open(path) as im:
         assert im.format == "PNG" and im.size[0] >= 800
@@ -135,13 +166,19 @@ def test_goals_follow_the_numbers(results):
     res["decode"]["batch1"]["jaxkv"]["tok_per_s"] = 0.9 * limit
     res["e2e"]["num_requests"] = 64
     res["e2e"]["batched"]["jaxkv"]["tok_per_s"] = 299.0
-    res["prefill"] = dict(tokens256=dict(res["prefill"]["tokens40"], prompt_tokens=256,
-                                         ratio=1.3),
-                          tokens4096_chunked=dict(res["prefill"]["tokens600_chunked"],
-                                                  prompt_tokens=4096, steps=8, token_budget=512,
-                                                  ratio=0.9))
-    res["prefill"]["tokens256"]["jaxkv"] = dict(res["prefill"]["tokens256"]["jaxkv"],
-                                                tok_per_s=330.0)
+    res["prefill"] = dict(
+        tokens256=dict(res["prefill"]["tokens40"], prompt_tokens=256, ratio=1.3),
+        tokens4096_chunked=dict(
+            res["prefill"]["tokens600_chunked"],
+            prompt_tokens=4096,
+            steps=8,
+            token_budget=512,
+            ratio=0.9,
+        ),
+    )
+    res["prefill"]["tokens256"]["jaxkv"] = dict(
+        res["prefill"]["tokens256"]["jaxkv"], tok_per_s=330.0
+    )
     got = {g["name"]: (g["met"], round(g["value"], 6)) for g in bench.evaluate_goals(res)}
     assert got == {
         "decode batch 1 vs HF": (True, 2.5),

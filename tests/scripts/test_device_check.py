@@ -16,10 +16,21 @@ PARTS = ("attention", "e2e", "throughput", "profile")
 def _smoke(tmp_path, selected: str) -> dict:
     """The parts of `scripts/device/check.sh --smoke --parts selected`; the
     others must be reported skipped, with the reason."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
-               JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--smoke", "--parts", selected],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        OUT=str(tmp_path),
+        PYTHON=sys.executable,
+        JAX_PLATFORMS="cpu",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_check.sh"), "--smoke", "--parts", selected],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     data = json.loads((tmp_path / "device_check.json").read_text())
@@ -29,7 +40,9 @@ def _smoke(tmp_path, selected: str) -> dict:
         assert parts[name]["status"] in ("ok", "skipped"), (name, parts[name])
         if parts[name]["status"] == "skipped":
             assert parts[name].get("reason"), name
-        assert (parts[name].get("reason") == "not selected (--parts)") == (name not in selected.split(",")), name
+        assert (parts[name].get("reason") == "not selected (--parts)") == (
+            name not in selected.split(",")
+        ), name
     return parts
 
 

@@ -24,9 +24,18 @@ from jaxkv.model.llama import Llama
 from jaxkv.worker import program_store
 from jaxkv.worker.programs import Programs
 
-CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  max_position_embeddings=256, eos_token_ids=())
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    eos_token_ids=(),
+)
 OPTS = dict(num_pages=24, page_size=8, max_num_seqs=2, max_num_batched_tokens=16)
 
 
@@ -52,9 +61,13 @@ def no_xla_cache():
 
 def _tokens(eng):
     rng = np.random.default_rng(0)
-    ids = [eng.add_request([int(t) for t in rng.integers(0, 97, 5 + 7 * i)],
-                           SamplingParams(max_tokens=12, temperature=0.8 * (i % 2), seed=i))
-           for i in range(4)]
+    ids = [
+        eng.add_request(
+            [int(t) for t in rng.integers(0, 97, 5 + 7 * i)],
+            SamplingParams(max_tokens=12, temperature=0.8 * (i % 2), seed=i),
+        )
+        for i in range(4)
+    ]
     out = eng.run_to_completion()
     return [list(out[i].outputs[0].token_ids) for i in ids]
 
@@ -90,8 +103,11 @@ def test_bad_entries_are_logged_and_rebuilt(model, tmp_path, monkeypatch, caplog
     damaged = {
         files[0]: b"\x00not a program" * 9,  # garbage
         files[1]: files[1].read_bytes()[:1000],  # truncated
-        files[2]: (files[2].read_bytes()[:head] + (program_store.VERSION + 1).to_bytes(4, "little")
-                   + files[2].read_bytes()[head + 4:]),  # another format version
+        files[2]: (
+            files[2].read_bytes()[:head]
+            + (program_store.VERSION + 1).to_bytes(4, "little")
+            + files[2].read_bytes()[head + 4 :]
+        ),  # another format version
     }
     for f, data in damaged.items():
         f.write_bytes(data)
@@ -126,12 +142,14 @@ print(json.dumps(dict(tokens=[list(out[i].outputs[0].token_ids) for i in ids],
 
 def test_one_device_programs_of_a_many_device_process(tmp_path):
     code = SCRIPT % json.dumps(dict(warmup=False, **OPTS))
-    env = dict(os.environ, JAXKV_CACHE=str(tmp_path),
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(
+        os.environ, JAXKV_CACHE=str(tmp_path), XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
 
     def run():
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=env, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -174,14 +192,19 @@ def test_programs_jax_cache_served_are_never_stored(tmp_path):
     programs of a module-level function, as SnapKV's page compaction, lower
     to the same module in every engine). The oracle: the tokens of an engine
     that compiled everything itself."""
-    opts = json.dumps(dict(warmup=False, kv_eviction="snapkv", kv_budget=16, snapkv_window=8,
-                           **OPTS))
+    opts = json.dumps(
+        dict(warmup=False, kv_eviction="snapkv", kv_budget=16, snapkv_window=8, **OPTS)
+    )
 
     def run(store, engines):
         env = dict(os.environ, JAXKV_CACHE=str(tmp_path / store))
-        out = subprocess.run([sys.executable, "-c", TWO_ENGINES, str(tmp_path / "xla"),
-                              str(engines), opts], capture_output=True, text=True, env=env,
-                             timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", TWO_ENGINES, str(tmp_path / "xla"), str(engines), opts],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -208,7 +231,10 @@ def test_the_fingerprint_names_what_changes_a_traced_step(monkeypatch):
         monkeypatch.setenv("JAXKV_GGUF_ROUND_X", value)
         prints[value] = program_store.platform_fingerprint()
     assert prints["1"] != prints["0"]
-    assert program_store.ProgramStore("/x", prints["1"]).dir != program_store.ProgramStore("/x", prints["0"]).dir
+    assert (
+        program_store.ProgramStore("/x", prints["1"]).dir
+        != program_store.ProgramStore("/x", prints["0"]).dir
+    )
 
 
 class _Planted:
@@ -231,8 +257,12 @@ def test_a_planted_entry_is_never_unpickled(tmp_path, monkeypatch, caplog):
 
     marker = tmp_path / "ran"
     payload = pickle.dumps((_Planted(marker), None, None, [0]))
-    unkeyed = (program_store.MAGIC + program_store.VERSION.to_bytes(4, "little")
-               + hashlib.sha256(payload).digest() + payload)
+    unkeyed = (
+        program_store.MAGIC
+        + program_store.VERSION.to_bytes(4, "little")
+        + hashlib.sha256(payload).digest()
+        + payload
+    )
     private = tmp_path / "private"
     monkeypatch.setenv("JAXKV_CACHE", str(private))
     monkeypatch.setenv("JAXKV_KEY_FILE", str(tmp_path / "config" / "cache.key"))

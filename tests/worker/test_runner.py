@@ -11,14 +11,26 @@ from jaxkv.worker.runner import Runner
 from jaxkv.worker.scoring import plan_for
 from tests.helpers.compile_count import count_compiles
 
-CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=64, intermediate_size=128,
-                  num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
-                  max_position_embeddings=512)
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
 
 
 def test_step_updates_cache_in_place():
-    runner = Runner(Llama.random_init(CFG), create_cache(CFG, CacheConfig(num_pages=2048, page_size=16)),
-                    Buckets.make(8, 64, 32, 512), AttentionSpec())
+    runner = Runner(
+        Llama.random_init(CFG),
+        create_cache(CFG, CacheConfig(num_pages=2048, page_size=16)),
+        Buckets.make(8, 64, 32, 512),
+        AttentionSpec(),
+    )
     plan = plan_for([([1, 2, 3], 0, [1])])
     key = runner.key_for(plan)
     compiled = runner.lower(key).compile()
@@ -37,8 +49,12 @@ def test_step_updates_cache_in_place():
 
 def test_fifty_steps_in_one_bucket_compile_once():
     buckets = Buckets(decode_seqs=(4,), mixed=((16, 4),), pages_per_seq=8, history=(64,))
-    runner = Runner(Llama.random_init(CFG), create_cache(CFG, CacheConfig(num_pages=64, page_size=8)),
-                    buckets, AttentionSpec())
+    runner = Runner(
+        Llama.random_init(CFG),
+        create_cache(CFG, CacheConfig(num_pages=64, page_size=8)),
+        buckets,
+        AttentionSpec(),
+    )
     rng = np.random.default_rng(0)
     keys = set()
     with count_compiles() as compiles:

@@ -1,6 +1,5 @@
 """The in-jit sampler against numpy oracles."""
 
-
 from typing import NamedTuple
 
 import jax
@@ -19,19 +18,42 @@ class _Batch(NamedTuple):
     penalties: PenaltyBatch
 
 
-def _batch(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, index=None,
-           presence=0.0, frequency=0.0, repetition=1.0, history=None, is_output=None,
-           logprobs=0):
+def _batch(
+    S,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    seeds=None,
+    index=None,
+    presence=0.0,
+    frequency=0.0,
+    repetition=1.0,
+    history=None,
+    is_output=None,
+    logprobs=0,
+):
     f = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), (S,))  # noqa: E731
     i = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.int32), (S,))  # noqa: E731
     hist = np.zeros((S, 0), np.int32) if history is None else history
     sb = SamplingBatch(
-        temperature=f(temperature), top_k=i(top_k), top_p=f(top_p), min_p=f(min_p),
+        temperature=f(temperature),
+        top_k=i(top_k),
+        top_p=f(top_p),
+        min_p=f(min_p),
         seeds=jnp.asarray(np.arange(S) if seeds is None else seeds, jnp.uint32),
-        num_logprobs=i(logprobs), presence_penalty=f(presence), frequency_penalty=f(frequency),
-        repetition_penalty=f(repetition))
-    pen = PenaltyBatch(history=jnp.asarray(hist), history_is_output=jnp.asarray(
-        np.zeros(hist.shape, bool) if is_output is None else is_output))
+        num_logprobs=i(logprobs),
+        presence_penalty=f(presence),
+        frequency_penalty=f(frequency),
+        repetition_penalty=f(repetition),
+    )
+    pen = PenaltyBatch(
+        history=jnp.asarray(hist),
+        history_is_output=jnp.asarray(
+            np.zeros(hist.shape, bool) if is_output is None else is_output
+        ),
+    )
     return _Batch(sb, jnp.asarray(np.zeros(S) if index is None else index, jnp.int32), pen)
 
 
@@ -105,8 +127,9 @@ def test_empirical_frequencies_match_softmax():
     V8, N, T = 8, 40000, 0.7
     base = np.random.default_rng(3).normal(0, 1, V8).astype(np.float32)
     logits = np.tile(base, (N, 1))
-    out = _sample(jnp.asarray(logits), _batch(N, temperature=T, seeds=np.full(N, 11),
-                                              index=np.arange(N)), RNG)
+    out = _sample(
+        jnp.asarray(logits), _batch(N, temperature=T, seeds=np.full(N, 11), index=np.arange(N)), RNG
+    )
     freq = np.bincount(np.asarray(out.token_ids), minlength=V8) / N
     p = np.exp(base / T - (base / T).max())
     p /= p.sum()
@@ -115,8 +138,9 @@ def test_empirical_frequencies_match_softmax():
 
 def test_logprobs_are_raw_log_softmax():
     logits = _logits(4, seed=9)
-    out = _sample(jnp.asarray(logits), _batch(4, temperature=0.0, logprobs=5), RNG,
-                  num_top_logprobs=5)
+    out = _sample(
+        jnp.asarray(logits), _batch(4, temperature=0.0, logprobs=5), RNG, num_top_logprobs=5
+    )
     ref = logits - logits.max(-1, keepdims=True)
     ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
     np.testing.assert_allclose(out.logprob, ref[np.arange(4), logits.argmax(-1)], atol=1e-5)
@@ -128,9 +152,17 @@ def test_penalties_match_numpy():
     logits = _logits(2, seed=10)
     hist = np.array([[3, 3, 5, 7, -1], [1, 2, 2, 2, 9]], np.int32)
     is_out = np.array([[False, True, True, True, False], [False, False, True, True, True]])
-    sb = _batch(2, temperature=0.0, presence=0.5, frequency=0.25, repetition=1.3,
-                history=hist, is_output=is_out)
+    sb = _batch(
+        2,
+        temperature=0.0,
+        presence=0.5,
+        frequency=0.25,
+        repetition=1.3,
+        history=hist,
+        is_output=is_out,
+    )
     from jaxkv.worker.sampler import apply_penalties
+
     got = np.asarray(apply_penalties(jnp.asarray(logits), sb.sampling, sb.penalties))
     want = logits.copy()
     for s in range(2):

@@ -43,8 +43,9 @@ def attach_lora(model, config):
     if not config.enable_lora:
         return model, model.config
     model = nnx.merge(*nnx.split(model))
-    model.lora = LoRAStack(model.config, config.max_loras, config.max_lora_rank,
-                           model.final_norm[...].dtype)
+    model.lora = LoRAStack(
+        model.config, config.max_loras, config.max_lora_rank, model.final_norm[...].dtype
+    )
     return model, model.config
 
 
@@ -89,8 +90,15 @@ class LoRAAdapters:
     thread (a server reads folders off its engine thread and event loop);
     `admit` runs on the engine thread."""
 
-    def __init__(self, config, max_loras: int, max_rank: int, write, sharding=None,
-                 max_cpu_loras: int | None = None):
+    def __init__(
+        self,
+        config,
+        max_loras: int,
+        max_rank: int,
+        write,
+        sharding=None,
+        max_cpu_loras: int | None = None,
+    ):
         self.config = config
         self.max_loras = max_loras
         self.rank = max_rank
@@ -102,11 +110,20 @@ class LoRAAdapters:
         self.slots: list[bytes | None] = [None] * max_loras  # the key of each slot's adapter
         self._lru = collections.deque(range(max_loras))  # least recently used first
         # K / V columns of the stored (replicated) KV heads under tensor parallelism
-        self._kv = (kv_columns(config, sharding) if sharding is not None and sharding.kv_replicas > 1
-                    else None)
-        self.host = {name: np.zeros(shape[:3] + (len(self._kv),) if self._kv is not None and
-                                     name in ("b_k", "b_v") else shape, np.float32)
-                     for name, shape in stack_shapes(config, max_loras, max_rank).items()}
+        self._kv = (
+            kv_columns(config, sharding)
+            if sharding is not None and sharding.kv_replicas > 1
+            else None
+        )
+        self.host = {
+            name: np.zeros(
+                shape[:3] + (len(self._kv),)
+                if self._kv is not None and name in ("b_k", "b_v")
+                else shape,
+                np.float32,
+            )
+            for name, shape in stack_shapes(config, max_loras, max_rank).items()
+        }
         self.stats = dict(slot_loads=0, folder_reads=0)
 
     def read(self, request: LoRARequest) -> Adapter:
@@ -142,7 +159,9 @@ class LoRAAdapters:
             have = self.known.get(request.lora_name)
         if have is not None and have.request == request and have.weights is not None:
             return self.resolve(request.lora_name)
-        return self._register(self.read(request), again=have is not None and have.request == request)
+        return self._register(
+            self.read(request), again=have is not None and have.request == request
+        )
 
     def check(self, request) -> None:
         """ValueError unless `request` is a well-formed LoRARequest that
@@ -159,14 +178,23 @@ class LoRAAdapters:
         with self._lock:
             have = self.known.get(name)
             if have is not None and have.request != request:
-                raise ValueError(f"lora_request: adapter {name!r} is loaded as "
-                                 f"{have.request.lora_path!r} (id {have.request.lora_int_id}); "
-                                 "unload it first")
-            clash = next((a for a in self.known.values()
-                          if a.request.lora_int_id == lid and a.request.lora_name != name), None)
+                raise ValueError(
+                    f"lora_request: adapter {name!r} is loaded as "
+                    f"{have.request.lora_path!r} (id {have.request.lora_int_id}); "
+                    "unload it first"
+                )
+            clash = next(
+                (
+                    a
+                    for a in self.known.values()
+                    if a.request.lora_int_id == lid and a.request.lora_name != name
+                ),
+                None,
+            )
         if clash is not None:
-            raise ValueError(f"lora_request: lora_int_id {lid} is adapter "
-                             f"{clash.request.lora_name!r}'s")
+            raise ValueError(
+                f"lora_request: lora_int_id {lid} is adapter {clash.request.lora_name!r}'s"
+            )
 
     def _register(self, ad: Adapter, again: bool = False) -> Adapter:
         """Make `ad` known and held (dropping the least recently used
@@ -176,8 +204,10 @@ class LoRAAdapters:
         with self._lock:
             have = self.known.get(name)
             if have is not None and not (again and have.request == ad.request):
-                raise ValueError(f"lora_request: adapter {name!r} is loaded already "
-                                 f"(from {have.request.lora_path!r})")
+                raise ValueError(
+                    f"lora_request: adapter {name!r} is loaded already "
+                    f"(from {have.request.lora_path!r})"
+                )
             if again and have is None:
                 raise ValueError(f"lora_request: adapter {name!r} was unloaded")
             self.known[name] = ad
@@ -229,9 +259,10 @@ class LoRAAdapters:
             a[..., cols] = 0
             b[...] = 0
             if t in w.a:
-                a[..., cols.start:cols.start + w.rank] = w.a[t]
-                b[:, :w.rank] = w.b[t] if self._kv is None or t not in ("k", "v") else \
-                    w.b[t][..., self._kv]
+                a[..., cols.start : cols.start + w.rank] = w.a[t]
+                b[:, : w.rank] = (
+                    w.b[t] if self._kv is None or t not in ("k", "v") else w.b[t][..., self._kv]
+                )
         self.slots[i] = ad.key
         self.stats["slot_loads"] += 1
         self.write(self.host)

@@ -48,8 +48,9 @@ LOCK_FILE = ".lock"
 _DIGEST = 32  # blake2b-256 MAC at the end of each file
 
 
-def fingerprint(model, layout: list[tuple[tuple[int, ...], str]], kv_dtype: str,
-                page_size: int, fp8_scales=None) -> str:
+def fingerprint(
+    model, layout: list[tuple[tuple[int, ...], str]], kv_dtype: str, page_size: int, fp8_scales=None
+) -> str:
     """A hex name for what a page's bytes mean: the model's config, a digest
     of its weights (every parameter's shape, dtype and first 64 values), the
     KV dtype, page size, the paged leaves' `layout` [(shape, dtype)] and, for
@@ -58,12 +59,17 @@ def fingerprint(model, layout: list[tuple[tuple[int, ...], str]], kv_dtype: str,
 
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    h.update(json.dumps([kv_dtype, page_size, [list(s) for s, _ in layout],
-                         [d for _, d in layout]]).encode())
+    h.update(
+        json.dumps(
+            [kv_dtype, page_size, [list(s) for s, _ in layout], [d for _, d in layout]]
+        ).encode()
+    )
     from flax import nnx
 
-    for path, x in sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model)),
-                          key=lambda kv: jax.tree_util.keystr(kv[0])):
+    for path, x in sorted(
+        jax.tree_util.tree_leaves_with_path(nnx.state(model)),
+        key=lambda kv: jax.tree_util.keystr(kv[0]),
+    ):
         if not hasattr(x, "shape"):
             continue
         h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode())
@@ -88,11 +94,16 @@ def folder_key(root: Path) -> bytes:
             f.write(os.urandom(32))
     try:
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.getuid(), 0) \
-                or stat.S_IMODE(st.st_mode) & 0o077:
-            raise ValueError(f"kv_offload_dir: {path} must be a file of this user's that no one "
-                             f"else may read or write (mode {stat.S_IMODE(st.st_mode):o}, uid "
-                             f"{st.st_uid}); remove it to make a new one")
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_uid not in (os.getuid(), 0)
+            or stat.S_IMODE(st.st_mode) & 0o077
+        ):
+            raise ValueError(
+                f"kv_offload_dir: {path} must be a file of this user's that no one "
+                f"else may read or write (mode {stat.S_IMODE(st.st_mode):o}, uid "
+                f"{st.st_uid}); remove it to make a new one"
+            )
         key = path.read_bytes()
     except OSError as e:
         raise ValueError(f"kv_offload_dir: {path}: cannot be read ({e.strerror or e})") from None
@@ -106,8 +117,13 @@ class DiskTier:
     `max_bytes`; each page is `layout` [(shape, dtype)]: one array per
     paged cache leaf."""
 
-    def __init__(self, root: str | os.PathLike, fp: str,
-                 layout: list[tuple[tuple[int, ...], str]], max_bytes: int):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        fp: str,
+        layout: list[tuple[tuple[int, ...], str]],
+        max_bytes: int,
+    ):
         self.root = Path(root)
         self.dir = self.root / fp
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -118,13 +134,17 @@ class DiskTier:
         self.file_bytes = len(MAGIC) + len(self.fp) + 8 + self.payload + _DIGEST
         self.max_bytes = max_bytes
         if self.file_bytes > max_bytes:
-            raise ValueError(f"kv_offload_disk: {max_bytes} bytes hold no page "
-                             f"({self.file_bytes} bytes each)")
+            raise ValueError(
+                f"kv_offload_disk: {max_bytes} bytes hold no page ({self.file_bytes} bytes each)"
+            )
         self._files: set[str] = set()
         self._trim()
         if self._files:
-            log.info("jaxkv: KV disk tier %s holds %d pages from an earlier run",
-                     self.dir, len(self._files))
+            log.info(
+                "jaxkv: KV disk tier %s holds %d pages from an earlier run",
+                self.dir,
+                len(self._files),
+            )
 
     def __contains__(self, h: bytes) -> bool:
         return h.hex() in self._files
@@ -147,7 +167,9 @@ class DiskTier:
         file system refuses."""
         if len(data) != len(self.layout):
             raise ValueError(f"a page has {len(self.layout)} arrays, got {len(data)}")
-        body = b"".join(np.ascontiguousarray(x, d).tobytes() for x, (_, d) in zip(data, self.layout))
+        body = b"".join(
+            np.ascontiguousarray(x, d).tobytes() for x, (_, d) in zip(data, self.layout)
+        )
         head = MAGIC + self.fp + len(body).to_bytes(8, "little")
         name, tmp = h.hex(), None
         try:
@@ -174,18 +196,25 @@ class DiskTier:
         try:
             raw = self._read_file(path)
         except (OSError, ValueError, MemoryError) as e:
-            return self._skip(name, str(e) if isinstance(e, ValueError) else
-                              f"unreadable ({type(e).__name__}: {e})")
+            return self._skip(
+                name,
+                str(e) if isinstance(e, ValueError) else f"unreadable ({type(e).__name__}: {e})",
+            )
         head = len(MAGIC) + len(self.fp) + 8
-        if raw[:len(MAGIC)] != MAGIC or raw[len(MAGIC):len(MAGIC) + len(self.fp)] != self.fp:
+        if raw[: len(MAGIC)] != MAGIC or raw[len(MAGIC) : len(MAGIC) + len(self.fp)] != self.fp:
             return self._skip(name, "written for another model or layout")
         if not hmac.compare_digest(self._mac(raw[:-_DIGEST]), raw[-_DIGEST:]):
-            return self._skip(name, "its MAC does not match the folder's key (corrupt, or "
-                                    "not written by an engine holding the key)")
+            return self._skip(
+                name,
+                "its MAC does not match the folder's key (corrupt, or "
+                "not written by an engine holding the key)",
+            )
         out, at = [], head
         for shape, dt in self.layout:
             n = int(np.prod(shape)) * dt.itemsize
-            out.append(np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=at).reshape(shape).copy())
+            out.append(
+                np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=at).reshape(shape).copy()
+            )
             at += n
         try:
             _touch(path)  # most recently used, for every engine on the folder
@@ -196,7 +225,9 @@ class DiskTier:
     def _read_file(self, path: Path) -> bytes:
         """The bytes of a regular file of exactly one page's size (links
         not followed; a FIFO is opened without waiting, then refused)."""
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        )
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -230,17 +261,19 @@ class DiskTier:
                 subs = {}
                 for sub in os.scandir(self.root):
                     if sub.is_dir(follow_symlinks=False):
-                        subs[sub.name] = [f.name for f in os.scandir(sub.path)
-                                          if f.name.endswith(SUFFIX)]
+                        subs[sub.name] = [
+                            f.name for f in os.scandir(sub.path) if f.name.endswith(SUFFIX)
+                        ]
                 total = sum(len(names) * self._size(fp, names) for fp, names in subs.items())
                 if total > self.max_bytes:
                     self._evict(subs, total)
-                    subs[self.dir.name] = [f.name for f in os.scandir(self.dir)
-                                           if f.name.endswith(SUFFIX)]
+                    subs[self.dir.name] = [
+                        f.name for f in os.scandir(self.dir) if f.name.endswith(SUFFIX)
+                    ]
         except OSError as e:
             log.warning("jaxkv: KV disk tier: cannot count %s (%s)", self.root, e)
             return
-        self._files = {n[:-len(SUFFIX)] for n in subs.get(self.dir.name, ())}
+        self._files = {n[: -len(SUFFIX)] for n in subs.get(self.dir.name, ())}
 
     def _size(self, fp: str, names: list[str]) -> int:
         if fp == self.dir.name or not names:

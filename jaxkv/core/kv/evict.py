@@ -36,8 +36,7 @@ def _pooled(scores: np.ndarray, width: int) -> np.ndarray:
     """Max over the `width` neighbours centred on each token (last axis)."""
     n = scores.shape[-1]
     half = width // 2
-    padded = np.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(half, half)],
-                    constant_values=-np.inf)
+    padded = np.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(half, half)], constant_values=-np.inf)
     win = np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1)
     return win.max(axis=-1)[..., :n]
 
@@ -52,7 +51,7 @@ def _top(scores: np.ndarray, k: int) -> np.ndarray:
 def snapkv_keep(scores: np.ndarray, n: int, budget: int, window: int) -> np.ndarray:
     """[L, KVH, budget] kv indices kept of `n` (> budget): the last `window`
     and the best pooled `budget - window` before them. `scores` [L, KVH, >=n]."""
-    head = _top(_pooled(scores[..., :n - window], POOL), budget - window)
+    head = _top(_pooled(scores[..., : n - window], POOL), budget - window)
     tail = np.broadcast_to(np.arange(n - window, n), scores.shape[:-1] + (window,))
     return np.concatenate([head, tail], axis=-1).astype(np.int32)
 
@@ -61,7 +60,7 @@ def h2o_keep(scores: np.ndarray, n: int, keep: int) -> np.ndarray:
     """[L, KVH, keep] kv indices kept of `n`: the last keep // 2 tokens and
     the heaviest hitters among the rest."""
     recent = keep // 2
-    head = _top(scores[..., :n - recent], keep - recent)
+    head = _top(scores[..., : n - recent], keep - recent)
     tail = np.broadcast_to(np.arange(n - recent, n), scores.shape[:-1] + (recent,))
     return np.concatenate([head, tail], axis=-1).astype(np.int32)
 
@@ -95,8 +94,9 @@ class Evictor:
         ev = np.fromiter([sc.seq.progress.evicted for sc in scheduled], np.int32, len(scheduled))
         plan.starts = plan.starts - ev
         plan.pos_offset = ev
-        plan.score_from = np.fromiter([self._score_from(sc) for sc in scheduled],
-                                      np.int32, len(scheduled))
+        plan.score_from = np.fromiter(
+            [self._score_from(sc) for sc in scheduled], np.int32, len(scheduled)
+        )
 
     def after_step(self, scheduled) -> None:
         """Cut every sequence of the step that went over its budget."""
@@ -109,8 +109,11 @@ class Evictor:
             if p.num_reserved != p.num_computed or n < self.budget:
                 continue
             if self.method == "snapkv":  # once, in the step the prompt's prefill ends
-                if p.evicted or not sc.start < seq.num_prompt_tokens <= p.num_computed \
-                        or n <= self.budget:
+                if (
+                    p.evicted
+                    or not sc.start < seq.num_prompt_tokens <= p.num_computed
+                    or n <= self.budget
+                ):
                     continue
                 scores = page_io.read_scores(self.runner, p.page_list())
                 src = snapkv_keep(scores, n, self.budget, self.window)
@@ -131,5 +134,6 @@ def make_evictor(config, runner, bm) -> Evictor | None:
     """The engine's Evictor under kv_eviction snapkv / h2o, else None."""
     if config.kv_eviction not in ("snapkv", "h2o"):
         return None
-    return Evictor(config.kv_eviction, config.kv_budget, config.snapkv_window,
-                   config.page_size, runner, bm)
+    return Evictor(
+        config.kv_eviction, config.kv_budget, config.snapkv_window, config.page_size, runner, bm
+    )

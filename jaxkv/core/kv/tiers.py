@@ -95,7 +95,7 @@ class HostTier:
         return h in self._pages
 
     def find(self, h: bytes) -> str | None:
-        """"host" or "disk" when page `h` can be loaded (a disk page is read
+        """ "host" or "disk" when page `h` can be loaded (a disk page is read
         and checked now, into the host tier), else None."""
         if h in self._pages:
             self._pages.move_to_end(h)
@@ -194,15 +194,25 @@ def tier_metrics(tier: HostTier | None, page_size: int) -> dict:
     if tier is None:
         return {}
     st, disk = tier.stats, tier.disk
-    return dict(host_hit_tokens=st.host_hit_pages * page_size,
-                disk_hit_tokens=st.disk_hit_pages * page_size,
-                pages_out=st.pages_out, pages_in=st.pages_in, bytes_out=st.bytes_out,
-                bytes_in=st.bytes_in, disk_writes=st.disk_writes, disk_reads=st.disk_reads,
-                disk_skipped=st.disk_skipped, copy_seconds=st.copy_seconds,
-                host_pages=len(tier), host_capacity_pages=tier.capacity,
-                host_bytes=tier.nbytes, host_max_bytes=tier.capacity * tier.page_bytes,
-                disk_pages=len(disk) if disk else 0, disk_bytes=disk.nbytes if disk else 0,
-                disk_max_bytes=disk.max_bytes if disk else 0)
+    return dict(
+        host_hit_tokens=st.host_hit_pages * page_size,
+        disk_hit_tokens=st.disk_hit_pages * page_size,
+        pages_out=st.pages_out,
+        pages_in=st.pages_in,
+        bytes_out=st.bytes_out,
+        bytes_in=st.bytes_in,
+        disk_writes=st.disk_writes,
+        disk_reads=st.disk_reads,
+        disk_skipped=st.disk_skipped,
+        copy_seconds=st.copy_seconds,
+        host_pages=len(tier),
+        host_capacity_pages=tier.capacity,
+        host_bytes=tier.nbytes,
+        host_max_bytes=tier.capacity * tier.page_bytes,
+        disk_pages=len(disk) if disk else 0,
+        disk_bytes=disk.nbytes if disk else 0,
+        disk_max_bytes=disk.max_bytes if disk else 0,
+    )
 
 
 def apply_transfers(runner, tier: HostTier, moves: TierTransfers) -> None:
@@ -214,14 +224,14 @@ def apply_transfers(runner, tier: HostTier, moves: TierTransfers) -> None:
     t0 = time.perf_counter()
     st = tier.stats
     if moves.outs:  # read when the next moves come, or when a page is needed first
-        tier.arriving([h for _, h in moves.outs],
-                      page_io.page_out_later(runner, [p for p, _ in moves.outs]))
+        tier.arriving(
+            [h for _, h in moves.outs], page_io.page_out_later(runner, [p for p, _ in moves.outs])
+        )
         st.pages_out += len(moves.outs)
         st.bytes_out += len(moves.outs) * tier.page_bytes
     if moves.ins:
         pages = [tier.get(h) for _, h in moves.ins]
-        page_io.page_in(runner, [p for p, _ in moves.ins],
-                        [np.stack(leaf) for leaf in zip(*pages)])
+        page_io.page_in(runner, [p for p, _ in moves.ins], [np.stack(leaf) for leaf in zip(*pages)])
         for _, h in moves.ins:
             tier.unpin(h)
         st.pages_in += len(moves.ins)
@@ -229,8 +239,9 @@ def apply_transfers(runner, tier: HostTier, moves: TierTransfers) -> None:
     st.copy_seconds += time.perf_counter() - t0
 
 
-def make_tier(config, runner, model, kv_dtype: str, *, hybrid: bool,
-              draft: bool) -> HostTier | None:
+def make_tier(
+    config, runner, model, kv_dtype: str, *, hybrid: bool, draft: bool
+) -> HostTier | None:
     """The engine's host tier (over a disk tier with `kv_offload_dir`), or
     None without `kv_offload_memory`. Sized in whole pages of the runner's
     cache; refuses, by name, what it does not serve yet."""
@@ -238,9 +249,11 @@ def make_tier(config, runner, model, kv_dtype: str, *, hybrid: bool,
         return None
     import jax
 
-    for cond, what in ((hybrid, "a hybrid KV pool (pass hybrid_kv_cache=False)"),
-                       (draft, "a draft model's speculation (its cache would miss the loads)"),
-                       (jax.process_count() > 1, "several processes")):
+    for cond, what in (
+        (hybrid, "a hybrid KV pool (pass hybrid_kv_cache=False)"),
+        (draft, "a draft model's speculation (its cache would miss the loads)"),
+        (jax.process_count() > 1, "several processes"),
+    ):
         if cond:
             raise ValueError(f"kv_offload_memory: the host tier does not serve {what} yet")
     from jaxkv.core.kv.disk import DiskTier, fingerprint
@@ -252,16 +265,22 @@ def make_tier(config, runner, model, kv_dtype: str, *, hybrid: bool,
     disk = None
     if config.kv_offload_dir is not None:
         cache = runner.cache
-        scales = ([np.asarray(x) for x in cache.k_scale + cache.v_scale]
-                  if cache.fp8 else None)
-        disk = DiskTier(config.kv_offload_dir,
-                        fingerprint(model, layout, kv_dtype, config.page_size, scales),
-                        layout, config.kv_offload_disk)
+        scales = [np.asarray(x) for x in cache.k_scale + cache.v_scale] if cache.fp8 else None
+        disk = DiskTier(
+            config.kv_offload_dir,
+            fingerprint(model, layout, kv_dtype, config.page_size, scales),
+            layout,
+            config.kv_offload_disk,
+        )
     tier = HostTier(config.kv_offload_memory // page_bytes, page_bytes, disk)
-    log.info("jaxkv: KV host tier of %d pages (%.1f MiB)%s", tier.capacity,
-             tier.capacity * page_bytes / 2**20,
-             f" over a disk tier of {config.kv_offload_disk / 2**30:.1f} GiB in {disk.dir}"
-             if disk else "")
+    log.info(
+        "jaxkv: KV host tier of %d pages (%.1f MiB)%s",
+        tier.capacity,
+        tier.capacity * page_bytes / 2**20,
+        f" over a disk tier of {config.kv_offload_disk / 2**30:.1f} GiB in {disk.dir}"
+        if disk
+        else "",
+    )
     return tier
 
 
@@ -281,13 +300,12 @@ def persist(runner, tier: HostTier | None, pool) -> int:
             written += disk.write(h, data)
     device = [(p, h) for p, h in pool.cached_pages() if h not in disk]
     for i in range(0, len(device), 256):
-        chunk = device[i:i + 256]
+        chunk = device[i : i + 256]
         data = page_io.page_out(runner, [p for p, _ in chunk])
         for j, (_, h) in enumerate(chunk):
             written += disk.write(h, [x[j] for x in data])
     tier.stats.disk_writes += written
     tier.stats.copy_seconds += time.perf_counter() - t0
     if written:
-        log.info("jaxkv: KV disk tier: %d pages written for the next start (%s)", written,
-                 disk.dir)
+        log.info("jaxkv: KV disk tier: %d pages written for the next start (%s)", written, disk.dir)
     return written

@@ -59,8 +59,13 @@ class BlockManager(PagePool):
     sequence has one `Progress` record (`progress(seq_id)`); ``pages_per_seq``
     sizes its block table row (it grows past that if a sequence does)."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 pages_per_seq: int | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        pages_per_seq: int | None = None,
+    ):
         super().__init__(num_pages, page_size, enable_prefix_caching)
         self.pages_per_seq = pages_per_seq or num_pages - 1
         self._seqs: dict[Hashable, Progress] = {}
@@ -102,8 +107,9 @@ class BlockManager(PagePool):
         revived = sum(1 for p in hit_pages if self._refcount[p] == 0)
         return need, need <= self.num_free_pages - revived
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None,
-                     root: bytes = ROOT_HASH) -> bool:
+    def can_allocate(
+        self, num_tokens: int, token_ids: Sequence[int] | None = None, root: bytes = ROOT_HASH
+    ) -> bool:
         """Whether a new sequence reserving ``num_tokens`` slots fits now.
         With ``token_ids`` (its prompt), cached prefix pages count as free."""
         hit_pages = self._lookup_prefix(token_ids, root)[0] if token_ids is not None else []
@@ -114,8 +120,9 @@ class BlockManager(PagePool):
         if num_new_tokens <= 0:
             return 0, False
         need = self._pages_for(s.num_reserved - s.evicted + num_new_tokens) - s.num_pages
-        cow = ((s.num_reserved - s.evicted) % self.page_size != 0
-               and self._refcount[int(s.pages[s.num_pages - 1])] > 1)
+        cow = (s.num_reserved - s.evicted) % self.page_size != 0 and self._refcount[
+            int(s.pages[s.num_pages - 1])
+        ] > 1
         return need, cow
 
     def can_append_slots(self, seq_id: Hashable, num_new_tokens: int) -> bool:
@@ -125,9 +132,15 @@ class BlockManager(PagePool):
 
     # ---------------------------------------------------------------- mutations
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
-                 num_reserved: int | None = None, root: bytes = ROOT_HASH,
-                 cache_hits: bool = True, hit_cap=None) -> int:
+    def allocate(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        num_reserved: int | None = None,
+        root: bytes = ROOT_HASH,
+        cache_hits: bool = True,
+        hit_cap=None,
+    ) -> int:
         """Admit a new sequence with prompt ``token_ids``; return how many
         prompt tokens are already cached (their K/V is shared, skip them in
         prefill). The result is a multiple of ``page_size`` and always less
@@ -151,8 +164,9 @@ class BlockManager(PagePool):
         if hit_cap is not None and hit_pages:
             k = hit_cap(hit_hashes)
             hit_pages, hit_hashes = hit_pages[:k], hit_hashes[:k]
-        tier_hits = self._tier_hits(token_ids, hit_hashes, root) if cache_hits and not hit_cap \
-            else []
+        tier_hits = (
+            self._tier_hits(token_ids, hit_hashes, root) if cache_hits and not hit_cap else []
+        )
         cached = (len(hit_pages) + len(tier_hits)) * self.page_size
         num_reserved = max(num_reserved, cached)
         need, ok = self._allocate_plan(num_reserved, hit_pages)
@@ -167,9 +181,14 @@ class BlockManager(PagePool):
         new = [self._take_page() for _ in range(need)]
         for p, (h, where) in zip(new, tier_hits):  # loaded from the host / disk tier
             self._load(p, h, where)
-        self._seqs[seq_id] = Progress(hit_pages + new, num_reserved, cached,
-                                      hit_hashes + [h for h, _ in tier_hits], root,
-                                      self.pages_per_seq)
+        self._seqs[seq_id] = Progress(
+            hit_pages + new,
+            num_reserved,
+            cached,
+            hit_hashes + [h for h, _ in tier_hits],
+            root,
+            self.pages_per_seq,
+        )
         self.prefix_query_tokens += len(token_ids)
         self.prefix_hit_pages += len(hit_pages) + len(tier_hits)
         self.prefix_hit_tokens += cached
@@ -206,8 +225,9 @@ class BlockManager(PagePool):
         s.num_reserved += num_new_tokens
         return copies
 
-    def mark_computed(self, seq_id: Hashable, token_ids: Sequence[int],
-                      num_computed_tokens: int) -> None:
+    def mark_computed(
+        self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
         """Record that K/V for the first ``num_computed_tokens`` of
         ``token_ids`` (all tokens known so far, prompt then generated) is
         written. Call after every step that wrote K/V for the sequence.
@@ -225,12 +245,14 @@ class BlockManager(PagePool):
                 f"[{s.num_computed}, {s.num_reserved}] for sequence {seq_id!r}"
             )
         if len(token_ids) < num_computed_tokens:
-            raise ValueError(f"only {len(token_ids)} token ids for {num_computed_tokens} computed tokens")
+            raise ValueError(
+                f"only {len(token_ids)} token ids for {num_computed_tokens} computed tokens"
+            )
         if self.enable_prefix_caching:
             ps = self.page_size
             for i in range(len(s.hashes), num_computed_tokens // ps):
                 parent = s.hashes[-1] if s.hashes else s.root
-                h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
+                h = hash_page(parent, token_ids[i * ps : (i + 1) * ps])
                 # Pages past s.hashes are this sequence's own (prefix hits and
                 # fork-shared pages arrive with their hashes), so unregistered.
                 self._register(int(s.pages[i]), h)
@@ -265,7 +287,9 @@ class BlockManager(PagePool):
         on a double free."""
         s = self._seqs.pop(seq_id, None)
         if s is None:
-            raise UnknownSequenceError(f"free of sequence {seq_id!r}: not allocated (unknown id or double free)")
+            raise UnknownSequenceError(
+                f"free of sequence {seq_id!r}: not allocated (unknown id or double free)"
+            )
         for p in reversed(s.page_list()):
             if p != TRASH_PAGE:
                 self._release_page(p)

@@ -93,7 +93,9 @@ class PagePool:
     @property
     def prefix_hit_rate(self) -> float:
         """Fraction of all prompt tokens served from the prefix cache."""
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
 
     @property
     def num_free_pages(self) -> int:
@@ -137,8 +139,9 @@ class PagePool:
 
     # ------------------------------------------------------------- prefix cache
 
-    def _lookup_prefix(self, token_ids: Sequence[int],
-                       root: bytes = ROOT_HASH) -> tuple[list[int], list[bytes]]:
+    def _lookup_prefix(
+        self, token_ids: Sequence[int], root: bytes = ROOT_HASH
+    ) -> tuple[list[int], list[bytes]]:
         """Longest run of cached full pages that prefixes ``token_ids`` (a
         chain starting from ``root``), never covering the last token (its
         logits must be computed)."""
@@ -149,7 +152,7 @@ class PagePool:
         hashes: list[bytes] = []
         parent = root
         for i in range((len(token_ids) - 1) // ps):
-            h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
+            h = hash_page(parent, token_ids[i * ps : (i + 1) * ps])
             page = self._hash_to_page.get(h)
             if page is None:
                 break
@@ -200,8 +203,9 @@ class PagePool:
             self.tier.reserve(h)
             self.transfers.outs.append((page, h))
 
-    def _tier_hits(self, token_ids: Sequence[int], hit_hashes: list[bytes],
-                   root: bytes) -> list[tuple[bytes, str]]:
+    def _tier_hits(
+        self, token_ids: Sequence[int], hit_hashes: list[bytes], root: bytes
+    ) -> list[tuple[bytes, str]]:
         """(hash, "host" or "disk") of the full pages after the device hit
         (`hit_hashes`) that the host or disk tier holds, in a run (never the
         last token), each pinned (a `_load` keeps the pin, `_unpin_hits`
@@ -211,7 +215,7 @@ class PagePool:
         ps, out = self.page_size, []
         parent = hit_hashes[-1] if hit_hashes else root
         for i in range(len(hit_hashes), (len(token_ids) - 1) // ps):
-            h = hash_page(parent, token_ids[i * ps:(i + 1) * ps])
+            h = hash_page(parent, token_ids[i * ps : (i + 1) * ps])
             where = self.tier.find(h)
             if where is None:
                 break

@@ -48,11 +48,20 @@ class Scheduler:
     the attention window; pages wholly behind it (past the sinks) are released as a sequence
     advances. `seats`: a hybrid pool's (None: none). `loras`: the LoRA slots (None: off)."""
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_num_steps: int = 1, spec: SpecControl | None = None,
-                 window: int | None = None, num_sink_tokens: int = 0, seats: Seats | None = None,
-                 loras=None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        max_num_steps: int = 1,
+        spec: SpecControl | None = None,
+        window: int | None = None,
+        num_sink_tokens: int = 0,
+        seats: Seats | None = None,
+        loras=None,
+    ):
         self.bm = block_manager
         self.loras = loras
         self.max_num_seqs = max_num_seqs
@@ -146,8 +155,9 @@ class Scheduler:
         self.bm.mark_computed(s.request_id, s.all_token_ids, num_computed)
         self.seats.label(s, first)
         if self.window is not None:  # the next query sits at num_computed
-            self.bm.release_range(s.request_id, self.num_sink_tokens,
-                                  num_computed - self.window + 1)
+            self.bm.release_range(
+                s.request_id, self.num_sink_tokens, num_computed - self.window + 1
+            )
 
     def schedule(self, lookahead: bool = False) -> SchedulerOutput:
         """The next step; with `lookahead`, planned while a step is in
@@ -161,10 +171,17 @@ class Scheduler:
         drafting = [sc for sc in out.scheduled if sc.num_spec]
         # No proposals in a step the host re-samples, or where the gate
         # expects no gain (their reserved slots are trimmed after the step).
-        if drafting and (not all(can_speculate(sc.seq) for sc in out.scheduled) or (
-                not self._gate_passed and not spec.allow(
-                    [(sc.seq, sc.num_spec) for sc in drafting], len(out.scheduled),
-                    step_kind(out.scheduled)))):
+        if drafting and (
+            not all(can_speculate(sc.seq) for sc in out.scheduled)
+            or (
+                not self._gate_passed
+                and not spec.allow(
+                    [(sc.seq, sc.num_spec) for sc in drafting],
+                    len(out.scheduled),
+                    step_kind(out.scheduled),
+                )
+            )
+        ):
             for sc in drafting:
                 sc.num_rows -= sc.num_spec
                 sc.num_spec = 0
@@ -184,7 +201,8 @@ class Scheduler:
         if not self.running or (self.waiting and self._seats() < self.max_num_seqs):
             return False
         return len(self.running) <= self.max_num_batched_tokens and all(
-            s.planned_tokens - s.progress.num_scheduled == 1 for s in self.running)
+            s.planned_tokens - s.progress.num_scheduled == 1 for s in self.running
+        )
 
     def _seats(self) -> int:
         """Sequences running, counting the siblings a pending fork adds."""
@@ -275,7 +293,8 @@ class Scheduler:
             decodes_one = seq.planned_tokens - start == 1
             k = self._proposals(seq, budget) if decodes_one else 0
             if k and not self.bm.can_append_slots(
-                    seq.request_id, max(0, start + 1 + k - p.num_reserved)):
+                seq.request_id, max(0, start + 1 + k - p.num_reserved)
+            ):
                 k = 0  # proposals never preempt anyone
             if decodes_one and not seq.fork_pending:  # a decode row
                 n = 1 + k
@@ -286,8 +305,13 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, start, n, num_spec=k))
             budget -= n
         seats, skipped = self._seats(), []  # skipped: waiting for a LoRA slot
-        while self.waiting and budget > 0 and seats < self.max_num_seqs \
-                and not out.preempted and not out.needs_preemption:
+        while (
+            self.waiting
+            and budget > 0
+            and seats < self.max_num_seqs
+            and not out.preempted
+            and not out.needs_preemption
+        ):
             seq = self.waiting[0]
             if seq.fork_pending and seats + seq.params.n > self.max_num_seqs:
                 break  # its n sequences run together once it forks
@@ -299,17 +323,20 @@ class Scheduler:
                 continue
             tokens, adapter = seq.all_token_ids[:target], seq.lora and seq.lora.key
             try:  # a forking prompt's hits stop short of its target, so n >= 1
-                cached = self.bm.allocate(seq.request_id, tokens, num_reserved=0,
-                                          root=salted_root(seq.cache_salt, adapter),
-                                          cache_hits=seq.params.prompt_logprobs is None,
-                                          hit_cap=self.seats.hit_cap if self.seats.ring_pages else None)
+                cached = self.bm.allocate(
+                    seq.request_id,
+                    tokens,
+                    num_reserved=0,
+                    root=salted_root(seq.cache_salt, adapter),
+                    cache_hits=seq.params.prompt_logprobs is None,
+                    hit_cap=self.seats.hit_cap if self.seats.ring_pages else None,
+                )
             except OutOfPages:
                 break
             n = min(target - cached, budget, chunk_cap(seq, cached))
             p = self.bm.progress(seq.request_id)
             try:
-                out.copies.extend(self.bm.append_slots(seq.request_id,
-                                                       cached + n - p.num_reserved))
+                out.copies.extend(self.bm.append_slots(seq.request_id, cached + n - p.num_reserved))
             except OutOfPages:
                 self.bm.free(seq.request_id)
                 break

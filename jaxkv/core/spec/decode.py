@@ -47,11 +47,11 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int
     followed it; [] when no n matches. tokens [N] int."""
     N = len(tokens)
     for n in range(min(n_max, N - 1), n_min - 1, -1):
-        windows = sliding_window_view(tokens[:N - 1], n)  # starts 0 .. N-1-n, each followed
-        hits = np.flatnonzero((windows == tokens[N - n:]).all(axis=1))
+        windows = sliding_window_view(tokens[: N - 1], n)  # starts 0 .. N-1-n, each followed
+        hits = np.flatnonzero((windows == tokens[N - n :]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -72,8 +72,11 @@ class NgramProposer:
         if hit is None or hit[0] is not seq or hit[1] != n:
             if len(self._memo) > 4096:
                 self._memo.clear()
-            hit = self._memo[id(seq)] = (seq, n, ngram_lookup(seq.all_token_ids, self.k,
-                                                              self.n_max, self.n_min))
+            hit = self._memo[id(seq)] = (
+                seq,
+                n,
+                ngram_lookup(seq.all_token_ids, self.k, self.n_max, self.n_min),
+            )
         return hit[2]
 
     def max_proposals(self, seq, cap: int) -> int:
@@ -83,13 +86,13 @@ class NgramProposer:
         """Set each drafting ScheduledSeq's proposals (at most its num_spec
         reserved rows)."""
         for sc in scheduled:
-            sc.spec_tokens = self._propose(sc.seq)[:sc.num_spec]
+            sc.spec_tokens = self._propose(sc.seq)[: sc.num_spec]
             sc.num_rows += len(sc.spec_tokens) - sc.num_spec
         self._memo.clear()
 
 
 def step_kind(scheduled) -> str:
-    """"decode" when every sequence brings one known token, else "mixed"."""
+    """ "decode" when every sequence brings one known token, else "mixed"."""
     return "decode" if all(sc.known_end - sc.start == 1 for sc in scheduled) else "mixed"
 
 
@@ -99,8 +102,7 @@ class SpecControl:
     figures learned. `num_programs()` counts the programs compiled so far
     (the draft's too): a step during which one compiled teaches no cost."""
 
-    def __init__(self, proposer, num_spec: int, adaptive: bool,
-                 num_programs: Callable[[], int]):
+    def __init__(self, proposer, num_spec: int, adaptive: bool, num_programs: Callable[[], int]):
         self.proposer = proposer
         self.num_spec = num_spec
         self.gate = SpecGate() if adaptive else None
@@ -152,9 +154,14 @@ class SpecControl:
             seconds += self._step_seconds
             if self._num_programs() != self._programs:  # a compile ran inside: no cost figure
                 seconds = float("nan")
-            self.gate.observe(step_kind(scheduled), counted is not None, len(scheduled),
-                              seconds, len(res.tokens) if counted is None else 1,
-                              *(counted or ()))
+            self.gate.observe(
+                step_kind(scheduled),
+                counted is not None,
+                len(scheduled),
+                seconds,
+                len(res.tokens) if counted is None else 1,
+                *(counted or ()),
+            )
         return counted
 
 
@@ -188,7 +195,7 @@ class SpecGate:
         """Expected accepted proposals of k, each accepted with the
         sequence's rate given all before it were."""
         a = (seq.spec_accepted + 4 * self.alpha) / (seq.spec_proposed + 4)
-        return sum(a ** j for j in range(1, k + 1))
+        return sum(a**j for j in range(1, k + 1))
 
     def allow(self, drafts, num_seqs: int, kind: str) -> bool:
         """drafts: (sequence, k) of the step's drafting sequences. A step
@@ -212,8 +219,16 @@ class SpecGate:
         self.refused += 1
         return False
 
-    def observe(self, kind: str, spec: bool, num_seqs: int, seconds: float, calls: int,
-                proposed: int = 0, accepted: int = 0) -> None:
+    def observe(
+        self,
+        kind: str,
+        spec: bool,
+        num_seqs: int,
+        seconds: float,
+        calls: int,
+        proposed: int = 0,
+        accepted: int = 0,
+    ) -> None:
         """A step ran: its wall time (with proposing) and model calls. Only
         decode-only steps teach costs (`allow` reads no other), and not one
         that compiled (NaN seconds)."""
@@ -265,6 +280,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(acceptance_rate=self.acceptance_rate,
-                 mean_accepted_length=self.mean_accepted_length)
+        d.update(
+            acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length
+        )
         return d

@@ -45,44 +45,69 @@ log = logging.getLogger("jaxkv")
 class DraftProposer:
     follows_loops = False  # it mirrors one row per sequence before each step
 
-    def __init__(self, model, cache_config: CacheConfig, buckets: Buckets, attention,
-                 num_spec: int, store=None):
+    def __init__(
+        self,
+        model,
+        cache_config: CacheConfig,
+        buckets: Buckets,
+        attention,
+        num_spec: int,
+        store=None,
+    ):
         self.k = num_spec
         self.buckets = buckets
         self.vocab_size = model.config.vocab_size
         cache = create_cache(model.config, cache_config)
-        self.runner = Runner(model, cache, buckets, attention, max_decode_steps=num_spec,
-                             num_top_logprobs=0, store=store)
+        self.runner = Runner(
+            model,
+            cache,
+            buckets,
+            attention,
+            max_decode_steps=num_spec,
+            num_top_logprobs=0,
+            store=store,
+        )
 
     @classmethod
-    def for_engine(cls, spec: SpeculativeConfig, config, engine, buckets: Buckets,
-                   draft_model=None, store=None) -> DraftProposer:
+    def for_engine(
+        cls, spec: SpeculativeConfig, config, engine, buckets: Buckets, draft_model=None, store=None
+    ) -> DraftProposer:
         """The draft of `engine` (its model loaded from `spec.model` unless
         given), refused with a ValueError naming the problem."""
         if config.tensor_parallel_size > 1 or (config.num_processes or 1) > 1:
-            raise ValueError("speculative_config: method 'draft_model' runs on one device "
-                             f"(tensor_parallel_size 1, one process), got tensor_parallel_size "
-                             f"{config.tensor_parallel_size}; use method 'ngram'")
+            raise ValueError(
+                "speculative_config: method 'draft_model' runs on one device "
+                f"(tensor_parallel_size 1, one process), got tensor_parallel_size "
+                f"{config.tensor_parallel_size}; use method 'ngram'"
+            )
         if draft_model is None:
             from checkpoints.loader import load_model
 
             draft_model, _ = load_model(spec.model, dtype=config.dtype, quantize=config.quantize)
         v, tv = draft_model.config.vocab_size, engine.model_config.vocab_size
         if v != tv:
-            raise ValueError(f"speculative_config.model: the draft's vocabulary has {v} tokens, "
-                             f"the target's {tv}; a draft must share the target's vocabulary")
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary has {v} tokens, "
+                f"the target's {tv}; a draft must share the target's vocabulary"
+            )
         attention = dataclasses.replace(engine.attention, mesh=None)  # the target's window
-        draft = cls(draft_model, engine.cache_config, buckets, attention,
-                    spec.num_speculative_tokens, store)
-        log.info("jaxkv: draft model %s (%d layers), %d proposals per step",
-                 spec.model or "given", draft_model.config.num_layers, draft.k)
+        draft = cls(
+            draft_model, engine.cache_config, buckets, attention, spec.num_speculative_tokens, store
+        )
+        log.info(
+            "jaxkv: draft model %s (%d layers), %d proposals per step",
+            spec.model or "given",
+            draft_model.config.num_layers,
+            draft.k,
+        )
         return draft
 
     def program_keys(self) -> list:
         """Its programs: a mirror per step shape, the proposal loops, the page copy."""
         steps = self.buckets.programs()
-        return ([("forward", k) for k in steps] + [k for k in steps if k.loops]
-                + [("copy", COPY_WIDTH)])
+        return (
+            [("forward", k) for k in steps] + [k for k in steps if k.loops] + [("copy", COPY_WIDTH)]
+        )
 
     @property
     def compiled(self) -> list:
@@ -101,16 +126,26 @@ class DraftProposer:
         (greedy) and set its proposals (at most its num_spec)."""
         if not scheduled:
             return
-        plan, _ = build_plan([ScheduledSeq(sc.seq, sc.start, 1) for sc in scheduled], self.k,
-                             pages_per_seq=self.buckets.pages_per_seq,
-                             vocab_size=self.vocab_size)
+        plan, _ = build_plan(
+            [ScheduledSeq(sc.seq, sc.start, 1) for sc in scheduled],
+            self.k,
+            pages_per_seq=self.buckets.pages_per_seq,
+            vocab_size=self.vocab_size,
+        )
         S = plan.num_seqs
-        plan = dataclasses.replace(plan, penalties=None, rules=None, sampling=dataclasses.replace(
-            plan.sampling, temperature=np.zeros(S, np.float32),
-            num_logprobs=np.zeros(S, np.int32)))
+        plan = dataclasses.replace(
+            plan,
+            penalties=None,
+            rules=None,
+            sampling=dataclasses.replace(
+                plan.sampling,
+                temperature=np.zeros(S, np.float32),
+                num_logprobs=np.zeros(S, np.int32),
+            ),
+        )
         tokens = self.runner.step(plan).tokens  # [n, S]
         for i, sc in enumerate(scheduled):
-            sc.spec_tokens = tokens[:sc.num_spec, i].tolist()
+            sc.spec_tokens = tokens[: sc.num_spec, i].tolist()
             sc.num_rows += len(sc.spec_tokens) - sc.num_spec
 
     # ------------------------------------------------------------ keeping in step

@@ -79,16 +79,28 @@ class EagleProposer:
 
     follows_loops = True  # the engine may run several decode steps per call
 
-    def __init__(self, head: Head, embed, cache_config, buckets: Buckets, attention,
-                 num_spec: int, feature_dtype, placement=None, loop_steps: int = 1):
+    def __init__(
+        self,
+        head: Head,
+        embed,
+        cache_config,
+        buckets: Buckets,
+        attention,
+        num_spec: int,
+        feature_dtype,
+        placement=None,
+        loop_steps: int = 1,
+    ):
         self.k = num_spec
         self.loop_steps = loop_steps
         self.cfg = cfg = head.config
         self.buckets = buckets
         self.page_size = cache_config.page_size
         put = (lambda x: jax.device_put(x, placement)) if placement is not None else jnp.asarray
-        params = {n: put(np.asarray(v, np.int32 if n == "d2t" else feature_dtype))
-                  for n, v in head.params.items()}
+        params = {
+            n: put(np.asarray(v, np.int32 if n == "d2t" else feature_dtype))
+            for n, v in head.params.items()
+        }
         self.params = params
         self.embed = None if "embed" in params else put(np.asarray(embed, feature_dtype))
         cache = create_cache(cfg.model_config(), cache_config)
@@ -102,24 +114,42 @@ class EagleProposer:
         self._memo: dict[int, tuple[object, int, int]] = {}
 
     @classmethod
-    def for_engine(cls, spec: SpeculativeConfig, config, engine, buckets: Buckets,
-                   head: Head, model) -> EagleProposer:
+    def for_engine(
+        cls, spec: SpeculativeConfig, config, engine, buckets: Buckets, head: Head, model
+    ) -> EagleProposer:
         if (config.num_processes or 1) > 1:
-            raise ValueError("speculative_config: method 'eagle3' runs in one process; "
-                             f"got num_processes {config.num_processes}")
+            raise ValueError(
+                "speculative_config: method 'eagle3' runs in one process; "
+                f"got num_processes {config.num_processes}"
+            )
         mesh = engine.sharding.mesh if engine.sharding is not None else None
         placement = None
         if mesh is not None:  # the head replicated on the target's devices
             placement = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        attention = dataclasses.replace(engine.attention, mesh=None, local_layers=(),
-                                        ring_pages=0, score_rows=None)
+        attention = dataclasses.replace(
+            engine.attention, mesh=None, local_layers=(), ring_pages=0, score_rows=None
+        )
         embed = None if "embed" in head.params else head_ops.target_embed(model)
         dtype = model.final_norm[...].dtype
-        out = cls(head, embed, engine.cache_config, buckets, attention,
-                  spec.num_speculative_tokens, dtype, placement, config.num_decode_steps)
-        log.info("jaxkv: EAGLE-3 head %s (features of layers %s, draft vocabulary %d), "
-                 "%d proposals per step", spec.model or "given", list(head.config.aux_layers),
-                 head.config.draft_vocab_size, out.k)
+        out = cls(
+            head,
+            embed,
+            engine.cache_config,
+            buckets,
+            attention,
+            spec.num_speculative_tokens,
+            dtype,
+            placement,
+            config.num_decode_steps,
+        )
+        log.info(
+            "jaxkv: EAGLE-3 head %s (features of layers %s, draft vocabulary %d), "
+            "%d proposals per step",
+            spec.model or "given",
+            list(head.config.aux_layers),
+            head.config.draft_vocab_size,
+            out.k,
+        )
         return out
 
     # ------------------------------------------------------------ programs
@@ -128,8 +158,12 @@ class EagleProposer:
         steps = self.buckets.programs()
         seqs = sorted({self.buckets.decode_key(s).seqs for s in self.buckets.decode_seqs})
         loops = [("follow_loop", s) for s in seqs] if self.loop_steps > 1 else []
-        return ([("follow", k) for k in steps] + loops + [("propose", s) for s in seqs]
-                + [("copy", COPY_WIDTH)])
+        return (
+            [("follow", k) for k in steps]
+            + loops
+            + [("propose", s) for s in seqs]
+            + [("copy", COPY_WIDTH)]
+        )
 
     def _lower(self, key):
         W, k = self.buckets.pages_per_seq, self.buckets.num_spec
@@ -140,34 +174,66 @@ class EagleProposer:
             all_decode = {"decode": True, "both": None}.get(pk.kind, False)
             T, S = pk.tokens, pk.seqs
             # A loop program's features come call by call: its first call's rows.
-            fn = jax.jit(functools.partial(
-                programs.follow_loop if pk.loops else programs.follow, cfg=cfg, attention=att,
-                all_decode=all_decode, width=self.width), donate_argnums=(2,))
-            feats = jax.ShapeDtypeStruct((self.loop_steps, T, E3) if pk.loops else (T, E3),
-                                         self.feature_dtype)
+            fn = jax.jit(
+                functools.partial(
+                    programs.follow_loop if pk.loops else programs.follow,
+                    cfg=cfg,
+                    attention=att,
+                    all_decode=all_decode,
+                    width=self.width,
+                ),
+                donate_argnums=(2,),
+            )
+            feats = jax.ShapeDtypeStruct(
+                (self.loop_steps, T, E3) if pk.loops else (T, E3), self.feature_dtype
+            )
             rows = (np.zeros(T, np.int32),) if pk.loops else ()
-            return fn.trace(self.params, self.embed, self.cache, empty(pk, W, k), feats, *rows,
-                            np.zeros(T, np.int32), np.zeros(S, np.int32)).lower()
+            return fn.trace(
+                self.params,
+                self.embed,
+                self.cache,
+                empty(pk, W, k),
+                feats,
+                *rows,
+                np.zeros(T, np.int32),
+                np.zeros(S, np.int32),
+            ).lower()
         if key[0] == "follow_loop":  # S sequences, up to K rows each
             S, K = key[1], self.loop_steps
-            fn = jax.jit(functools.partial(programs.follow_loop, cfg=cfg, attention=att,
-                                           all_decode=False, width=self.width),
-                         donate_argnums=(2,))
+            fn = jax.jit(
+                functools.partial(
+                    programs.follow_loop, cfg=cfg, attention=att, all_decode=False, width=self.width
+                ),
+                donate_argnums=(2,),
+            )
             T0 = self.buckets.decode_key(S).tokens
-            return fn.trace(self.params, self.embed, self.cache,
-                            empty(ProgramKey("mixed", K * S, S), W, k),
-                            jax.ShapeDtypeStruct((K, T0, E3), self.feature_dtype),
-                            np.zeros(K * S, np.int32), np.zeros(K * S, np.int32),
-                            np.zeros(S, np.int32)).lower()
+            return fn.trace(
+                self.params,
+                self.embed,
+                self.cache,
+                empty(ProgramKey("mixed", K * S, S), W, k),
+                jax.ShapeDtypeStruct((K, T0, E3), self.feature_dtype),
+                np.zeros(K * S, np.int32),
+                np.zeros(K * S, np.int32),
+                np.zeros(S, np.int32),
+            ).lower()
         if key[0] == "propose":
             S = key[1]
-            fn = jax.jit(functools.partial(programs.propose, cfg=cfg, attention=att, k=self.k,
-                                           page_size=self.page_size), donate_argnums=(2,))
-            return fn.trace(self.params, self.embed, self.cache,
-                            empty(self.buckets.decode_key(S), W, k),
-                            np.zeros(self.width, np.int32),
-                            jax.ShapeDtypeStruct((self.width, cfg.hidden_size), self.feature_dtype),
-                            np.zeros(S, np.int32)).lower()
+            fn = jax.jit(
+                functools.partial(
+                    programs.propose, cfg=cfg, attention=att, k=self.k, page_size=self.page_size
+                ),
+                donate_argnums=(2,),
+            )
+            return fn.trace(
+                self.params,
+                self.embed,
+                self.cache,
+                empty(self.buckets.decode_key(S), W, k),
+                np.zeros(self.width, np.int32),
+                jax.ShapeDtypeStruct((self.width, cfg.hidden_size), self.feature_dtype),
+                np.zeros(S, np.int32),
+            ).lower()
         if key[0] == "copy":
             idx = np.zeros(COPY_WIDTH, np.int32)
             return jax.jit(copy_pages, donate_argnums=(0,)).trace(self.cache, idx, idx).lower()
@@ -214,7 +280,7 @@ class EagleProposer:
         T = batch.token_ids.shape[0]
         toks = np.asarray(batch.token_ids)
         next_ids = np.zeros(T, np.int32)
-        next_ids[:T - 1] = toks[1:]
+        next_ids[: T - 1] = toks[1:]
         rows = np.zeros(key.seqs, np.int32)
         memo = {}
         row = 0
@@ -235,8 +301,9 @@ class EagleProposer:
             row += n
         prog = self._get(("follow", key))
         first_call = (np.arange(T, dtype=np.int32),) if feats.ndim == 3 else ()
-        self.cache, first, hidden = prog(self.params, self.embed, self.cache, batch,
-                                         feats, *first_call, next_ids, rows)
+        self.cache, first, hidden = prog(
+            self.params, self.embed, self.cache, batch, feats, *first_call, next_ids, rows
+        )
         self._first = (first, hidden)
         self._memo = memo
 
@@ -250,10 +317,16 @@ class EagleProposer:
         n, S, W = len(res.tokens), len(scheduled), self.buckets.pages_per_seq
         T0 = feats.shape[1]
         pages = [np.asarray(sc.seq.progress.pages[:W], np.int32) for sc in scheduled]
-        m = [max(1, min(n, int(np.count_nonzero(p)) * self.page_size - sc.start))
-             for p, sc in zip(pages, scheduled)]  # page 0: none held
-        plan = plan_for([(res.tokens[:m[s], s], sc.start, np.pad(pages[s], (0, W - len(pages[s]))))
-                         for s, sc in enumerate(scheduled)])
+        m = [
+            max(1, min(n, int(np.count_nonzero(p)) * self.page_size - sc.start))
+            for p, sc in zip(pages, scheduled)
+        ]  # page 0: none held
+        plan = plan_for(
+            [
+                (res.tokens[: m[s], s], sc.start, np.pad(pages[s], (0, W - len(pages[s]))))
+                for s, sc in enumerate(scheduled)
+            ]
+        )
         hk = ProgramKey("mixed", self.loop_steps * key.seqs, key.seqs)
         batch = pack(plan, hk, self.page_size, W)
         src = np.zeros(hk.tokens, np.int32)
@@ -262,16 +335,18 @@ class EagleProposer:
         row = 0
         for s in range(S):
             i = np.arange(m[s])
-            src[row:row + m[s]] = i * T0 + s
-            next_ids[row:row + m[s]] = res.tokens[:m[s], s]
+            src[row : row + m[s]] = i * T0 + s
+            next_ids[row : row + m[s]] = res.tokens[: m[s], s]
             row += m[s]
             rows[s] = row - 1
         prog = self._get(("follow_loop", key.seqs))
-        self.cache, first, hidden = prog(self.params, self.embed, self.cache, batch, feats, src,
-                                         next_ids, rows)
+        self.cache, first, hidden = prog(
+            self.params, self.embed, self.cache, batch, feats, src, next_ids, rows
+        )
         self._first = (first, hidden)
-        self._memo = {id(sc.seq): (sc.seq, sc.seq.num_tokens + n, s)
-                      for s, sc in enumerate(scheduled)}
+        self._memo = {
+            id(sc.seq): (sc.seq, sc.seq.num_tokens + n, s) for s, sc in enumerate(scheduled)
+        }
 
     # ------------------------------------------------------------ proposing
 
@@ -289,17 +364,21 @@ class EagleProposer:
             hit = self._memo.get(id(sc.seq))
             if hit is not None and hit[0] is sc.seq and hit[1] == sc.seq.num_tokens:
                 index[i] = hit[2]
-        plan, _ = build_plan([ScheduledSeq(sc.seq, sc.start, 1) for sc in scheduled], 1,
-                             pages_per_seq=self.buckets.pages_per_seq,
-                             vocab_size=self.cfg.vocab_size)
+        plan, _ = build_plan(
+            [ScheduledSeq(sc.seq, sc.start, 1) for sc in scheduled],
+            1,
+            pages_per_seq=self.buckets.pages_per_seq,
+            vocab_size=self.cfg.vocab_size,
+        )
         key = self.buckets.decode_key(plan.num_seqs)
         batch = pack(plan, key, self.page_size, self.buckets.pages_per_seq, self.buckets.num_spec)
         idx = np.full(key.seqs, -1, np.int32)
-        idx[:len(index)] = index
+        idx[: len(index)] = index
         first, hidden = self._first
         self.cache, tokens = self._get(("propose", key.seqs))(
-            self.params, self.embed, self.cache, batch, first, hidden, idx)
+            self.params, self.embed, self.cache, batch, first, hidden, idx
+        )
         tokens = np.asarray(tokens)
         for i, sc in enumerate(scheduled):
-            sc.spec_tokens = tokens[:sc.num_spec, i].tolist() if index[i] >= 0 else []
+            sc.spec_tokens = tokens[: sc.num_spec, i].tolist() if index[i] >= 0 else []
             sc.num_rows += len(sc.spec_tokens) - sc.num_spec

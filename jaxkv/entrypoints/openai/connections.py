@@ -25,10 +25,20 @@ FD_RESERVE = 256  # descriptors kept for files, the engine and the connections' 
 
 
 def _raw(status: int, reason: str, message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": status}}).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": status,
+            }
+        }
+    ).encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
 
 
 TIMEOUT_408 = _raw(408, "Request Timeout", "request: the request head did not arrive in time")
@@ -105,9 +115,15 @@ def protocol_class(header_timeout: float, max_connections: int):
     return Guarded
 
 
-def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000,
-                   header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-                   max_connections: int | None = None, **kw):
+def uvicorn_config(
+    app,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    max_connections: int | None = None,
+    **kw,
+):
     """uvicorn.Config serving `app` with the guarded protocol."""
     import uvicorn
 
@@ -118,5 +134,6 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000,
         max_connections = default_max_connections(limit)
     if max_connections < 1:
         raise ValueError(f"max_connections: must be at least 1, got {max_connections}")
-    return uvicorn.Config(app, host=host, port=port,
-                          http=protocol_class(header_timeout, max_connections), **kw)
+    return uvicorn.Config(
+        app, host=host, port=port, http=protocol_class(header_timeout, max_connections), **kw
+    )

@@ -79,8 +79,16 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, prompt, params, *, out: asyncio.Queue, index: int = 0,
-               cache_salt: str | None = None, lora_request=None) -> RequestStream:
+    def submit(
+        self,
+        prompt,
+        params,
+        *,
+        out: asyncio.Queue,
+        index: int = 0,
+        cache_salt: str | None = None,
+        lora_request=None,
+    ) -> RequestStream:
         """Queue a request (checked already by the caller); its outputs go to
         `out` as (index, RequestOutput). `lora_request`: a LoRA adapter's
         name (or LoRARequest). Raises QueueFull or ShuttingDown."""
@@ -89,12 +97,15 @@ class EngineLoop:
         with self._lock:
             queued = self._pending + self._waiting
             if self.max_queued_requests is not None and queued >= self.max_queued_requests:
-                raise QueueFull(f"{queued} requests are waiting, the server's bound "
-                                f"(--max-queued-requests) is {self.max_queued_requests}; "
-                                "retry later")
+                raise QueueFull(
+                    f"{queued} requests are waiting, the server's bound "
+                    f"(--max-queued-requests) is {self.max_queued_requests}; "
+                    "retry later"
+                )
             self._pending += 1
-        stream = RequestStream(f"req-{uuid.uuid4().hex}", index, out, asyncio.get_running_loop(),
-                               time.perf_counter())
+        stream = RequestStream(
+            f"req-{uuid.uuid4().hex}", index, out, asyncio.get_running_loop(), time.perf_counter()
+        )
         self._cmds.put(("add", stream, prompt, params, cache_salt, lora_request))
         return stream
 
@@ -143,8 +154,9 @@ class EngineLoop:
                 except queue.Empty:
                     cmd = None
             if self._deadline is not None and time.monotonic() > self._deadline and self._streams:
-                log.warning("jaxkv serve: shutdown timeout, aborting %d requests",
-                            len(self._streams))
+                log.warning(
+                    "jaxkv serve: shutdown timeout, aborting %d requests", len(self._streams)
+                )
                 for rid in list(self._streams):
                     eng.abort(rid)
             if not eng.has_unfinished_requests():
@@ -154,8 +166,10 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - a failed step must not end the server
                 log.exception("jaxkv serve: engine step failed")
                 self.metrics.error("engine_error")
-                self._fail_all("error", f"engine: the step running this request failed "
-                                        f"({type(e).__name__}: {e})")
+                self._fail_all(
+                    "error",
+                    f"engine: the step running this request failed ({type(e).__name__}: {e})",
+                )
                 continue
             self._deliver(outs)
 
@@ -166,8 +180,9 @@ class EngineLoop:
                 self._pending -= 1
             self._streams[stream.request_id] = stream
             try:
-                self.engine.add_request(prompt, params, request_id=stream.request_id,
-                                        cache_salt=salt, lora_request=lora)
+                self.engine.add_request(
+                    prompt, params, request_id=stream.request_id, cache_salt=salt, lora_request=lora
+                )
                 stream.n = params.n
                 self._multi += stream.n > 1
             except Exception as e:  # noqa: BLE001 - the request's error, not the server's
@@ -185,7 +200,8 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - the caller's error
                 res, err = None, e
             loop.call_soon_threadsafe(
-                lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res)))
+                lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res))
+            )
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -213,8 +229,11 @@ class EngineLoop:
                 m.e2e.observe(now - st.t_arrival)
                 reason = o.outputs[0].finish_reason
                 if reason == "error":
-                    m.error("invalid_request" if o.error and not o.outputs[0].token_ids
-                            else "engine_error")
+                    m.error(
+                        "invalid_request"
+                        if o.error and not o.outputs[0].token_ids
+                        else "engine_error"
+                    )
                 else:
                     m.finished(reason)
         self._count()
@@ -262,9 +281,17 @@ def _observe_itl(m, st: RequestStream, answer: int, new: int, now: float) -> Non
 
 def _error_output(st: RequestStream, error: str | None, reason: str = "error") -> RequestOutput:
     last = st.last
-    comp = CompletionOutput(index=0, text=last.outputs[0].text if last else "",
-                            token_ids=list(last.outputs[0].token_ids) if last else [],
-                            finish_reason=reason)
-    return RequestOutput(request_id=st.request_id, prompt=None,
-                         prompt_token_ids=list(last.prompt_token_ids) if last else [],
-                         outputs=[comp], finished=True, error=error)
+    comp = CompletionOutput(
+        index=0,
+        text=last.outputs[0].text if last else "",
+        token_ids=list(last.outputs[0].token_ids) if last else [],
+        finish_reason=reason,
+    )
+    return RequestOutput(
+        request_id=st.request_id,
+        prompt=None,
+        prompt_token_ids=list(last.prompt_token_ids) if last else [],
+        outputs=[comp],
+        finished=True,
+        error=error,
+    )

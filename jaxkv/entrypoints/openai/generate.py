@@ -48,9 +48,16 @@ def submit_items(ctx: Context, items: list[Item], body: dict, q: asyncio.Queue) 
     streams = []
     try:
         for i, it in enumerate(items):
-            streams.append(ctx.loop.submit({"prompt_token_ids": it.ids}, it.params, out=q,
-                                           index=i, cache_salt=body.get("cache_salt"),
-                                           lora_request=it.adapter or it.lora))
+            streams.append(
+                ctx.loop.submit(
+                    {"prompt_token_ids": it.ids},
+                    it.params,
+                    out=q,
+                    index=i,
+                    cache_salt=body.get("cache_salt"),
+                    lora_request=it.adapter or it.lora,
+                )
+            )
     except (QueueFull, ShuttingDown) as e:
         for s in streams:
             ctx.loop.abort(s.request_id)
@@ -60,15 +67,18 @@ def submit_items(ctx: Context, items: list[Item], body: dict, q: asyncio.Queue) 
     return streams
 
 
-async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *, chat: bool,
-               echo: bool):
+async def _run(
+    ctx: Context, request: Request, body: dict, items: list[Item], *, chat: bool, echo: bool
+):
     q: asyncio.Queue = asyncio.Queue()
     streams = submit_items(ctx, items, body, q)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if body.get("stream"):
-        return StreamingResponse(_stream(ctx, rid, body, items, streams, q, chat, echo),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _stream(ctx, rid, body, items, streams, q, chat, echo),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     finals = await _collect(ctx, request, q, streams)
     if finals is None:  # the client went away; its requests are aborted
         return Response(status_code=499)
@@ -77,18 +87,23 @@ async def _run(ctx: Context, request: Request, body: dict, items: list[Item], *,
     return await asyncio.to_thread(_answer, ctx, rid, body, items, finals, chat, echo)
 
 
-def _answer(ctx: Context, rid: str, body: dict, items: list[Item], finals, chat: bool,
-            echo: bool) -> Response:
+def _answer(
+    ctx: Context, rid: str, body: dict, items: list[Item], finals, chat: bool, echo: bool
+) -> Response:
     fmt, choices, with_ids = ctx.fmt.named(items[0].lora), [], _with_ids(ctx, body)
     for i, (it, out) in enumerate(zip(items, finals)):
         if any(c.finish_reason == "error" for c in out.outputs):
-            raise APIError(out.error or "engine: the request failed", None, 500,
-                           "InternalServerError")
+            raise APIError(
+                out.error or "engine: the request failed", None, 500, "InternalServerError"
+            )
         for c in out.outputs:
             lps = None
             if c.logprobs is not None:
-                lps = fmt.chat_logprobs(c.logprobs) if chat else fmt.completion_logprobs(
-                    c.logprobs, len(it.text or "") if echo else 0)
+                lps = (
+                    fmt.chat_logprobs(c.logprobs)
+                    if chat
+                    else fmt.completion_logprobs(c.logprobs, len(it.text or "") if echo else 0)
+                )
             idx = i * it.params.n + c.index
             if chat:
                 choice = fmt.chat_choice(idx, c, logprobs=lps)
@@ -108,13 +123,18 @@ def _answer(ctx: Context, rid: str, body: dict, items: list[Item], finals, chat:
             if with_ids:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
-    u = usage(sum(len(it.ids) for it in items),
-              sum(len(c.token_ids) for o in finals for c in o.outputs),
-              sum(o.num_cached_tokens for o in finals))
+    u = usage(
+        sum(len(it.ids) for it in items),
+        sum(len(c.token_ids) for o in finals for c in o.outputs),
+        sum(o.num_cached_tokens for o in finals),
+    )
     resp = fmt.envelope(rid, "chat.completion" if chat else "text_completion", now(), choices, u)
     if any(it.params.prompt_logprobs is not None for it in items):
-        resp["prompt_logprobs"] = [fmt.prompt_logprobs(o.prompt_logprobs) for o in finals] \
-            if len(finals) > 1 else fmt.prompt_logprobs(finals[0].prompt_logprobs)
+        resp["prompt_logprobs"] = (
+            [fmt.prompt_logprobs(o.prompt_logprobs) for o in finals]
+            if len(finals) > 1
+            else fmt.prompt_logprobs(finals[0].prompt_logprobs)
+        )
     return Response(json_bytes(resp), media_type="application/json")
 
 
@@ -139,12 +159,19 @@ async def _collect(ctx: Context, request: Request, q: asyncio.Queue, streams):
 
 
 def _error_event(out) -> dict:
-    return {"error": {"message": out.error or "engine: the request failed",
-                      "type": "InternalServerError", "param": None, "code": 500}}
+    return {
+        "error": {
+            "message": out.error or "engine: the request failed",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
 
 
-async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams, q, chat: bool,
-                  echo: bool):
+async def _stream(
+    ctx: Context, rid: str, body: dict, items: list[Item], streams, q, chat: bool, echo: bool
+):
     fmt = ctx.fmt.named(items[0].lora)
     created = now()
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -152,14 +179,25 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
     with_ids = _with_ids(ctx, body)
     pending = {s.index: s for s in streams}
     closed: set = set()  # (item, answer) whose final chunk is out
-    offset = {(i, k): len(it.text or "") if echo else 0
-              for i, it in enumerate(items) for k in range(it.params.n)}
+    offset = {
+        (i, k): len(it.text or "") if echo else 0
+        for i, it in enumerate(items)
+        for k in range(it.params.n)
+    }
     generated = [0] * len(items)
     cached = [0] * len(items)
-    parsers = {(i, k): tool_stream.StreamParser(it.tools) for i, it in enumerate(items)
-               if chat and it.tools is not None for k in range(it.params.n)}
-    thinkers = {(i, k): Reasoning(ctx.reasoning_parser, it.text or "") for i, it in enumerate(items)
-                if chat and ctx.reasoning_parser for k in range(it.params.n)}
+    parsers = {
+        (i, k): tool_stream.StreamParser(it.tools)
+        for i, it in enumerate(items)
+        if chat and it.tools is not None
+        for k in range(it.params.n)
+    }
+    thinkers = {
+        (i, k): Reasoning(ctx.reasoning_parser, it.text or "")
+        for i, it in enumerate(items)
+        if chat and ctx.reasoning_parser
+        for k in range(it.params.n)
+    }
 
     def chunk(choices):
         return sse(fmt.envelope(rid, obj, created, choices, with_usage=include_usage))
@@ -169,11 +207,27 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
             for k in range(it.params.n):
                 idx = i * it.params.n + k
                 if chat:
-                    yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
+                    yield chunk(
+                        [
+                            {
+                                "index": idx,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
                 elif echo:
-                    yield chunk([{"index": idx, "text": it.text or "", "logprobs": None,
-                                  "finish_reason": None}])
+                    yield chunk(
+                        [
+                            {
+                                "index": idx,
+                                "text": it.text or "",
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
         while pending:
             i, out = await q.get()
             if out.finished:
@@ -190,34 +244,53 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
                 lps = None
                 if c.delta_logprobs:
                     new = c.delta_logprobs
-                    lps = fmt.chat_logprobs(new) if chat else fmt.completion_logprobs(
-                        new, offset[key])
+                    lps = (
+                        fmt.chat_logprobs(new)
+                        if chat
+                        else fmt.completion_logprobs(new, offset[key])
+                    )
                 done = c.finish_reason is not None
                 if not (c.delta_text or lps or done or with_ids and c.delta_token_ids):
                     continue
                 idx = i * items[i].params.n + c.index
                 if chat:  # reasoning, content and tool calls apart where parsers are on
-                    thinking, content = (thinkers[key].feed(c.delta_text, done) if key in thinkers
-                                         else ("", c.delta_text))
+                    thinking, content = (
+                        thinkers[key].feed(c.delta_text, done)
+                        if key in thinkers
+                        else ("", c.delta_text)
+                    )
                     calls, finish = [], c.finish_reason
                     if key in parsers:
                         content, calls = parsers[key].feed(content, done)
                         if parsers[key].calls and finish == "stop":
                             finish = "tool_calls"
                     for d in calls:  # each call: its id and name, then its arguments
-                        yield chunk([{"index": idx, "delta": {"tool_calls": [d]}, "logprobs": None,
-                                      "finish_reason": None}])
+                        yield chunk(
+                            [
+                                {
+                                    "index": idx,
+                                    "delta": {"tool_calls": [d]},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
                     delta = {"reasoning_content": thinking} if thinking else {}
                     if content:
                         delta["content"] = content
                     if not (delta or lps or done or with_ids and c.delta_token_ids):
                         continue
-                    choice = {"index": idx, "delta": delta, "logprobs": lps,
-                              "finish_reason": finish if done else None,
-                              "stop_reason": c.stop_reason if done else None}
+                    choice = {
+                        "index": idx,
+                        "delta": delta,
+                        "logprobs": lps,
+                        "finish_reason": finish if done else None,
+                        "stop_reason": c.stop_reason if done else None,
+                    }
                 else:
-                    choice = fmt.completion_choice(idx, c, text=c.delta_text, logprobs=lps,
-                                                   final=done)
+                    choice = fmt.completion_choice(
+                        idx, c, text=c.delta_text, logprobs=lps, final=done
+                    )
                 if with_ids:
                     choice["token_ids"] = list(c.delta_token_ids)
                 offset[key] += len(c.delta_text)
@@ -225,15 +298,28 @@ async def _stream(ctx: Context, rid: str, body: dict, items: list[Item], streams
                     closed.add(key)
                 yield chunk([choice])
         if include_usage:
-            yield sse(fmt.envelope(rid, obj, created, [],
-                                   usage(sum(len(it.ids) for it in items), sum(generated),
-                                         sum(cached))))
+            yield sse(
+                fmt.envelope(
+                    rid,
+                    obj,
+                    created,
+                    [],
+                    usage(sum(len(it.ids) for it in items), sum(generated), sum(cached)),
+                )
+            )
         yield sse("[DONE]")
     except Exception as e:  # a fault here ends this stream, named, not the server
         log.exception("jaxkv serve: stream %s failed", rid)
-        yield sse({"error": {"message": f"internal server error ({type(e).__name__}); the "
-                                        "server logged it", "type": "InternalServerError",
-                             "param": None, "code": 500}})
+        yield sse(
+            {
+                "error": {
+                    "message": f"internal server error ({type(e).__name__}); the server logged it",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            }
+        )
         yield sse("[DONE]")
     finally:  # finished, or the client went away (the task is cancelled)
         for s in pending.values():

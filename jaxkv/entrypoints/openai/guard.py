@@ -33,21 +33,31 @@ OPEN_PATHS = ("/health", "/")  # a load balancer's probe; static HTML whose fetc
 
 
 def too_large(limit: int) -> APIError:
-    return APIError(f"request body: larger than this server's bound of {limit} bytes "
-                    "(--max-request-bytes)", None, 413, "RequestTooLargeError")
+    return APIError(
+        f"request body: larger than this server's bound of {limit} bytes (--max-request-bytes)",
+        None,
+        413,
+        "RequestTooLargeError",
+    )
 
 
 def unauthorized() -> APIError:
-    return APIError("Authorization: this server needs 'Authorization: Bearer <api key>' "
-                    "(--api-key)", None, 401, "AuthenticationError")
+    return APIError(
+        "Authorization: this server needs 'Authorization: Bearer <api key>' (--api-key)",
+        None,
+        401,
+        "AuthenticationError",
+    )
 
 
 def check_api_key(api_key: str | None) -> str | None:
     """The key, or None for none; an empty one (an unset shell variable
     in `--api-key $KEY`) is a ValueError, never "no key"."""
     if api_key is not None and not api_key.strip():
-        raise ValueError("api_key: empty (an unset variable?); give a key, or leave the option "
-                         "out to serve without one")
+        raise ValueError(
+            "api_key: empty (an unset variable?); give a key, or leave the option "
+            "out to serve without one"
+        )
     return api_key
 
 
@@ -63,7 +73,7 @@ def _host_name(value: bytes) -> str:
     """A Host header's host, without its port (IPv6 in brackets too)."""
     text = value.decode("latin-1").strip().lower()
     if text.startswith("["):
-        return text[1:text.find("]")] if "]" in text else text
+        return text[1 : text.find("]")] if "]" in text else text
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
@@ -71,8 +81,15 @@ class Guard:
     """ASGI middleware: the Host header, the API key, and the body bound on
     Content-Length."""
 
-    def __init__(self, app, *, api_key: str | None, max_request_bytes: int, metrics,
-                 allowed_hosts: list[str] | None = None):
+    def __init__(
+        self,
+        app,
+        *,
+        api_key: str | None,
+        max_request_bytes: int,
+        metrics,
+        allowed_hosts: list[str] | None = None,
+    ):
         self.app = app
         self.key = check_api_key(api_key).encode() if api_key is not None else None
         self.limit = max_request_bytes
@@ -91,11 +108,20 @@ class Guard:
         headers = dict(scope["headers"])
         if self.hosts is not None and _host_name(headers.get(b"host", b"")) not in self.hosts:
             self.metrics.error("invalid_request")
-            return await _send(send, APIError(
-                "Host: this server answers requests for "
-                f"{', '.join(sorted(self.hosts))} only (--allowed-hosts)", None, 400))
-        if self.key is not None and scope["path"] not in OPEN_PATHS \
-                and not self._authorized(headers):
+            return await _send(
+                send,
+                APIError(
+                    "Host: this server answers requests for "
+                    f"{', '.join(sorted(self.hosts))} only (--allowed-hosts)",
+                    None,
+                    400,
+                ),
+            )
+        if (
+            self.key is not None
+            and scope["path"] not in OPEN_PATHS
+            and not self._authorized(headers)
+        ):
             return await _send(send, unauthorized(), {"www-authenticate": "Bearer"})
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
@@ -106,10 +132,17 @@ class Guard:
 
 async def _send(send, e: APIError, headers: dict | None = None) -> None:
     body = json.dumps(e.body()).encode()
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            *((k.encode(), v.encode()) for k, v in (headers or {}).items())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": e.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *((k.encode(), v.encode()) for k, v in (headers or {}).items()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -132,8 +165,9 @@ async def read_json(request: Request, limit: int, timeout: float | None = None):
     except ClientDisconnect:
         raise APIError("request body: the client left before sending all of it", None) from None
     except TimeoutError:
-        raise APIError(f"request body: did not arrive within {timeout:g} s", None, 408,
-                       "RequestTimeoutError") from None
+        raise APIError(
+            f"request body: did not arrive within {timeout:g} s", None, 408, "RequestTimeoutError"
+        ) from None
     return await asyncio.to_thread(parse_json, b"".join(parts))
 
 
@@ -154,20 +188,29 @@ def install_error_handlers(app: FastAPI, metrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         if e.status < 500 or e.status == 503:  # a failed request: the engine loop counted it
-            metrics.error({429: "queue_full", 503: "shutting_down"}.get(e.status,
-                                                                         "invalid_request"))
+            metrics.error(
+                {429: "queue_full", 503: "shutting_down"}.get(e.status, "invalid_request")
+            )
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        err = APIError(f"{request.method} {request.url.path}: {e.detail}", None, e.status_code,
-                       "NotFoundError" if e.status_code == 404 else "invalid_request_error")
+        err = APIError(
+            f"{request.method} {request.url.path}: {e.detail}",
+            None,
+            e.status_code,
+            "NotFoundError" if e.status_code == 404 else "invalid_request_error",
+        )
         return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         # Starlette raises `e` on once this answer is sent, so uvicorn logs it.
         metrics.error("server_error")
-        err = APIError(f"internal server error ({type(e).__name__}); the server logged it",
-                       None, 500, "InternalServerError")
+        err = APIError(
+            f"internal server error ({type(e).__name__}); the server logged it",
+            None,
+            500,
+            "InternalServerError",
+        )
         return JSONResponse(err.body(), status_code=500)

@@ -48,12 +48,26 @@ def snapshot(engine) -> dict:
         label = str(parent)[-8:]
         if seq.index:
             label += f" #{seq.index}"
-        requests.append({"id": label, "pages": sum(1 for p in table if p != TRASH_PAGE),
-                         "tokens": seq.num_tokens, "computed": bm.num_computed_tokens(rid)})
-    return {"num_pages": bm.num_pages, "page_size": bm.page_size, "pages": pages,
-            "requests": requests, "waiting": len(sched.waiting), "released": released,
-            "free": pages.count(FREE), "cached": pages.count(CACHED),
-            "shared": pages.count(SHARED), "tiers": _tiers(getattr(engine, "tier", None))}
+        requests.append(
+            {
+                "id": label,
+                "pages": sum(1 for p in table if p != TRASH_PAGE),
+                "tokens": seq.num_tokens,
+                "computed": bm.num_computed_tokens(rid),
+            }
+        )
+    return {
+        "num_pages": bm.num_pages,
+        "page_size": bm.page_size,
+        "pages": pages,
+        "requests": requests,
+        "waiting": len(sched.waiting),
+        "released": released,
+        "free": pages.count(FREE),
+        "cached": pages.count(CACHED),
+        "shared": pages.count(SHARED),
+        "tiers": _tiers(getattr(engine, "tier", None)),
+    }
 
 
 def _tiers(tier) -> dict | None:
@@ -61,9 +75,14 @@ def _tiers(tier) -> dict | None:
         return None
     codes = [3 if tier.pinned(h) else 1 if tier.ready(h) else 2 for h in tier.hashes()]
     disk = tier.disk
-    return {"host": {"capacity": tier.capacity, "pages": codes, "bytes": tier.nbytes},
-            "disk": ({"pages": len(disk), "bytes": disk.nbytes, "max_bytes": disk.max_bytes}
-                     if disk is not None else None)}
+    return {
+        "host": {"capacity": tier.capacity, "pages": codes, "bytes": tier.nbytes},
+        "disk": (
+            {"pages": len(disk), "bytes": disk.nbytes, "max_bytes": disk.max_bytes}
+            if disk is not None
+            else None
+        ),
+    }
 
 
 PAGE = """<!doctype html>

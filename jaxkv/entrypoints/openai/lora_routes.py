@@ -46,10 +46,19 @@ def model_cards(ctx) -> list[dict]:
     if loras is None:
         return []
     known = dict(loras.known)  # read off the engine thread: a copy, then its entries
-    return [{"id": name, "object": "model", "created": ctx.created, "owned_by": "jaxkv",
-             "root": known[name].request.lora_path, "parent": ctx.served[0],
-             "max_model_len": ctx.engine.max_model_len}
-            for name in sorted(known) if name not in ctx.served]
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "jaxkv",
+            "root": known[name].request.lora_path,
+            "parent": ctx.served[0],
+            "max_model_len": ctx.engine.max_model_len,
+        }
+        for name in sorted(known)
+        if name not in ctx.served
+    ]
 
 
 def _field(body, name: str, limit: int = 4096) -> str:
@@ -63,8 +72,9 @@ def _field(body, name: str, limit: int = 4096) -> str:
 
 def _lora_on(ctx) -> None:
     if ctx.engine.loras is None:
-        raise APIError("LoRA is off on this server (start it with --enable-lora)", None, 404,
-                       "NotFoundError")
+        raise APIError(
+            "LoRA is off on this server (start it with --enable-lora)", None, 404, "NotFoundError"
+        )
 
 
 def confined(path: str, roots: list[str]) -> str:
@@ -72,8 +82,12 @@ def confined(path: str, roots: list[str]) -> str:
     one of `roots` (none given: anywhere)."""
     real = os.path.realpath(path)
     if roots and not any(os.path.commonpath([real, r]) == r for r in roots):
-        raise APIError("lora_path: outside the folders this server loads adapters from "
-                       "(--lora-root)", "lora_path", 403, "PermissionDeniedError")
+        raise APIError(
+            "lora_path: outside the folders this server loads adapters from (--lora-root)",
+            "lora_path",
+            403,
+            "PermissionDeniedError",
+        )
     return real
 
 
@@ -89,9 +103,14 @@ def install(app, ctx, read_body, *, runtime: bool = False, roots: list[str] | No
     def allowed() -> None:
         _lora_on(ctx)
         if not runtime:
-            raise APIError("loading and unloading LoRA adapters at run time is off on this "
-                           "server (start it with --enable-runtime-lora-loading or "
-                           f"{RUNTIME_ENV}=1)", None, 404, "NotFoundError")
+            raise APIError(
+                "loading and unloading LoRA adapters at run time is off on this "
+                "server (start it with --enable-runtime-lora-loading or "
+                f"{RUNTIME_ENV}=1)",
+                None,
+                404,
+                "NotFoundError",
+            )
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
@@ -99,11 +118,15 @@ def install(app, ctx, read_body, *, runtime: bool = False, roots: list[str] | No
         body = await read_body(request)
         name, path = _field(body, "lora_name", 256), _field(body, "lora_path")
         if name in ctx.served:
-            raise APIError(f"lora_name: {short(name)} is the served model's name; choose another",
-                           "lora_name")
+            raise APIError(
+                f"lora_name: {short(name)} is the served model's name; choose another", "lora_name"
+            )
         if name in ctx.engine.loras.known:
-            raise APIError(f"lora_name: the LoRA adapter {short(name)} has already been loaded; "
-                           "unload it first", "lora_name")
+            raise APIError(
+                f"lora_name: the LoRA adapter {short(name)} has already been loaded; "
+                "unload it first",
+                "lora_name",
+            )
         confined(path, roots)
 
         def load():  # a worker thread: reads, checks, then registers under the adapters' lock
@@ -112,10 +135,13 @@ def install(app, ctx, read_body, *, runtime: bool = False, roots: list[str] | No
             except ValueError as e:
                 msg = str(e)
                 if "loaded already" in msg:
-                    msg = (f"lora_name: the LoRA adapter {short(name)} has already been loaded; "
-                           "unload it first")
-                raise APIError(msg, "lora_name" if msg.startswith("lora_name") else "lora_path"
-                               ) from None
+                    msg = (
+                        f"lora_name: the LoRA adapter {short(name)} has already been loaded; "
+                        "unload it first"
+                    )
+                raise APIError(
+                    msg, "lora_name" if msg.startswith("lora_name") else "lora_path"
+                ) from None
 
         await asyncio.to_thread(load)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -125,8 +151,12 @@ def install(app, ctx, read_body, *, runtime: bool = False, roots: list[str] | No
         allowed()
         name = _field(await read_body(request), "lora_name", 256)
         if not ctx.engine.loras.remove(name):
-            raise APIError(f"lora_name: the LoRA adapter {short(name)} is not loaded", "lora_name",
-                           404, "NotFoundError")
+            raise APIError(
+                f"lora_name: the LoRA adapter {short(name)} is not loaded",
+                "lora_name",
+                404,
+                "NotFoundError",
+            )
         await asyncio.to_thread(release_memory)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -24,10 +24,48 @@ from jaxkv.core.spec.decode import SpecStats
 prometheus_client.disable_created_metrics()
 
 # Seconds; a CPU step of the default model is ~30 ms, a cold compile ~10 s.
-_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-            10.0, 20.0, 40.0, 80.0, 160.0)
-_ITL = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-        0.75, 1.0, 2.5, 5.0, 10.0)
+_LATENCY = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_ITL = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 class ServerMetrics:
@@ -44,65 +82,110 @@ class ServerMetrics:
 
         def hist(name, doc, buckets):
             return Histogram(f"jaxkv:{name}", doc, m, buckets=buckets, registry=r).labels(
-                model_name)
+                model_name
+            )
 
-        self.running = gauge("num_requests_running", "Requests admitted to the engine (holding "
-                                                     "KV pages); n answers count once.")
-        self.waiting = gauge("num_requests_waiting", "Requests queued for admission; n answers "
-                                                     "count once.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages held by requests "
-                                                     "(1 = full).")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
-                                                              "prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix "
-                                                        "cache.")
+        self.running = gauge(
+            "num_requests_running",
+            "Requests admitted to the engine (holding KV pages); n answers count once.",
+        )
+        self.waiting = gauge(
+            "num_requests_waiting", "Requests queued for admission; n answers count once."
+        )
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "Fraction of KV pages held by requests (1 = full)."
+        )
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens served from the prefix cache."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated, every answer "
-                                                              "of n counted.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later) "
-                                                      "when the page pool ran dry.")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified (a "
-                                                             "sequence's proposals in one step).")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
-                                         "Speculative tokens proposed.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
-                                     "Speculative tokens the target accepted.")
-        self.lora_adapters = gauge("lora_adapters", "LoRA adapters the server knows (loaded, "
-                                                    "in host memory).")
+        self.generation_tokens = counter(
+            "generation_tokens", "Tokens generated, every answer of n counted."
+        )
+        self.preemptions = counter(
+            "num_preemptions", "Requests preempted (recomputed later) when the page pool ran dry."
+        )
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts",
+            "Speculative drafts verified (a sequence's proposals in one step).",
+        )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative tokens proposed."
+        )
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Speculative tokens the target accepted."
+        )
+        self.lora_adapters = gauge(
+            "lora_adapters", "LoRA adapters the server knows (loaded, in host memory)."
+        )
         self.lora_slots = gauge("lora_slots_in_use", "LoRA device slots read by running requests.")
-        self.lora_loads = counter("lora_slot_loads", "Adapters written into a device slot (a "
-                                                     "slot's previous adapter evicted).")
-        self._tier_hits = Counter("jaxkv:kv_offload_hit_tokens", "Prompt tokens served from a "
-                                  "KV tier below the device pool (tier: host or disk).",
-                                  m + ["tier"], registry=r)
-        self._tier_pages = Counter("jaxkv:kv_offload_pages", "KV pages copied between the "
-                                   "device and the host tier (direction: out or in).",
-                                   m + ["direction"], registry=r)
-        self._tier_bytes = Counter("jaxkv:kv_offload_bytes", "Bytes of those copies.",
-                                   m + ["direction"], registry=r)
-        self.tier_seconds = counter("kv_offload_copy_seconds", "Seconds spent moving KV pages "
-                                                               "between the tiers (disk included).")
-        self._tier_held = Gauge("jaxkv:kv_offload_tier_bytes", "Bytes of KV pages a tier holds "
-                                "(tier: host or disk).", m + ["tier"], registry=r)
-        self.evicted_tokens = counter("kv_evicted_tokens", "Tokens dropped from requests' KV by "
-                                                           "importance eviction (kv_eviction).")
-        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.",
-                         _LATENCY)
-        self.itl = hist("inter_token_latency_seconds", "Time between output tokens (a "
-                                                       "multi-token output shares its gap).",
-                        _ITL)
+        self.lora_loads = counter(
+            "lora_slot_loads",
+            "Adapters written into a device slot (a slot's previous adapter evicted).",
+        )
+        self._tier_hits = Counter(
+            "jaxkv:kv_offload_hit_tokens",
+            "Prompt tokens served from a KV tier below the device pool (tier: host or disk).",
+            m + ["tier"],
+            registry=r,
+        )
+        self._tier_pages = Counter(
+            "jaxkv:kv_offload_pages",
+            "KV pages copied between the device and the host tier (direction: out or in).",
+            m + ["direction"],
+            registry=r,
+        )
+        self._tier_bytes = Counter(
+            "jaxkv:kv_offload_bytes", "Bytes of those copies.", m + ["direction"], registry=r
+        )
+        self.tier_seconds = counter(
+            "kv_offload_copy_seconds",
+            "Seconds spent moving KV pages between the tiers (disk included).",
+        )
+        self._tier_held = Gauge(
+            "jaxkv:kv_offload_tier_bytes",
+            "Bytes of KV pages a tier holds (tier: host or disk).",
+            m + ["tier"],
+            registry=r,
+        )
+        self.evicted_tokens = counter(
+            "kv_evicted_tokens",
+            "Tokens dropped from requests' KV by importance eviction (kv_eviction).",
+        )
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", _LATENCY)
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between output tokens (a multi-token output shares its gap).",
+            _ITL,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to final output.", _LATENCY)
-        self._success = Counter("jaxkv:request_success", "Requests finished, by finish reason.",
-                                m + ["finished_reason"], registry=r)
-        self._errors = Counter("jaxkv:request_errors", "Requests refused or failed, by reason.",
-                               m + ["reason"], registry=r)
-        self._routed = Counter("jaxkv:moe_routed_tokens", "Token choices routed to each expert of "
-                               "a mixture of experts, summed over layers (k per token per sparse "
-                               "layer; every row the model ran, rejected speculative rows "
-                               "included); a skewed router shows as a few large experts.",
-                               m + ["expert"], registry=r)
-        self._seen = dict(queries=0, hits=0, preemptions=0, drafts=0, proposed=0, accepted=0,
-                          lora_loads=0)
+        self._success = Counter(
+            "jaxkv:request_success",
+            "Requests finished, by finish reason.",
+            m + ["finished_reason"],
+            registry=r,
+        )
+        self._errors = Counter(
+            "jaxkv:request_errors",
+            "Requests refused or failed, by reason.",
+            m + ["reason"],
+            registry=r,
+        )
+        self._routed = Counter(
+            "jaxkv:moe_routed_tokens",
+            "Token choices routed to each expert of "
+            "a mixture of experts, summed over layers (k per token per sparse "
+            "layer; every row the model ran, rejected speculative rows "
+            "included); a skewed router shows as a few large experts.",
+            m + ["expert"],
+            registry=r,
+        )
+        self._seen = dict(
+            queries=0, hits=0, preemptions=0, drafts=0, proposed=0, accepted=0, lora_loads=0
+        )
         self._routed_seen = None
 
     def error(self, reason: str) -> None:
@@ -124,14 +207,15 @@ class ServerMetrics:
         if loras is not None:
             self.lora_adapters.set(len(loras.known))
             self.lora_slots.set(len({s.lora_slot for s in sched.running} - {0}))
-        for key, now, metric in (("lora_loads", loras.stats["slot_loads"] if loras else 0,
-                                  self.lora_loads),
-                                 ("queries", bm.prefix_query_tokens, self.prefix_queries),
-                                 ("hits", bm.prefix_hit_tokens, self.prefix_hits),
-                                 ("preemptions", sched.num_preemptions, self.preemptions),
-                                 ("drafts", spec.drafts, self.spec_drafts),
-                                 ("proposed", spec.proposed, self.spec_draft_tokens),
-                                 ("accepted", spec.accepted, self.spec_accepted)):
+        for key, now, metric in (
+            ("lora_loads", loras.stats["slot_loads"] if loras else 0, self.lora_loads),
+            ("queries", bm.prefix_query_tokens, self.prefix_queries),
+            ("hits", bm.prefix_hit_tokens, self.prefix_hits),
+            ("preemptions", sched.num_preemptions, self.preemptions),
+            ("drafts", spec.drafts, self.spec_drafts),
+            ("proposed", spec.proposed, self.spec_draft_tokens),
+            ("accepted", spec.accepted, self.spec_accepted),
+        ):
             if now > self._seen[key]:
                 metric.inc(now - self._seen[key])
             self._seen[key] = now
@@ -143,14 +227,16 @@ class ServerMetrics:
         if not kv:
             return
         name = self.model_name
-        for key, metric in (("host_hit_tokens", self._tier_hits.labels(name, "host")),
-                            ("disk_hit_tokens", self._tier_hits.labels(name, "disk")),
-                            ("pages_out", self._tier_pages.labels(name, "out")),
-                            ("pages_in", self._tier_pages.labels(name, "in")),
-                            ("bytes_out", self._tier_bytes.labels(name, "out")),
-                            ("bytes_in", self._tier_bytes.labels(name, "in")),
-                            ("copy_seconds", self.tier_seconds),
-                            ("evicted_tokens", self.evicted_tokens)):
+        for key, metric in (
+            ("host_hit_tokens", self._tier_hits.labels(name, "host")),
+            ("disk_hit_tokens", self._tier_hits.labels(name, "disk")),
+            ("pages_out", self._tier_pages.labels(name, "out")),
+            ("pages_in", self._tier_pages.labels(name, "in")),
+            ("bytes_out", self._tier_bytes.labels(name, "out")),
+            ("bytes_in", self._tier_bytes.labels(name, "in")),
+            ("copy_seconds", self.tier_seconds),
+            ("evicted_tokens", self.evicted_tokens),
+        ):
             now, seen = kv.get(key, 0), self._seen.get(key, 0)
             if now > seen:
                 metric.inc(now - seen)

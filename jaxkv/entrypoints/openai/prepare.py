@@ -116,8 +116,10 @@ def _fits(n: int, max_model_len: int) -> None:
     """A prompt of n tokens leaves room for one more, checked before the
     O(n) checks so an oversized prompt is refused at the cost of its length."""
     if n >= max_model_len:
-        raise ValueError(f"prompt: {n} prompt tokens leave no room to generate within the "
-                         f"maximum model length {max_model_len}")
+        raise ValueError(
+            f"prompt: {n} prompt tokens leave no room to generate within the "
+            f"maximum model length {max_model_len}"
+        )
 
 
 def _prepare(ctx: Context, prompt, params: SamplingParams, salt, rename, echo: bool) -> Item:
@@ -127,8 +129,9 @@ def _prepare(ctx: Context, prompt, params: SamplingParams, salt, rename, echo: b
         raw = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if isinstance(raw, list):
             _fits(len(raw), eng.max_model_len)
-        text, ids = parse_prompt(prompt, _Releasing(tok) if tok is not None else None,
-                                 eng.model_config.vocab_size)
+        text, ids = parse_prompt(
+            prompt, _Releasing(tok) if tok is not None else None, eng.model_config.vocab_size
+        )
         _fits(len(ids), eng.max_model_len)
         if params.max_tokens is None:  # the rest of the context
             params = dataclasses.replace(params, max_tokens=max(1, eng.max_model_len - len(ids)))
@@ -145,20 +148,25 @@ def _prepare(ctx: Context, prompt, params: SamplingParams, salt, rename, echo: b
 def render_chat(ctx: Context, messages: list[dict], body: dict, tools=None) -> str:
     tok = ctx.engine.tokenizer
     if tok is None or not tok.chat_template:
-        raise APIError("messages: this model has no chat template; use /v1/completions",
-                       "messages")
+        raise APIError("messages: this model has no chat template; use /v1/completions", "messages")
     for i, m in enumerate(messages):
         if not is_unicode(m["content"]) or not is_unicode(m["role"]):
-            raise APIError(f"messages[{i}]: not valid Unicode text (a lone surrogate)",
-                           f"messages[{i}].content")
+            raise APIError(
+                f"messages[{i}]: not valid Unicode text (a lone surrogate)",
+                f"messages[{i}].content",
+            )
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise APIError("chat_template_kwargs: must be an object", "chat_template_kwargs")
-    messages, extra = tools_mod.for_template(messages, tools,
-                                             tools_mod.template_renders_tools(tok.chat_template))
+    messages, extra = tools_mod.for_template(
+        messages, tools, tools_mod.template_renders_tools(tok.chat_template)
+    )
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=body.get(
-            "add_generation_prompt", True), **{**extra, **kwargs})
+        return tok.apply_chat_template(
+            messages,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **{**extra, **kwargs},
+        )
     except (ValueError, TypeError) as e:
         raise APIError(f"messages: the chat template refused them ({e})", "messages") from None
 
@@ -171,8 +179,10 @@ def completion_items(ctx: Context, body) -> tuple[list[Item], bool]:
     echo = bool(body.get("echo"))
     if echo and params.logprobs is not None:
         raise APIError("echo: echo with logprobs needs prompt logprobs, not supported yet", "echo")
-    items = [_prepare(ctx, p, params, body.get("cache_salt"), {"prompt_token_ids": "prompt"},
-                      echo) for p in prompts]
+    items = [
+        _prepare(ctx, p, params, body.get("cache_salt"), {"prompt_token_ids": "prompt"}, echo)
+        for p in prompts
+    ]
     lora = ctx.adapter(body)
     adapter = ctx.resolve(lora)
     for it in items:
@@ -188,15 +198,19 @@ def chat_items(ctx: Context, body) -> list[Item]:
     params = sampling_params(body, chat=True, default_max_tokens=None)
     if tools is not None and tools.forced:  # the answer is calls: a grammar makes sure
         if params.structured_outputs is not None:
-            raise APIError("tool_choice: a forced tool call cannot be combined with "
-                           "response_format or structured outputs", "tool_choice")
+            raise APIError(
+                "tool_choice: a forced tool call cannot be combined with "
+                "response_format or structured outputs",
+                "tool_choice",
+            )
         params = dataclasses.replace(params, structured_outputs={"grammar": grammar(tools)})
     rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
     if body.get("max_completion_tokens") is not None:
         rename["max_tokens"] = "max_completion_tokens"
     ids = encode(ctx.engine.tokenizer, text, add_special_tokens=False)
-    item = _prepare(ctx, {"prompt_token_ids": ids}, params, body.get("cache_salt"), rename,
-                    echo=False)
+    item = _prepare(
+        ctx, {"prompt_token_ids": ids}, params, body.get("cache_salt"), rename, echo=False
+    )
     item.text, item.tools, item.lora = text, tools, ctx.adapter(body)
     item.adapter = ctx.resolve(item.lora)
     return [item]
@@ -218,7 +232,9 @@ def tokenize(ctx: Context, body) -> dict:
     if not isinstance(add_special, bool):
         raise APIError("add_special_tokens: must be true or false", "add_special_tokens")
     if "messages" in body:  # rendered as a chat request would be, tools too
-        text = render_chat(ctx, chat_messages(body), body, tools_mod.check_tools(body, ctx.parser()))
+        text = render_chat(
+            ctx, chat_messages(body), body, tools_mod.check_tools(body, ctx.parser())
+        )
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
@@ -240,6 +256,7 @@ def detokenize(ctx: Context, body) -> dict:
     ids = body.get("tokens")
     vocab = ctx.engine.model_config.vocab_size
     if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+    ):
         raise APIError(f"tokens: must be a list of token ids below {vocab}", "tokens")
     return {"prompt": decode(tok, ids)}

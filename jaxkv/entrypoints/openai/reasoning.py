@@ -46,7 +46,7 @@ class Reasoning:
                 if stripped.startswith(OPEN):
                     self.inside = True
                     self.skip_nl = True
-                    text = stripped[len(OPEN):]
+                    text = stripped[len(OPEN) :]
                 continue
             if not self.inside:
                 content.append(text)
@@ -54,13 +54,13 @@ class Reasoning:
             i = text.find(CLOSE)
             if i >= 0:
                 reasoning.append(text[:i])
-                text = text[i + len(CLOSE):]
+                text = text[i + len(CLOSE) :]
                 self.inside = False
                 self.skip_nl = True
                 continue
             keep = 0 if final else _tail(text, CLOSE)
-            reasoning.append(text[:len(text) - keep])
-            self.buf = text[len(text) - keep:]
+            reasoning.append(text[: len(text) - keep])
+            self.buf = text[len(text) - keep :]
             break
         return "".join(reasoning), "".join(content)
 

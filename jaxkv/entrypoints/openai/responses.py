@@ -43,24 +43,38 @@ class Formatter:
         for t in toks:
             offsets.append(at)
             at += len(t)
-        return {"tokens": toks, "token_logprobs": [_lp(lp.logprob) for lp in lps],
-                "top_logprobs": [{self.token_str(t): _lp(v) for t, v in lp.top.items()}
-                                 for lp in lps],
-                "text_offset": offsets}
+        return {
+            "tokens": toks,
+            "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": [{self.token_str(t): _lp(v) for t, v in lp.top.items()} for lp in lps],
+            "text_offset": offsets,
+        }
 
     def chat_logprobs(self, lps: list[Logprob]) -> dict:
         def entry(t, v):
             s = self.token_str(t)
             return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
-                            for lp in lps]}
+        return {
+            "content": [
+                {
+                    **entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [entry(t, v) for t, v in lp.top.items()],
+                }
+                for lp in lps
+            ]
+        }
 
-    def envelope(self, rid: str, obj: str, created: int, choices: list, usage=None,
-                 with_usage: bool = False) -> dict:
-        d = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-             "choices": choices}
+    def envelope(
+        self, rid: str, obj: str, created: int, choices: list, usage=None, with_usage: bool = False
+    ) -> dict:
+        d = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.model_name,
+            "choices": choices,
+        }
         if usage is not None or with_usage:
             d["usage"] = usage
         return d
@@ -75,29 +89,45 @@ class Formatter:
             if e is None:
                 out.append(None)
                 continue
-            d = {str(t): {"logprob": _lp(v), "decoded_token": self.token_str(t)}
-                 for t, v in e.top.items()}
-            d[str(e.token_id)] = {"logprob": _lp(e.logprob),
-                                  "decoded_token": self.token_str(e.token_id)}
+            d = {
+                str(t): {"logprob": _lp(v), "decoded_token": self.token_str(t)}
+                for t, v in e.top.items()
+            }
+            d[str(e.token_id)] = {
+                "logprob": _lp(e.logprob),
+                "decoded_token": self.token_str(e.token_id),
+            }
             out.append(d)
         return out
 
-    def completion_choice(self, index: int, c: CompletionOutput, *, text: str, logprobs,
-                          final: bool) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason if final else None,
-                "stop_reason": c.stop_reason if final else None}
+    def completion_choice(
+        self, index: int, c: CompletionOutput, *, text: str, logprobs, final: bool
+    ) -> dict:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason if final else None,
+            "stop_reason": c.stop_reason if final else None,
+        }
 
     def chat_choice(self, index: int, c: CompletionOutput, *, logprobs) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def json_bytes(obj) -> bytes:

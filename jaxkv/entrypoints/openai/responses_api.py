@@ -39,8 +39,16 @@ from jaxkv.entrypoints.openai.responses_output import new_id as _new_id
 from jaxkv.entrypoints.openai.responses_store import Store, check_fields
 from jaxkv.reprs import short
 
-PASSED = {"model", "temperature", "top_p", "stream", "user", "cache_salt", "parallel_tool_calls",
-          "chat_template_kwargs"} | (SAMPLING_FIELDS - {"max_tokens", "logprobs"})
+PASSED = {
+    "model",
+    "temperature",
+    "top_p",
+    "stream",
+    "user",
+    "cache_salt",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+} | (SAMPLING_FIELDS - {"max_tokens", "logprobs"})
 REFUSED = ("background", "conversation", "prompt")
 
 
@@ -57,8 +65,12 @@ def chat_body(body, store: Store) -> tuple[dict, list[dict]]:
     if prev is not None:
         got = store.get(prev)
         if got is None:
-            raise APIError(f"previous_response_id: no stored response {short(prev)}", "previous_response_id",
-                           404, "NotFoundError")
+            raise APIError(
+                f"previous_response_id: no stored response {short(prev)}",
+                "previous_response_id",
+                404,
+                "NotFoundError",
+            )
         history = list(got[1])
     conversation = history + _input(body.get("input"))  # instructions are the turn's own
     system = []
@@ -79,8 +91,10 @@ def chat_body(body, store: Store) -> tuple[dict, list[dict]]:
         chat["tool_choice"] = tc
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name"), "schema": fmt.get("schema")}}
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")},
+        }
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -103,21 +117,32 @@ def _input(inp) -> list[dict]:
             role = "system" if item.get("role") == "developer" else item.get("role")
             out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else json.dumps(output)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
         elif kind == "reasoning":
             continue  # earlier thinking is not shown to the model again
         else:
-            raise APIError(f"{where}.type: {short(kind)} items are not supported (message, "
-                           "function_call, function_call_output)", f"{where}.type")
+            raise APIError(
+                f"{where}.type: {short(kind)} items are not supported (message, "
+                "function_call, function_call_output)",
+                f"{where}.type",
+            )
     return out
 
 
@@ -127,8 +152,9 @@ def _text(content, where: str):
     parts = []
     for j, p in enumerate(content):
         if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-            raise APIError(f"{where}.content[{j}]: only text parts are supported",
-                           f"{where}.content[{j}].type")
+            raise APIError(
+                f"{where}.content[{j}]: only text parts are supported", f"{where}.content[{j}].type"
+            )
         parts.append(p.get("text"))
     return [{"type": "text", "text": t} for t in parts]
 
@@ -140,31 +166,53 @@ def _tools(tools) -> list:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else None
-            raise APIError(f"tools[{i}].type: only function tools are supported, got {short(kind)}",
-                           f"tools[{i}].type")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description",
-                                                                      "parameters") if k in t}})
+            raise APIError(
+                f"tools[{i}].type: only function tools are supported, got {short(kind)}",
+                f"tools[{i}].type",
+            )
+        out.append(
+            {
+                "type": "function",
+                "function": {k: t[k] for k in ("name", "description", "parameters") if k in t},
+            }
+        )
     return out
 
 
 def _skeleton(ctx, rid: str, body: dict, model: str | None) -> dict:
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    return {"id": rid, "object": "response", "created_at": now(), "status": "in_progress",
-            "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"), "model": model or ctx.fmt.model_name,
-            "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "previous_response_id": body.get("previous_response_id"),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "tool_choice": _echo_choice(body.get("tool_choice")), "tools": _echo_tools(body),
-            "text": {"format": fmt or {"type": "text"}}, "store": body.get("store", True) is not False,
-            "metadata": body.get("metadata") or {}, "usage": None}
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": now(),
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": model or ctx.fmt.model_name,
+        "output": [],
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "tool_choice": _echo_choice(body.get("tool_choice")),
+        "tools": _echo_tools(body),
+        "text": {"format": fmt or {"type": "text"}},
+        "store": body.get("store", True) is not False,
+        "metadata": body.get("metadata") or {},
+        "usage": None,
+    }
 
 
 def _echo_tools(body: dict) -> list:
     """The request's function tools as checked (their known fields only)."""
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
-    return [{k: t[k] for k in ("type", "name", "description", "parameters", "strict") if k in t}
-            for t in tools if isinstance(t, dict)]
+    return [
+        {k: t[k] for k in ("type", "name", "description", "parameters", "strict") if k in t}
+        for t in tools
+        if isinstance(t, dict)
+    ]
 
 
 def _echo_choice(tc):
@@ -180,18 +228,28 @@ def _finalize(resp: dict, out: Output, final, item) -> dict:
     if c.finish_reason == "length":
         resp["incomplete_details"] = {"reason": "max_output_tokens"}
     n_in, n_out = len(item.ids), len(c.token_ids)
-    resp["usage"] = {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
-                     "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                     "output_tokens_details": {"reasoning_tokens": 0}}
+    resp["usage"] = {
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
     return resp
 
 
 def _as_messages(items: list[dict]) -> list[dict]:
     """The answer as chat history: one assistant message (text, calls)."""
     text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
-    calls = [{"id": i["call_id"], "type": "function",
-              "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in items if i["type"] == "function_call"]
+    calls = [
+        {
+            "id": i["call_id"],
+            "type": "function",
+            "function": {"name": i["name"], "arguments": i["arguments"]},
+        }
+        for i in items
+        if i["type"] == "function_call"
+    ]
     msg = {"role": "assistant", "content": text or None}
     if calls:
         msg["tool_calls"] = calls
@@ -229,14 +287,19 @@ async def create(ctx, store: Store, request, body):
         return resp
 
     if body.get("stream"):
-        return StreamingResponse(_events(ctx, q, stream, out, resp, feed, keep),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _events(ctx, q, stream, out, resp, feed, keep),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     finals = await generate._collect(ctx, request, q, [stream])
     if finals is None:
         return Response(status_code=499)
     c = finals[0].outputs[0]
     if c.finish_reason == "error":
-        raise APIError(finals[0].error or "engine: the request failed", None, 500, "InternalServerError")
+        raise APIError(
+            finals[0].error or "engine: the request failed", None, 500, "InternalServerError"
+        )
     feed(c.text, True)
     final = await keep(finals[0])
     return Response(await asyncio.to_thread(json_bytes, final), media_type="application/json")
@@ -253,14 +316,21 @@ async def _events(ctx, q, stream, out: Output, resp: dict, feed, keep):
             c = o.outputs[0]
             if c.finish_reason == "error":
                 resp["status"] = "failed"
-                resp["error"] = {"code": "server_error", "message": o.error or "engine: the request failed"}
+                resp["error"] = {
+                    "code": "server_error",
+                    "message": o.error or "engine: the request failed",
+                }
                 yield sse(out.event("response.failed", response=resp))
                 return
             for ev in feed(c.delta_text, o.finished):
                 yield sse(ev)
             if o.finished:
                 final = await keep(o)
-                kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+                kind = (
+                    "response.completed"
+                    if final["status"] == "completed"
+                    else "response.incomplete"
+                )
                 yield await asyncio.to_thread(sse, out.event(kind, response=final))
     finally:  # the client went away: its request is aborted
         if not finished:

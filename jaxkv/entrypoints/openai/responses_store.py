@@ -70,8 +70,11 @@ def check_id(v, field: str) -> str:
     """A response id: a short string, else a short 400 (404 for an id of
     the right form that is not stored is the caller's)."""
     if not isinstance(v, str) or not v or len(v) > MAX_ID_CHARS:
-        raise APIError(f"{field}: must be a response id (a string of at most {MAX_ID_CHARS} "
-                       f"characters), got {short(v, 60)}", field)
+        raise APIError(
+            f"{field}: must be a response id (a string of at most {MAX_ID_CHARS} "
+            f"characters), got {short(v, 60)}",
+            field,
+        )
     return v
 
 
@@ -82,17 +85,21 @@ def check_fields(body: dict) -> None:
     md = body.get("metadata")
     if md is not None:
         if not isinstance(md, dict):
-            raise APIError("metadata: must be an object of string keys and string values",
-                           "metadata")
+            raise APIError(
+                "metadata: must be an object of string keys and string values", "metadata"
+            )
         if len(md) > MAX_METADATA:
             raise APIError(f"metadata: {len(md)} pairs; at most {MAX_METADATA}", "metadata")
         for k, v in md.items():
             if len(k) > 64:
-                raise APIError(f"metadata: key {short(k, 40)} is longer than 64 characters",
-                               "metadata")
+                raise APIError(
+                    f"metadata: key {short(k, 40)} is longer than 64 characters", "metadata"
+                )
             if not isinstance(v, str) or len(v) > 512:
-                raise APIError(f"metadata[{short(k, 40)}]: must be a string of at most 512 "
-                               "characters", "metadata")
+                raise APIError(
+                    f"metadata[{short(k, 40)}]: must be a string of at most 512 characters",
+                    "metadata",
+                )
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
@@ -103,10 +110,13 @@ def check_fields(body: dict) -> None:
             if not isinstance(fmt, dict):
                 raise APIError("text.format: must be an object", "text.format")
             _known(fmt, FORMAT_KEYS, "text.format")
-            if fmt.get("name") is not None and (not isinstance(fmt["name"], str)
-                                                or len(fmt["name"]) > 64):
-                raise APIError("text.format.name: must be a string of at most 64 characters",
-                               "text.format.name")
+            if fmt.get("name") is not None and (
+                not isinstance(fmt["name"], str) or len(fmt["name"]) > 64
+            ):
+                raise APIError(
+                    "text.format.name: must be a string of at most 64 characters",
+                    "text.format.name",
+                )
     if body.get("previous_response_id") is not None:
         check_id(body["previous_response_id"], "previous_response_id")
 
@@ -115,6 +125,9 @@ def _known(d: dict, keys: set, where: str) -> None:
     extra = set(d) - keys
     if extra:
         names = sorted(map(str, extra))
-        raise APIError(f"{where}: unknown field{'s' if len(names) > 1 else ''} "
-                       f"{short(names[:5], 200)}{' and more' if len(names) > 5 else ''} "
-                       f"(known: {', '.join(sorted(keys))})", where)
+        raise APIError(
+            f"{where}: unknown field{'s' if len(names) > 1 else ''} "
+            f"{short(names[:5], 200)}{' and more' if len(names) > 5 else ''} "
+            f"(known: {', '.join(sorted(keys))})",
+            where,
+        )

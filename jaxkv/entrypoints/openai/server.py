@@ -58,13 +58,21 @@ from jaxkv.reprs import short
 log = logging.getLogger("jaxkv.serve")
 
 
-def build_app(engine, served_model_names: list[str], *, max_queued_requests: int | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
-              enable_kv_map: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, allowed_hosts: list[str] | None = None,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT,
-              enable_runtime_lora_loading: bool = False,
-              lora_roots: list[str] | None = None) -> FastAPI:
+def build_app(
+    engine,
+    served_model_names: list[str],
+    *,
+    max_queued_requests: int | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
+    enable_kv_map: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    enable_runtime_lora_loading: bool = False,
+    lora_roots: list[str] | None = None,
+) -> FastAPI:
     """The app and its engine loop (`app.state.engine_loop`); the loop starts
     and stops with the app's lifespan. `max_request_bytes`: the largest body
     accepted (413 beyond); `body_timeout`: the seconds it may take to arrive
@@ -86,17 +94,27 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
             raise ValueError(f"lora_root: {r} is not a folder")
     clash = sorted(set(served_model_names) & set(engine.loras.names() if engine.loras else ()))
     if clash:
-        raise ValueError(f"lora_modules: {clash} are served model names too; name the adapters "
-                         "apart")
+        raise ValueError(
+            f"lora_modules: {clash} are served model names too; name the adapters apart"
+        )
     metrics = ServerMetrics(served_model_names[0])
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
-        raise ValueError(f"tool_call_parser: {short(tool_call_parser)} is not one of {', '.join(PARSERS)}")
+        raise ValueError(
+            f"tool_call_parser: {short(tool_call_parser)} is not one of {', '.join(PARSERS)}"
+        )
     if reasoning_parser is not None and reasoning_parser not in REASONING:
-        raise ValueError(f"reasoning_parser: {short(reasoning_parser)} is not one of {', '.join(REASONING)}")
-    ctx = prepare.Context(engine, loop, Formatter(engine.tokenizer, served_model_names[0]),
-                          list(served_model_names), tool_parser=tool_call_parser,
-                          reasoning_parser=reasoning_parser)
+        raise ValueError(
+            f"reasoning_parser: {short(reasoning_parser)} is not one of {', '.join(REASONING)}"
+        )
+    ctx = prepare.Context(
+        engine,
+        loop,
+        Formatter(engine.tokenizer, served_model_names[0]),
+        list(served_model_names),
+        tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -109,8 +127,13 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     app = FastAPI(title="jaxkv", lifespan=lifespan)
     app.state.engine_loop = loop
     app.state.metrics = metrics
-    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
-                       metrics=metrics, allowed_hosts=allowed_hosts)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        metrics=metrics,
+        allowed_hosts=allowed_hosts,
+    )
     install_error_handlers(app, metrics)
 
     async def body(request: Request):
@@ -134,26 +157,48 @@ def build_app(engine, served_model_names: list[str], *, max_queued_requests: int
     async def responses_get(rid: str):
         got = store.get(check_id(rid, "response_id"))
         if got is None:
-            raise APIError(f"response_id: no stored response {short(rid)}", "response_id", 404, "NotFoundError")
+            raise APIError(
+                f"response_id: no stored response {short(rid)}", "response_id", 404, "NotFoundError"
+            )
         return Response(got[0], media_type="application/json")
 
     @app.delete("/v1/responses/{rid}")
     async def responses_delete(rid: str):
         if not store.delete(check_id(rid, "response_id")):
-            raise APIError(f"response_id: no stored response {short(rid)}", "response_id", 404, "NotFoundError")
+            raise APIError(
+                f"response_id: no stored response {short(rid)}", "response_id", 404, "NotFoundError"
+            )
         return {"id": rid, "object": "response", "deleted": True}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": ctx.created, "owned_by": "jaxkv",
-             "root": name, "parent": None, "max_model_len": engine.max_model_len}
-            for name in served_model_names] + lora_routes.model_cards(ctx)}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": ctx.created,
+                    "owned_by": "jaxkv",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": engine.max_model_len,
+                }
+                for name in served_model_names
+            ]
+            + lora_routes.model_cards(ctx),
+        }
 
-    lora_routes.install(app, ctx, body, roots=lora_roots,
-                        runtime=lora_routes.runtime_loading_allowed(enable_runtime_lora_loading))
+    lora_routes.install(
+        app,
+        ctx,
+        body,
+        roots=lora_roots,
+        runtime=lora_routes.runtime_loading_allowed(enable_runtime_lora_loading),
+    )
 
     if enable_kv_map:
+
         @app.get("/", response_class=HTMLResponse)
         async def kv_page():
             return kv_map.PAGE
@@ -212,32 +257,60 @@ class DrainingServer(uvicorn.Server):
         if self.drain_until is not None or self.should_exit:
             return super().handle_exit(sig, frame)
         getattr(self, "_captured_signals", []).append(sig)  # uvicorn re-raises it at the end
-        log.warning("jaxkv serve: signal %d, finishing %d requests (at most %.0f s)",
-                    sig, self.engine_loop.num_in_flight(), self.shutdown_timeout)
+        log.warning(
+            "jaxkv serve: signal %d, finishing %d requests (at most %.0f s)",
+            sig,
+            self.engine_loop.num_in_flight(),
+            self.shutdown_timeout,
+        )
         self.engine_loop.begin_shutdown(self.shutdown_timeout)
         self.drain_until = time.monotonic() + self.shutdown_timeout + 5
 
     async def on_tick(self, counter: int) -> bool:
-        if self.drain_until is not None and not self.should_exit and (
-                self.engine_loop.num_in_flight() == 0 or time.monotonic() > self.drain_until):
+        if (
+            self.drain_until is not None
+            and not self.should_exit
+            and (self.engine_loop.num_in_flight() == 0 or time.monotonic() > self.drain_until)
+        ):
             self.should_exit = True
         return await super().on_tick(counter)
 
 
-def serve(engine, served_model_names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 30.0, log_level: str = "info", api_key: str | None = None,
-          allowed_hosts: list[str] | None = None, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-          max_connections: int | None = None, **app_options) -> int:
+def serve(
+    engine,
+    served_model_names: list[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    api_key: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    max_connections: int | None = None,
+    **app_options,
+) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status (0).
     `api_key` None reads $JAXKV_API_KEY; `allowed_hosts` None: the bind
     address and localhost (any host for a wildcard bind); `header_timeout`
     and `max_connections`: `connections`; the rest: `build_app`'s."""
     hosts = allowed_hosts if allowed_hosts else default_allowed_hosts(host)
-    app = build_app(engine, served_model_names, api_key=resolve_api_key(api_key),
-                    allowed_hosts=hosts, **app_options)
-    config = uvicorn_config(app, host=host, port=port, header_timeout=header_timeout,
-                            max_connections=max_connections, log_level=log_level,
-                            timeout_graceful_shutdown=int(shutdown_timeout) + 5)
+    app = build_app(
+        engine,
+        served_model_names,
+        api_key=resolve_api_key(api_key),
+        allowed_hosts=hosts,
+        **app_options,
+    )
+    config = uvicorn_config(
+        app,
+        host=host,
+        port=port,
+        header_timeout=header_timeout,
+        max_connections=max_connections,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(shutdown_timeout) + 5,
+    )
     # uvicorn re-raises the signal it stopped on once it is done; with this
     # handler in place that ends the process normally (exit 0).
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -17,23 +17,33 @@ def grammar(tools) -> str:
     funcs = [f for f in tools.functions if tools.choice in ("required", f["name"])]
     key = "parameters" if tools.parser == "llama3_json" else "arguments"
     defs: dict = {}
-    alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                              key: _rooted(f["parameters"], i, defs)},
-             "required": ["name", key], "additionalProperties": False}
-            for i, f in enumerate(funcs)]
+    alts = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, key: _rooted(f["parameters"], i, defs)},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for i, f in enumerate(funcs)
+    ]
     schema = dict(alts[0]) if len(alts) == 1 else {"anyOf": alts}
     if defs:
         schema["$defs"] = defs
     # JSON as json.dumps writes it: no free whitespace for a model to wander in.
-    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
-                            "key_separator": ": "}
+    schema["x-guidance"] = {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    }
     several = tools.parallel and tools.choice == "required"
     if tools.parser == "llama3_json":
         repeat = ' ("; " body)*' if several else ""
         return f"start: body{repeat}\nbody: %json {json.dumps(schema)}"
     repeat = ' ("\\n" call)*' if several else ""
-    return (f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
-            f"body: %json {json.dumps(schema)}")
+    return (
+        f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
+        f"body: %json {json.dumps(schema)}"
+    )
 
 
 def _rooted(params: dict, i: int, defs: dict) -> dict:
@@ -53,13 +63,14 @@ def _rooted(params: dict, i: int, defs: dict) -> dict:
         path = r[1:]
         for section in ("/$defs/", "/definitions/"):
             if path.startswith(section):
-                return f"#/$defs/{own}-{path[len(section):]}"
+                return f"#/$defs/{own}-{path[len(section) :]}"
         return f"#/$defs/{own}{path}"
 
     def walk(x):
         if isinstance(x, dict):
-            return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v)
-                    for k, v in x.items()}
+            return {
+                k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v) for k, v in x.items()
+            }
         if isinstance(x, list):
             return [walk(v) for v in x]
         return x

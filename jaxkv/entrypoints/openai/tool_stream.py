@@ -36,23 +36,24 @@ class StreamParser:
         if self.tools.parser != "hermes":
             if not self.content_only:
                 head = self.text.lstrip()
-                self.content_only = bool(head) and not (head.startswith(("{", PYTHON_TAG))
-                                                        or PYTHON_TAG.startswith(head))
+                self.content_only = bool(head) and not (
+                    head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
+                )
             if self.content_only:
-                content, self.sent = self.text[self.sent:], len(self.text)
+                content, self.sent = self.text[self.sent :], len(self.text)
                 return content, []
             if not final:
                 return "", []
-            content, calls = parse(self.text[self.sent:], self.tools)
+            content, calls = parse(self.text[self.sent :], self.tools)
             self.sent = len(self.text)
             return content or "", self._deltas(calls)
         content, out = "", []
         while True:
-            pending = self.text[self.sent:]
+            pending = self.text[self.sent :]
             start = pending.find(OPEN)
             if start < 0:  # hold back a tail that may begin "<tool_call>"
                 keep = 0 if final else _partial_tail(pending, OPEN)
-                piece = pending[:len(pending) - keep]
+                piece = pending[: len(pending) - keep]
                 if not piece.strip() and not final:
                     break  # whitespace waits: before a call it is no content
                 content += piece if piece.strip() or not self.calls else ""
@@ -91,12 +92,18 @@ class StreamParser:
                 return []
             self.open = _Arguments(self.calls, m.end())
             self.calls += 1
-            out.append({"index": self.open.index, "id": new_call(m.group(1), "")["id"],
-                        "type": "function", "function": {"name": m.group(1), "arguments": ""}})
+            out.append(
+                {
+                    "index": self.open.index,
+                    "id": new_call(m.group(1), "")["id"],
+                    "type": "function",
+                    "function": {"name": m.group(1), "arguments": ""},
+                }
+            )
         a = self.open
         stop = a.read(self.text)
         if stop > a.sent:
-            out.append({"index": a.index, "function": {"arguments": self.text[a.sent:stop]}})
+            out.append({"index": a.index, "function": {"arguments": self.text[a.sent : stop]}})
             a.sent = stop
         return out
 
@@ -105,8 +112,14 @@ class StreamParser:
         for c in calls:
             i = self.calls
             self.calls += 1
-            out.append({"index": i, "id": c["id"], "type": "function",
-                        "function": {"name": c["function"]["name"], "arguments": ""}})
+            out.append(
+                {
+                    "index": i,
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": ""},
+                }
+            )
             out.append({"index": i, "function": {"arguments": c["function"]["arguments"]}})
         return out
 

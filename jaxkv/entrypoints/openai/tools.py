@@ -43,9 +43,10 @@ HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 PYTHON_TAG = "<|python_tag|>"
 NO_PARAMETERS = {"type": "object", "properties": {}}
 FALLBACK_PROMPT = (
-    "You can call these functions. To call one, answer with <tool_call>{{\"name\": the "
-    "function's name, \"arguments\": an object of its arguments}}</tool_call> (one block per "
-    "call) and nothing else.\nFunctions:\n{functions}")
+    'You can call these functions. To call one, answer with <tool_call>{{"name": the '
+    'function\'s name, "arguments": an object of its arguments}}</tool_call> (one block per '
+    "call) and nothing else.\nFunctions:\n{functions}"
+)
 
 
 @dataclasses.dataclass
@@ -80,44 +81,65 @@ def check_tools(body: dict, parser: str) -> Tools | None:
     functions = [_function(t, i) for i, t in enumerate(tools)]
     size = sum(len(json.dumps([f["description"], f["parameters"]])) for f in functions)
     if size > MAX_TOOLS_CHARS:
-        raise APIError(f"tools: {size} characters of descriptions and parameter schemas; at "
-                       f"most {MAX_TOOLS_CHARS}", "tools")
+        raise APIError(
+            f"tools: {size} characters of descriptions and parameter schemas; at "
+            f"most {MAX_TOOLS_CHARS}",
+            "tools",
+        )
     names = [f["name"] for f in functions]
     for i, n in enumerate(names):
         if n in names[:i]:
-            raise APIError(f"tools[{i}].function.name: {short(n)} is given twice", f"tools[{i}].function.name")
+            raise APIError(
+                f"tools[{i}].function.name: {short(n)} is given twice", f"tools[{i}].function.name"
+            )
     if choice is None or choice == "auto":
         choice = "auto"
     elif choice == "none":
         return None
     elif choice != "required":
-        ok = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
-            choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+        ok = (
+            isinstance(choice, dict)
+            and choice.get("type") == "function"
+            and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)
+        )
         if not ok:
-            raise APIError("tool_choice: must be 'none', 'auto', 'required' or "
-                           "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+            raise APIError(
+                "tool_choice: must be 'none', 'auto', 'required' or "
+                "{'type': 'function', 'function': {'name': ...}}",
+                "tool_choice",
+            )
         choice = choice["function"]["name"]
         if choice not in names:
-            raise APIError(f"tool_choice: no tool is named {short(choice)} (tools: {', '.join(names)})",
-                           "tool_choice")
+            raise APIError(
+                f"tool_choice: no tool is named {short(choice)} (tools: {', '.join(names)})",
+                "tool_choice",
+            )
     return Tools(functions, choice, parallel, parser)
 
 
 def _function(tool, i: int) -> dict:
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise APIError(f"{where}: only {{'type': 'function', 'function': {{...}}}} tools are "
-                       "supported", f"{where}.type")
+        raise APIError(
+            f"{where}: only {{'type': 'function', 'function': {{...}}}} tools are supported",
+            f"{where}.type",
+        )
     f = tool.get("function")
     if not isinstance(f, dict):
         raise APIError(f"{where}.function: must be an object", f"{where}.function")
     name = f.get("name")
     if not isinstance(name, str) or not NAME.match(name):
-        raise APIError(f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-', "
-                       f"got {short(name)}", f"{where}.function.name")
+        raise APIError(
+            f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-', "
+            f"got {short(name)}",
+            f"{where}.function.name",
+        )
     desc = f.get("description")
     if desc is not None and not isinstance(desc, str):
-        raise APIError(f"{where}.function.description: must be a string", f"{where}.function.description")
+        raise APIError(
+            f"{where}.function.description: must be a string", f"{where}.function.description"
+        )
     params = f.get("parameters", NO_PARAMETERS)
     if params is None:
         params = NO_PARAMETERS
@@ -142,8 +164,10 @@ def _schema_problem(schema) -> str | None:
     from jaxkv.core.structured import COMPILE_SECONDS, on_large_stack
 
     try:
-        err = on_large_stack(lambda: LLMatcher.validate_grammar(
-            LLMatcher.grammar_from_json_schema(schema)), COMPILE_SECONDS)
+        err = on_large_stack(
+            lambda: LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema)),
+            COMPILE_SECONDS,
+        )
     except Exception as e:  # llguidance's own message names the schema's fault
         err = str(e)
     return f"not a usable JSON schema ({clip(err, 300)})" if err else None
@@ -153,25 +177,46 @@ def template_renders_tools(chat_template: str) -> bool:
     return "tools" in chat_template
 
 
-def for_template(messages: list[dict], tools: Tools | None, native: bool) -> tuple[list[dict], dict]:
+def for_template(
+    messages: list[dict], tools: Tools | None, native: bool
+) -> tuple[list[dict], dict]:
     """(messages, extra template arguments) for the chat template: native
     (the template renders tools) or the fallback of the module docstring."""
     if native:
-        extra = {"tools": [{"type": "function", "function": {k: v for k, v in f.items() if v is not None}}
-                           for f in tools.functions]} if tools else {}
+        extra = (
+            {
+                "tools": [
+                    {"type": "function", "function": {k: v for k, v in f.items() if v is not None}}
+                    for f in tools.functions
+                ]
+            }
+            if tools
+            else {}
+        )
         return messages, extra
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            blocks = "\n".join(hermes_block(c["function"]["name"], c["function"]["arguments"])
-                               for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + blocks})
+            blocks = "\n".join(
+                hermes_block(c["function"]["name"], c["function"]["arguments"])
+                for c in m["tool_calls"]
+            )
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": (m["content"] + "\n" if m["content"] else "") + blocks,
+                }
+            )
         elif m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+            out.append(
+                {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            )
         else:
             out.append({"role": m["role"], "content": m["content"]})
     if tools:
-        listing = "\n".join(json.dumps({k: v for k, v in f.items() if v is not None}) for f in tools.functions)
+        listing = "\n".join(
+            json.dumps({k: v for k, v in f.items() if v is not None}) for f in tools.functions
+        )
         preamble = FALLBACK_PROMPT.format(functions=listing)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + preamble}
@@ -187,8 +232,11 @@ def hermes_block(name: str, arguments) -> str:
 def new_call(name: str, arguments) -> dict:
     """An OpenAI tool call; `arguments` as JSON text."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": text}}
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": name, "arguments": text},
+    }
 
 
 def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
@@ -203,7 +251,7 @@ def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
             call = _call(m.group(1), names, "arguments")
             if call is None:
                 continue
-            kept.append(text[pos:m.start()])
+            kept.append(text[pos : m.start()])
             pos = m.end()
             calls.append(call)
         rest = "".join(kept) + text[pos:]

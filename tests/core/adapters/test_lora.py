@@ -26,10 +26,12 @@ pytestmark = pytest.mark.xdist_group("lora")
 ROOT = Path(__file__).resolve().parents[3]
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (targets, r, alpha, extra LoraConfig options)
-ADAPTERS = [(["q_proj", "v_proj"], 4, 8, {}),
-            (ALL, 8, 16, {}),
-            (["o_proj", "down_proj"], 2, 3, dict(use_rslora=True)),
-            (["k_proj", "gate_proj", "up_proj"], 8, 4, dict(alpha_pattern={"k_proj": 32}))]
+ADAPTERS = [
+    (["q_proj", "v_proj"], 4, 8, {}),
+    (ALL, 8, 16, {}),
+    (["o_proj", "down_proj"], 2, 3, dict(use_rslora=True)),
+    (["k_proj", "gate_proj", "up_proj"], 8, 4, dict(alpha_pattern={"k_proj": 32})),
+]
 PROMPTS = [[1, 5, 9, 17, 33, 2 + k, 40, 41, 42, 7] * (1 + k % 2) for k in range(4)]
 MAX_TOKENS = 8
 
@@ -46,8 +48,9 @@ def make_adapters(kind: str, tmp: Path, specs=ADAPTERS, **model_overrides):
     for j, (targets, r, alpha, extra) in enumerate(specs):
         copy, _ = make_hf_model(kind, tmp / f"copy{j}", **model_overrides)
         torch.manual_seed(100 + j)
-        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
-                              init_lora_weights=False, **extra)
+        cfg = peft.LoraConfig(
+            r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **extra
+        )
         pm = peft.get_peft_model(copy, cfg)
         with torch.no_grad():
             for n, p in pm.named_parameters():
@@ -62,17 +65,25 @@ def hf_greedy(model, ids, n: int = MAX_TOKENS) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_llama")
     hf, path, adapters = make_adapters("llama", tmp)
-    want = {(k, j): hf_greedy(hf if j < 0 else adapters[j][0], p)
-            for k, p in enumerate(PROMPTS) for j in range(-1, len(adapters))}
+    want = {
+        (k, j): hf_greedy(hf if j < 0 else adapters[j][0], p)
+        for k, p in enumerate(PROMPTS)
+        for j in range(-1, len(adapters))
+    }
     return path, [a for _, a in adapters], want, [m for m, _ in adapters] + [hf]
 
 
@@ -82,8 +93,9 @@ def engine(path, **options):
     from jaxkv.core.engine import LLMEngine
 
     module, _ = load_model(str(path))
-    base = dict(warmup=False, num_pages=64, max_num_seqs=8, enable_lora=True, max_loras=4,
-                max_lora_rank=8)
+    base = dict(
+        warmup=False, num_pages=64, max_num_seqs=8, enable_lora=True, max_loras=4, max_lora_rank=8
+    )
     base.update(options)
     return LLMEngine(module, None, EngineConfig(**base))
 
@@ -207,17 +219,29 @@ def test_bad_adapters_are_refused_by_name_and_the_rest_served(llama, tmp_path):
     f32 = lambda *s: np.ones(s, np.float32)  # noqa: E731
     lora = dict(peft_type="LORA", r=4, lora_alpha=8, target_modules=["q_proj"])
     bad = [
-        ("rank 16 exceeds max_lora_rank 8", _folder(
-            tmp_path, "rank", lora, {key.format("A"): f32(16, 64), key.format("B"): f32(64, 16)})),
-        ("fit the base projection", _folder(
-            tmp_path, "shape", lora, {key.format("A"): f32(4, 32), key.format("B"): f32(64, 4)})),
-        ("unknown target modules ['embed_tokens']", _folder(
-            tmp_path, "target", dict(lora, target_modules=["q_proj", "embed_tokens"]), {})),
+        (
+            "rank 16 exceeds max_lora_rank 8",
+            _folder(
+                tmp_path, "rank", lora, {key.format("A"): f32(16, 64), key.format("B"): f32(64, 16)}
+            ),
+        ),
+        (
+            "fit the base projection",
+            _folder(
+                tmp_path, "shape", lora, {key.format("A"): f32(4, 32), key.format("B"): f32(64, 4)}
+            ),
+        ),
+        (
+            "unknown target modules ['embed_tokens']",
+            _folder(tmp_path, "target", dict(lora, target_modules=["q_proj", "embed_tokens"]), {}),
+        ),
         ("adapter_model.safetensors not found", _folder(tmp_path, "nofile", lora)),
         ("adapter_config.json not found", tmp_path / "missing"),
         ("modules_to_save", _folder(tmp_path, "save", dict(lora, modules_to_save=["lm_head"]))),
-    ] + [(words, d) for d, words in hostile_adapters(tmp_path / "hostile",
-                                                     load_config(path)).values()]
+    ] + [
+        (words, d)
+        for d, words in hostile_adapters(tmp_path / "hostile", load_config(path)).values()
+    ]
     eng = engine(path)
     jobs = [(PROMPTS[0], LoRARequest(f"bad{i}", 10 + i, str(d))) for i, (_, d) in enumerate(bad)]
     jobs += [(PROMPTS[1], req(folders, 1)), (PROMPTS[2], "never-loaded"), (PROMPTS[3], None)]
@@ -286,15 +310,26 @@ def test_tensor_parallel_2_with_replicated_kv_heads_equals_peft(tmp_path):
     # factors' columns must follow the replicas.
     specs = [(ALL, 4, 8, {}), (["k_proj", "v_proj", "down_proj"], 8, 16, {})]
     hf, path, adapters = make_adapters("llama", tmp_path, specs=specs, num_key_value_heads=1)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+    )
     arg = json.dumps([str(path), [str(a) for _, a in adapters], PROMPTS[:2]])
-    proc = subprocess.run([sys.executable, "-c", TP_WORKER, arg], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=85)
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_WORKER, arg],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=85,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    want = [hf_greedy(hf if j < 0 else adapters[j][0], p) for p in PROMPTS[:2]
-            for j in range(-1, 2)]
+    want = [
+        hf_greedy(hf if j < 0 else adapters[j][0], p) for p in PROMPTS[:2] for j in range(-1, 2)
+    ]
     assert got == want
 
 
@@ -305,9 +340,18 @@ def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
     from jaxkv.config import ModelConfig
     from jaxkv.model.lora import LoRAStack, Rows
 
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
-                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                      max_position_embeddings=64, eos_token_ids=())
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        eos_token_ids=(),
+    )
     M, R, T = 3, 4, 11
     stack = LoRAStack(cfg, M, R)
     rng = np.random.default_rng(0)
@@ -319,8 +363,16 @@ def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
     x = rng.standard_normal((T, 32)).astype(np.float32)
     rows = stack.rows(jnp.asarray(slots), jnp.float32, None if path != "masked" else "mesh", "cpu")
     if path == "ragged_dot":
-        rows = Rows(rows.order, rows.back, rows.sizes, rows.used, rows.in_order, rows.mask,
-                    grouped=True, native=False)
+        rows = Rows(
+            rows.order,
+            rows.back,
+            rows.sizes,
+            rows.used,
+            rows.in_order,
+            rows.mask,
+            grouped=True,
+            native=False,
+        )
     assert rows.grouped == (path != "masked")
     assert path == "masked" or rows.native == (path == "grouped_native")
     got = np.asarray(stack("qkv", 0, jnp.asarray(x), rows))
@@ -330,7 +382,7 @@ def test_each_way_of_computing_the_update_equals_a_float64_reference(path):
         if s:
             h = x[t].astype(np.float64) @ a[s - 1]
             b = [np.asarray(getattr(layer, f"b_{n}")[...][s - 1], np.float64) for n in "qkv"]
-            want[t] = np.concatenate([h[p * R:(p + 1) * R] @ b[p] for p in range(3)])
+            want[t] = np.concatenate([h[p * R : (p + 1) * R] @ b[p] for p in range(3)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(want).max() > 1 and not want[slots == 0].any()
     none = stack.rows(jnp.zeros(T, jnp.int32), jnp.float32, None if rows.grouped else "mesh", "cpu")
@@ -345,8 +397,10 @@ def test_a_request_waiting_for_a_slot_lets_those_after_it_start(llama):
     eng = engine(path, max_loras=1)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     jobs = [(0, 0), (1, 1), (2, -1), (3, 0)]  # adapter 1 waits for adapter 0's slot
-    ids = [eng.add_request({"prompt_token_ids": PROMPTS[k]}, sp, lora_request=req(folders, j))
-           for k, j in jobs]
+    ids = [
+        eng.add_request({"prompt_token_ids": PROMPTS[k]}, sp, lora_request=req(folders, j))
+        for k, j in jobs
+    ]
     eng.step()
     status = [eng.get_request(i).status for i in ids]
     assert status == [Status.RUNNING, Status.WAITING, Status.RUNNING, Status.RUNNING]

@@ -30,12 +30,13 @@ def _batch(kv_lens, q_lens, tables, score_from):
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     T = int(cu[-1]) + 3  # three padding rows
     cu_pad = np.concatenate([cu, np.full(1, T, np.int32)])  # one padding sequence slot
-    return SimpleNamespace(cu_q_lens=jnp.asarray(cu_pad),
-                           kv_lens=jnp.asarray(list(kv_lens) + [0], jnp.int32),
-                           block_tables=jnp.asarray(np.vstack([tables, np.zeros_like(tables[:1])]),
-                                                    jnp.int32),
-                           num_seqs=jnp.asarray(len(q_lens), jnp.int32),
-                           score_from=jnp.asarray(list(score_from) + [1 << 30], jnp.int32)), T
+    return SimpleNamespace(
+        cu_q_lens=jnp.asarray(cu_pad),
+        kv_lens=jnp.asarray(list(kv_lens) + [0], jnp.int32),
+        block_tables=jnp.asarray(np.vstack([tables, np.zeros_like(tables[:1])]), jnp.int32),
+        num_seqs=jnp.asarray(len(q_lens), jnp.int32),
+        score_from=jnp.asarray(list(score_from) + [1 << 30], jnp.int32),
+    ), T
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8"])
@@ -60,8 +61,17 @@ def test_score_pass_equals_a_float64_softmax(fmt):
         kd = np.asarray(kp, np.float64) * np.asarray(ks, np.float64)[..., None]
     else:
         kp, ks, kd = jnp.asarray(keys), None, keys.astype(np.float64)
-    got = np.asarray(accumulate_scores(jnp.zeros((KVH, P, PS), jnp.float32), jnp.asarray(q),
-                                       kp, ks, batch, sm_scale=0.25, max_rows=8))
+    got = np.asarray(
+        accumulate_scores(
+            jnp.zeros((KVH, P, PS), jnp.float32),
+            jnp.asarray(q),
+            kp,
+            ks,
+            batch,
+            sm_scale=0.25,
+            max_rows=8,
+        )
+    )
     want = np.zeros((KVH, P, PS))
     row = 0
     for s in range(2):
@@ -71,7 +81,7 @@ def test_score_pass_equals_a_float64_softmax(fmt):
             pos = n - q_lens[s] + i
             if pos >= score_from[s]:
                 qs = q[row + i].astype(np.float64).reshape(KVH, G, D)
-                logits = np.einsum("kgd,kjd->kgj", qs, k[:, :pos + 1]) * 0.25
+                logits = np.einsum("kgd,kjd->kgj", qs, k[:, : pos + 1]) * 0.25
                 w = np.exp(logits - logits.max(-1, keepdims=True))
                 w = (w / w.sum(-1, keepdims=True)).sum(1)  # [KVH, pos + 1]
                 for j in range(pos + 1):
@@ -106,17 +116,29 @@ def test_compaction_moves_each_heads_kept_tokens_to_the_first_slots():
     from jaxkv.model.kv_cache import create_cache
     from jaxkv.model.kv_scores import compact_pages
 
-    cache = create_cache(MODEL, CacheConfig(num_pages=10, page_size=PS, kv_dtype="int8",
-                                            scores=True))
+    cache = create_cache(
+        MODEL, CacheConfig(num_pages=10, page_size=PS, kv_dtype="int8", scores=True)
+    )
     rng = np.random.default_rng(0)
-    fill = lambda t: tuple(jnp.asarray(rng.integers(-9, 9, x.shape).astype(x.dtype))  # noqa: E731
-                           for x in t)
-    cache = dataclasses.replace(cache, k=fill(cache.k), v=fill(cache.v),
-                                k_scale=fill(cache.k_scale), scores=fill(cache.scores))
+    fill = lambda t: tuple(
+        jnp.asarray(rng.integers(-9, 9, x.shape).astype(x.dtype))  # noqa: E731
+        for x in t
+    )
+    cache = dataclasses.replace(
+        cache,
+        k=fill(cache.k),
+        v=fill(cache.v),
+        k_scale=fill(cache.k_scale),
+        scores=fill(cache.scores),
+    )
     table = np.array([4, 2, 8, 0], np.int32)
     L, KVH = MODEL.num_layers, MODEL.num_kv_heads
-    src = np.stack([np.stack([np.sort(rng.choice(20, 10, replace=False)) for _ in range(KVH)])
-                    for _ in range(L)]).astype(np.int32)
+    src = np.stack(
+        [
+            np.stack([np.sort(rng.choice(20, 10, replace=False)) for _ in range(KVH)])
+            for _ in range(L)
+        ]
+    ).astype(np.int32)
     src = np.concatenate([src, np.zeros((L, KVH, 2), np.int32)], axis=-1)  # 2 padding
     out = compact_pages(cache, jnp.asarray(table), jnp.asarray(src), jnp.int32(10))
     for name in ("k", "v", "k_scale", "scores"):
@@ -140,13 +162,19 @@ def test_positions_run_on_past_the_kv_indices():
     from jaxkv.worker.step_batch import empty, pack
 
     b0 = empty(ProgramKey("mixed", 8, 2), 4)
-    plan = StepPlan(token_ids=np.arange(4, dtype=np.int32), starts=np.array([9, 20], np.int32),
-                    q_lens=np.array([3, 1], np.int32), num_spec=np.zeros(2, np.int32),
-                    prev_index=np.full(2, -1, np.int32),
-                    block_tables=np.array([[5, 6, 0, 0], [2, 3, 7, 0]], np.int32),
-                    num_output=np.zeros(2, np.int32), sampling=b0.sampling, stops=b0.stops,
-                    pos_offset=np.array([100, 7], np.int32),
-                    score_from=np.array([10, 0], np.int32))
+    plan = StepPlan(
+        token_ids=np.arange(4, dtype=np.int32),
+        starts=np.array([9, 20], np.int32),
+        q_lens=np.array([3, 1], np.int32),
+        num_spec=np.zeros(2, np.int32),
+        prev_index=np.full(2, -1, np.int32),
+        block_tables=np.array([[5, 6, 0, 0], [2, 3, 7, 0]], np.int32),
+        num_output=np.zeros(2, np.int32),
+        sampling=b0.sampling,
+        stops=b0.stops,
+        pos_offset=np.array([100, 7], np.int32),
+        score_from=np.array([10, 0], np.int32),
+    )
     b = pack(plan, ProgramKey("mixed", 8, 2), PS, 4)
     assert list(b.positions[:4]) == [109, 110, 111, 27]
     assert list(b.slot_mapping[:4]) == [6 * PS + 1, 6 * PS + 2, 6 * PS + 3, 7 * PS + 4]
@@ -164,8 +192,11 @@ def _prompts(*lengths):
 
 
 def _engine(model, **kw):
-    return LLMEngine(model, None, EngineConfig(**{**ENGINE, "num_pages": 48,
-                                                  "enable_prefix_caching": False, **kw}))
+    return LLMEngine(
+        model,
+        None,
+        EngineConfig(**{**ENGINE, "num_pages": 48, "enable_prefix_caching": False, **kw}),
+    )
 
 
 def _run(eng, ps, max_tokens=24):
@@ -213,8 +244,11 @@ def test_what_eviction_does_not_serve_is_refused_by_name(model):
     with pytest.raises(ValueError, match="snapkv_window"):
         EngineConfig(kv_eviction="snapkv", kv_budget=32, snapkv_window=32, page_size=8)
     with pytest.raises(ValueError, match="speculative decoding"):
-        EngineConfig(kv_eviction="h2o", kv_budget=64, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2})
+        EngineConfig(
+            kv_eviction="h2o",
+            kv_budget=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
     with pytest.raises(ValueError, match="host tier"):
         EngineConfig(kv_eviction="h2o", kv_budget=64, kv_offload_memory="1GB")
     eng = _engine(model, kv_eviction="h2o", kv_budget=32)

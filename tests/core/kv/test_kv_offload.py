@@ -38,13 +38,18 @@ def lone(model):
     def tokens(p, max_tokens=6):
         key = (tuple(p), max_tokens)
         if key not in memo:
-            eng = LLMEngine(model, None, EngineConfig(**{**ENGINE, "num_pages": 64,
-                                                         "max_num_seqs": 1,
-                                                         "enable_prefix_caching": False}))
+            eng = LLMEngine(
+                model,
+                None,
+                EngineConfig(
+                    **{**ENGINE, "num_pages": 64, "max_num_seqs": 1, "enable_prefix_caching": False}
+                ),
+            )
             rid = eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0))
             memo[key] = eng.run_to_completion([rid])[rid].outputs[0].token_ids
             eng.shutdown()
         return memo[key]
+
     return tokens
 
 
@@ -53,8 +58,10 @@ def _engine(model, **kw):
 
 
 def _run(eng, ps, salt=None, max_tokens=6):
-    ids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0),
-                           cache_salt=salt) for p in ps]
+    ids = [
+        eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0), cache_salt=salt)
+        for p in ps
+    ]
     out = eng.run_to_completion(ids)
     return [out[i].outputs[0].token_ids for i in ids]
 
@@ -104,8 +111,11 @@ def test_a_restarted_engine_is_served_from_the_disk_tier(model, lone, tmp_path, 
     directory finds the first repeated prompt there; corrupt, truncated and
     foreign files are skipped with a log line; the disk stays in bounds."""
     ps = prompts(MODEL.vocab_size, 10)
-    kw = dict(kv_offload_memory=3 * PAGE_BYTES, kv_offload_dir=str(tmp_path),
-              kv_offload_disk=40 * PAGE_BYTES)
+    kw = dict(
+        kv_offload_memory=3 * PAGE_BYTES,
+        kv_offload_dir=str(tmp_path),
+        kv_offload_disk=40 * PAGE_BYTES,
+    )
     eng = _engine(model, **kw)
     assert _run(eng, ps) == [lone(p) for p in ps]
     disk = eng.tier.disk
@@ -163,9 +173,20 @@ def test_what_the_tier_does_not_serve_is_refused_by_name(model, tmp_path):
     with pytest.raises(ValueError, match="hybrid KV pool"):
         _engine(Llama.random_init(FAMILY, seed=0), kv_offload_memory="1MB")
     with pytest.raises(ValueError, match="draft model"):
-        LLMEngine(model, None, EngineConfig(**ENGINE, kv_offload_memory="1MB", speculative_config={
-            "method": "draft_model", "model": "given", "num_speculative_tokens": 2}),
-            draft_model=model)
+        LLMEngine(
+            model,
+            None,
+            EngineConfig(
+                **ENGINE,
+                kv_offload_memory="1MB",
+                speculative_config={
+                    "method": "draft_model",
+                    "model": "given",
+                    "num_speculative_tokens": 2,
+                },
+            ),
+            draft_model=model,
+        )
 
 
 def test_metrics_and_the_kv_page_show_the_tiers(model, tmp_path):
@@ -192,10 +213,14 @@ def test_metrics_and_the_kv_page_show_the_tiers(model, tmp_path):
         line = next(x for x in text.splitlines() if x.startswith(series + " "))
         return float(line.split()[-1])
 
-    assert value('jaxkv:kv_offload_hit_tokens_total{model_name="tiny",tier="host"}') \
+    assert (
+        value('jaxkv:kv_offload_hit_tokens_total{model_name="tiny",tier="host"}')
         == kv["host_hit_tokens"]
-    assert value('jaxkv:kv_offload_bytes_total{direction="in",model_name="tiny"}') \
+    )
+    assert (
+        value('jaxkv:kv_offload_bytes_total{direction="in",model_name="tiny"}')
         == PAGE_BYTES * st.pages_in
+    )
     assert value('jaxkv:kv_offload_tier_bytes{model_name="tiny",tier="host"}') == kv["host_bytes"]
     assert value('jaxkv:kv_offload_copy_seconds_total{model_name="tiny"}') > 0
     m = kv_map.snapshot(eng)
@@ -222,8 +247,10 @@ def test_a_restarted_server_serves_its_first_repeated_prompt_from_disk(model, lo
             code, out = post(srv.port, "/v1/completions", body)
             assert code == 200, out
             answers.append(out["choices"][0]["token_ids"])
-            hits = metric(get(srv.port, "/metrics")[1], "jaxkv:kv_offload_hit_tokens_total"
-                          + '{model_name="tiny",tier="disk"}')
+            hits = metric(
+                get(srv.port, "/metrics")[1],
+                "jaxkv:kv_offload_hit_tokens_total" + '{model_name="tiny",tier="disk"}',
+            )
         assert (hits == 0) if first else (hits >= 8 * ((len(prompt) - 1) // 8)), hits
     assert answers[0] == answers[1] == lone(prompt, 5)
 
@@ -263,8 +290,7 @@ def test_the_disk_tier_trusts_no_file_in_its_folder(tmp_path, caplog):
     assert time.perf_counter() - t0 < 2
     assert np.array_equal(got[0][0], page[0]) and got[1:] == [None] * 4
     msgs = " ".join(r.getMessage() for r in caplog.records)
-    for why in ("not a regular file", "unreadable", "bytes, a page file has",
-                "MAC does not match"):
+    for why in ("not a regular file", "unreadable", "bytes, a page file has", "MAC does not match"):
         assert why in msgs, why
     assert not any(p.exists() or p.is_symlink() for p in path[1:])
     (tmp_path / KEY_FILE).chmod(0o644)

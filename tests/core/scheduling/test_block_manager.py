@@ -356,7 +356,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         its least recently released ones."""
         after = set(self.bm.evictable_pages())
         gone = [p for p in evictable_before if p not in after and p not in hits]
-        assert gone == [p for p in evictable_before if p not in hits][:len(gone)]
+        assert gone == [p for p in evictable_before if p not in hits][: len(gone)]
 
     # --- rules
 
@@ -419,7 +419,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(after) == -(-(s.slots + n) // SPS)
         if copies:
             assert len(copies) == 1 and s.slots % SPS
-            (src, dst), = copies
+            ((src, dst),) = copies
             idx = s.slots // SPS
             assert before[idx] == src and after[idx] == dst and self.bm.refcount(src) >= 1
         else:
@@ -535,12 +535,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.content[p] == list(prefix[-SPS:])
             expect = b""
             for i in range(0, len(prefix), SPS):
-                expect = hash_page(expect, prefix[i:i + SPS])
+                expect = hash_page(expect, prefix[i : i + SPS])
             assert h == expect
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(
-    max_examples=200, stateful_step_count=50, deadline=None,
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

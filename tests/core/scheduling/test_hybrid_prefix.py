@@ -26,7 +26,7 @@ class _Seq:
 def _chain(tokens, ps):
     out, parent = [], ROOT_HASH
     for i in range(len(tokens) // ps):
-        parent = hash_page(parent, tokens[i * ps:(i + 1) * ps])
+        parent = hash_page(parent, tokens[i * ps : (i + 1) * ps])
         out.append(parent)
     return out
 
@@ -72,8 +72,9 @@ def test_a_label_is_not_set_where_a_reserved_write_already_landed():
 
 
 def _lone(model, prompts):
-    eng = small_engine(model, max_num_seqs=1, enable_prefix_caching=False, hybrid_kv_cache=False,
-                  num_pages=40)
+    eng = small_engine(
+        model, max_num_seqs=1, enable_prefix_caching=False, hybrid_kv_cache=False, num_pages=40
+    )
     out = []
     for p in prompts:
         rid = eng.add_request(p, GREEDY)
@@ -111,8 +112,10 @@ def test_many_requests_sharing_prefixes_match_lone_runs(small_model):
     # between rings, under preemption.
     rng = np.random.default_rng(7)
     heads = [list(map(int, rng.integers(0, 97, k))) for k in (24, 50)]
-    prompts = [heads[i % 2] + list(map(int, rng.integers(0, 97, int(rng.integers(1, 70)))))
-               for i in range(12)]
+    prompts = [
+        heads[i % 2] + list(map(int, rng.integers(0, 97, int(rng.integers(1, 70)))))
+        for i in range(12)
+    ]
     eng = small_engine(small_model, num_pages=40, max_num_seqs=4)
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     fin = eng.run_to_completion()

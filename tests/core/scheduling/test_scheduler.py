@@ -62,8 +62,9 @@ def test_sequence_cap_and_first_come_first_served():
 
 def test_out_of_pages_preempts_the_newest_and_requeues_it_first():
     # 7 usable pages of 4 tokens: a (12 tokens, 3 pages) and b (12) fill 6.
-    sched = Scheduler(BlockManager(8, PS, enable_prefix_caching=False), max_num_seqs=4,
-                      max_num_batched_tokens=64)
+    sched = Scheduler(
+        BlockManager(8, PS, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=64
+    )
     a, b = seq("a", 12), seq("b", 12)
     sched.add(a)
     sched.add(b)
@@ -79,8 +80,9 @@ def test_out_of_pages_preempts_the_newest_and_requeues_it_first():
 
 
 def test_multi_step_decode_only_when_nothing_else_can_run():
-    sched = Scheduler(BlockManager(64, PS), max_num_seqs=2, max_num_batched_tokens=64,
-                      max_num_steps=8)
+    sched = Scheduler(
+        BlockManager(64, PS), max_num_seqs=2, max_num_batched_tokens=64, max_num_steps=8
+    )
     a, b = seq("a", 5, max_tokens=6), seq("b", 5)
     sched.add(a)
     sched.add(b)
@@ -90,15 +92,17 @@ def test_multi_step_decode_only_when_nothing_else_can_run():
     # Pages reserved ahead: a may still make 5 tokens (6 - 1), b 8 (the cap).
     assert sched.bm.num_reserved("a") == 5 + 5 and sched.bm.num_reserved("b") == 5 + 8
     # A waiting request that could be admitted means one step at a time.
-    sched = Scheduler(BlockManager(64, PS), max_num_seqs=4, max_num_batched_tokens=64,
-                      max_num_steps=8)
+    sched = Scheduler(
+        BlockManager(64, PS), max_num_seqs=4, max_num_batched_tokens=64, max_num_steps=8
+    )
     sched.add(seq("x", 3))
     run(sched, sched.schedule())
     sched.add(seq("y", 3))
     assert sched.schedule().num_steps == 1
     # So does a sequence with a penalty (the host applies it between tokens).
-    sched = Scheduler(BlockManager(64, PS), max_num_seqs=4, max_num_batched_tokens=64,
-                      max_num_steps=8)
+    sched = Scheduler(
+        BlockManager(64, PS), max_num_seqs=4, max_num_batched_tokens=64, max_num_steps=8
+    )
     sched.add(seq("p", 3, repetition_penalty=1.2))
     run(sched, sched.schedule())
     assert sched.schedule().num_steps == 1

@@ -25,8 +25,7 @@ from tests.helpers.compile_count import count_compiles
 
 
 def _spec(path, k=3):
-    return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k,
-            "adaptive": False}
+    return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +45,20 @@ def random_head(tmp_path_factory):
 # ------------------------------------------------------------ the format
 
 
-def _hf_folder(path, E=64, Et=64, H=4, K=2, D=16, F=96, V=128, Vd=100, layer_ids=(1, 2, 3),
-               arch="LlamaForCausalLMEagle3", with_embed=False):
+def _hf_folder(
+    path,
+    E=64,
+    Et=64,
+    H=4,
+    K=2,
+    D=16,
+    F=96,
+    V=128,
+    Vd=100,
+    layer_ids=(1, 2, 3),
+    arch="LlamaForCausalLMEagle3",
+    with_embed=False,
+):
     """A head folder written the way other projects' trainers write one:
     torch [out, in] names, int64 d2t, bool t2d (random weights)."""
     from safetensors.numpy import save_file
@@ -57,35 +68,65 @@ def _hf_folder(path, E=64, Et=64, H=4, K=2, D=16, F=96, V=128, Vd=100, layer_ids
     ids = np.sort(rng.choice(V, Vd, replace=False))
     t2d = np.zeros(V, bool)
     t2d[ids] = True
-    w = {"fc.weight": r(E, 3 * Et), "midlayer.input_layernorm.weight": r(E),
-         "midlayer.hidden_norm.weight": r(E), "midlayer.post_attention_layernorm.weight": r(E),
-         "midlayer.self_attn.q_proj.weight": r(H * D, 2 * E),
-         "midlayer.self_attn.k_proj.weight": r(K * D, 2 * E),
-         "midlayer.self_attn.v_proj.weight": r(K * D, 2 * E),
-         "midlayer.self_attn.o_proj.weight": r(E, H * D),
-         "midlayer.mlp.gate_proj.weight": r(F, E), "midlayer.mlp.up_proj.weight": r(F, E),
-         "midlayer.mlp.down_proj.weight": r(E, F), "norm.weight": r(E),
-         "lm_head.weight": r(Vd, E), "d2t": (ids - np.arange(Vd)).astype(np.int64), "t2d": t2d}
+    w = {
+        "fc.weight": r(E, 3 * Et),
+        "midlayer.input_layernorm.weight": r(E),
+        "midlayer.hidden_norm.weight": r(E),
+        "midlayer.post_attention_layernorm.weight": r(E),
+        "midlayer.self_attn.q_proj.weight": r(H * D, 2 * E),
+        "midlayer.self_attn.k_proj.weight": r(K * D, 2 * E),
+        "midlayer.self_attn.v_proj.weight": r(K * D, 2 * E),
+        "midlayer.self_attn.o_proj.weight": r(E, H * D),
+        "midlayer.mlp.gate_proj.weight": r(F, E),
+        "midlayer.mlp.up_proj.weight": r(F, E),
+        "midlayer.mlp.down_proj.weight": r(E, F),
+        "norm.weight": r(E),
+        "lm_head.weight": r(Vd, E),
+        "d2t": (ids - np.arange(Vd)).astype(np.int64),
+        "t2d": t2d,
+    }
     if with_embed:
         w["embed_tokens.weight"] = r(V, E)
     path.mkdir(parents=True, exist_ok=True)
     save_file(w, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": [arch], "model_type": "llama", "hidden_size": E,
-        "intermediate_size": F, "num_attention_heads": H, "num_key_value_heads": K,
-        "head_dim": D, "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": Vd,
-        "target_hidden_size": Et, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 256, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": [arch],
+                "model_type": "llama",
+                "hidden_size": E,
+                "intermediate_size": F,
+                "num_attention_heads": H,
+                "num_key_value_heads": K,
+                "head_dim": D,
+                "num_hidden_layers": 1,
+                "vocab_size": V,
+                "draft_vocab_size": Vd,
+                "target_hidden_size": Et,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)},
+            }
+        )
+    )
     return w
 
 
 def test_a_head_of_the_published_layout_loads_and_mismatches_are_named(tmp_path):
     from jaxkv.config import ModelConfig
 
-    target = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64,
-                         intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
-                         head_dim=16)
+    target = ModelConfig(
+        architecture="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     w = _hf_folder(tmp_path / "h", with_embed=True)
     cfg, p = load_eagle3(tmp_path / "h", target)
     assert cfg.aux_layers == (1, 2, 3) and cfg.draft_vocab_size == 100
@@ -99,9 +140,12 @@ def test_a_head_of_the_published_layout_loads_and_mismatches_are_named(tmp_path)
     save_eagle3(tmp_path / "again", cfg, p)
     cfg2, p2 = load_eagle3(tmp_path / "again", target)
     assert cfg2 == cfg and all(np.array_equal(p[k], p2[k]) for k in p)
-    for kw, words in ((dict(V=100, Vd=90), "vocab"), (dict(Et=32), "target_hidden_size"),
-                      (dict(layer_ids=(1, 2, 9)), "layer ids"),
-                      (dict(arch="LlamaForCausalLM"), "architectures")):
+    for kw, words in (
+        (dict(V=100, Vd=90), "vocab"),
+        (dict(Et=32), "target_hidden_size"),
+        (dict(layer_ids=(1, 2, 9)), "layer ids"),
+        (dict(arch="LlamaForCausalLM"), "architectures"),
+    ):
         _hf_folder(tmp_path / "bad", **kw)
         with pytest.raises(ValueError, match=words):
             load_eagle3(tmp_path / "bad", target)
@@ -118,7 +162,7 @@ def _rope(x, pos, D, theta=10000.0):
     inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
     ang = pos[:, None] * inv[None]
     c, s = np.cos(ang)[:, None], np.sin(ang)[:, None]
-    a, b = x[..., :D // 2], x[..., D // 2:]
+    a, b = x[..., : D // 2], x[..., D // 2 :]
     return np.concatenate([a * c - b * s, b * c + a * s], -1)
 
 
@@ -132,8 +176,13 @@ def reference_chain(w, embed, feats, tokens, k, H, K, D, F):
     E = f["fc.weight"].shape[0]
 
     def layer(hid, toks, pos, keys, vals):
-        x = np.concatenate([_rms(embed[toks], f[m + "input_layernorm.weight"]),
-                            _rms(hid, f[m + "hidden_norm.weight"])], -1)
+        x = np.concatenate(
+            [
+                _rms(embed[toks], f[m + "input_layernorm.weight"]),
+                _rms(hid, f[m + "hidden_norm.weight"]),
+            ],
+            -1,
+        )
         q = (x @ f[m + "self_attn.q_proj.weight"].T).reshape(-1, H, D)
         kk = (x @ f[m + "self_attn.k_proj.weight"].T).reshape(-1, K, D)
         vv = (x @ f[m + "self_attn.v_proj.weight"].T).reshape(-1, K, D)
@@ -156,9 +205,9 @@ def reference_chain(w, embed, feats, tokens, k, H, K, D, F):
         return pre[-1:], d + int(w["d2t"][d]), keys, vals
 
     P = len(tokens) - 2
-    hid = np.asarray(feats[:P + 1], np.float64) @ f["fc.weight"].T
+    hid = np.asarray(feats[: P + 1], np.float64) @ f["fc.weight"].T
     keys, vals = np.zeros((0, K, D)), np.zeros((0, K, D))
-    pre, tok, keys, vals = layer(hid, np.asarray(tokens[1:P + 2]), np.arange(P + 1), keys, vals)
+    pre, tok, keys, vals = layer(hid, np.asarray(tokens[1 : P + 2]), np.arange(P + 1), keys, vals)
     out = [tok]
     for j in range(1, k):
         pre, tok, keys, vals = layer(pre, np.asarray([tok]), np.asarray([P + j]), keys, vals)
@@ -181,27 +230,42 @@ def test_engine_proposals_are_the_reference_heads_on_transformers_features(tmp_p
 
     def recording_fill(self, scheduled):
         fill(self, scheduled)
-        seen.extend((list(sc.seq.all_token_ids), list(sc.spec_tokens)) for sc in scheduled
-                    if sc.spec_tokens)
+        seen.extend(
+            (list(sc.seq.all_token_ids), list(sc.spec_tokens)) for sc in scheduled if sc.spec_tokens
+        )
 
     monkeypatch.setattr(engine_eagle.EagleProposer, "fill", recording_fill)
     loops = []
     follow_loop = engine_eagle.EagleProposer._follow_loop
-    monkeypatch.setattr(engine_eagle.EagleProposer, "_follow_loop",
-                        lambda self, *a: loops.append(1) or follow_loop(self, *a))
+    monkeypatch.setattr(
+        engine_eagle.EagleProposer,
+        "_follow_loop",
+        lambda self, *a: loops.append(1) or follow_loop(self, *a),
+    )
     rng = np.random.default_rng(4)
     prompts = [list(rng.integers(3, 128, n)) for n in (5, 19, 40)]
     calls = []
 
     def every_other(self, drafts, num_seqs, kind):  # the gate refusing every other step:
-        calls.append(1)                              # decode loops of several calls between
+        calls.append(1)  # decode loops of several calls between
         return len(calls) % 2 == 0
+
     for gate in (None, every_other):
         if gate is not None:
             monkeypatch.setattr(SpecControl, "allow", gate)
-        eng = LLMEngine(target, None, EngineConfig(
-            warmup=False, num_pages=40, page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
-            num_decode_steps=4, speculative_config=_spec(tmp_path / "head", k=3)))
+        eng = LLMEngine(
+            target,
+            None,
+            EngineConfig(
+                warmup=False,
+                num_pages=40,
+                page_size=8,
+                max_num_seqs=4,
+                max_num_batched_tokens=16,
+                num_decode_steps=4,
+                speculative_config=_spec(tmp_path / "head", k=3),
+            ),
+        )
         for p in prompts:
             eng.add_request(p, SamplingParams(max_tokens=16, temperature=0.0))
         eng.run_to_completion()
@@ -241,12 +305,22 @@ def test_requests_ending_inside_a_decode_loop_at_a_page_end(model, random_head):
     reqs.append(([int(x) for x in rng.integers(0, CFG.vocab_size, 9)], 40))
 
     def go(spec):
-        eng = LLMEngine(model, None, EngineConfig(
-            warmup=False, num_pages=64, page_size=8, max_num_seqs=9, max_num_batched_tokens=64,
-            speculative_config=spec))
-        ids = [eng.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0.0,
-                                                                      max_tokens=m))
-               for p, m in reqs]
+        eng = LLMEngine(
+            model,
+            None,
+            EngineConfig(
+                warmup=False,
+                num_pages=64,
+                page_size=8,
+                max_num_seqs=9,
+                max_num_batched_tokens=64,
+                speculative_config=spec,
+            ),
+        )
+        ids = [
+            eng.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=m))
+            for p, m in reqs
+        ]
         out = eng.run_to_completion()
         return [out[i].outputs[0].token_ids for i in ids]
 
@@ -255,9 +329,17 @@ def test_requests_ending_inside_a_decode_loop_at_a_page_end(model, random_head):
 
 
 def test_after_warm_up_requests_with_an_eagle_head_compile_nothing(model, random_head):
-    eng = LLMEngine(model, None, EngineConfig(num_pages=32, page_size=8, max_num_seqs=8,
-                                              max_num_batched_tokens=32,
-                                              speculative_config=_spec(random_head, 2)))
+    eng = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            num_pages=32,
+            page_size=8,
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            speculative_config=_spec(random_head, 2),
+        ),
+    )
     prompts = _prompts(60, seed=3)
     with count_compiles() as compiles:
         for i in range(60):
@@ -280,8 +362,13 @@ def tiny_data(model):
 
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, CFG.vocab_size, int(rng.integers(4, 20)))) for _ in range(144)]
-    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=200, page_size=8,
-                                              max_num_seqs=16, max_num_batched_tokens=64))
+    eng = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            warmup=False, num_pages=200, page_size=8, max_num_seqs=16, max_num_batched_tokens=64
+        ),
+    )
     seqs, starts = answer(eng, None, prompts, 40)
     cfg = Eagle3Config.for_target(CFG)
     data = target_features(model, seqs, cfg.aux_layers, 64, starts=starts)
@@ -296,19 +383,33 @@ def _train(model, tiny_data, ckpt, **kw):
     cfg, data, held = tiny_data
     d2t = choose_vocab(data["labels"], data["mask"], CFG.vocab_size, 180)
     cfg = Eagle3Config.for_target(CFG, draft_vocab_size=180)
-    return cfg, train(cfg, init_params(cfg, model, d2t), _target_embed(model), data,
-                      batch_size=8, heldout=held, eval_every=20, chain=3, lr=3e-3, ckpt_dir=ckpt,
-                      save_every=20, progress=False, **kw)
+    return cfg, train(
+        cfg,
+        init_params(cfg, model, d2t),
+        _target_embed(model),
+        data,
+        batch_size=8,
+        heldout=held,
+        eval_every=20,
+        chain=3,
+        lr=3e-3,
+        ckpt_dir=ckpt,
+        save_every=20,
+        progress=False,
+        **kw,
+    )
 
 
 def test_training_lowers_the_loss_raises_acceptance_and_resumes_to_the_same_state(
-        model, tiny_data, tmp_path):
+    model, tiny_data, tmp_path
+):
     from jaxkv.model.eagle import target_embed as _target_embed
     from jaxkv.training.trainer import Trainer
 
     cfg, (tr, history) = _train(model, tiny_data, tmp_path / "a", steps=60)
-    start = Trainer(cfg, _fresh(model, tiny_data), _target_embed(model), steps=1,
-                    chain=3).evaluate(tiny_data[2])
+    start = Trainer(cfg, _fresh(model, tiny_data), _target_embed(model), steps=1, chain=3).evaluate(
+        tiny_data[2]
+    )
     end = history[-1]
     assert end["loss"] < 0.9 * start["loss"], (start, history)
     assert end["accept"] > start["accept"] + 0.05, (start, history)
@@ -334,17 +435,27 @@ def test_training_lowers_the_loss_raises_acceptance_and_resumes_to_the_same_stat
 
     held = tiny_data[2]
     prompts = [[int(x) for x in t[:s]] for t, s in zip(held["tokens"], held["start"])]
-    eng = LLMEngine(model, None, EngineConfig(
-        warmup=False, num_pages=200, page_size=8, max_num_seqs=16, max_num_batched_tokens=64,
-        speculative_config=_spec(tmp_path / "head")))
+    eng = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            warmup=False,
+            num_pages=200,
+            page_size=8,
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
+            speculative_config=_spec(tmp_path / "head"),
+        ),
+    )
     seqs, _ = answer(eng, None, prompts, 40)
-    assert seqs == [[int(x) for x in t[:s + 40]] for t, s in zip(held["tokens"], held["start"])]
+    assert seqs == [[int(x) for x in t[: s + 40]] for t, s in zip(held["tokens"], held["start"])]
     got = eng.speculative_metrics()["mean_accepted_length"]
     assert abs(end["per_step"] - got) < 0.005 and got < end["accept"], (end, got)
 
 
 def test_frozen_output_rows_stay_and_a_resume_with_other_options_is_refused(
-        model, tiny_data, tmp_path):
+    model, tiny_data, tmp_path
+):
     """`freeze` (what `jaxkv train-draft` does to the output rows unless
     --train-output): those stay the target's, bit for bit, while the rest
     trains; a checkpoint of one choice is not resumed under the other."""
@@ -382,8 +493,9 @@ def test_copy_init_head_proposes_what_followed_before():
     accept = {}
     for init in ("random", "copy"):
         params = init_params(cfg, model, d2t, data=data if init == "copy" else None)
-        accept[init] = Trainer(cfg, params, _target_embed(model), steps=1,
-                               chain=3).evaluate(data)["accept"]
+        accept[init] = Trainer(cfg, params, _target_embed(model), steps=1, chain=3).evaluate(data)[
+            "accept"
+        ]
     assert accept["random"] < 1.2 and accept["copy"] > 1.9, accept  # of at most 4
 
 
@@ -404,15 +516,30 @@ def test_eagle_under_tensor_parallel_matches_one_device(tmp_path):
     from jaxkv.config import ModelConfig
     from tests.core.spec.test_spec_decode import TP_SCRIPT
 
-    cfg = Eagle3Config.for_target(ModelConfig(  # the script's target
-        architecture="llama", vocab_size=212, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, max_position_embeddings=512))
+    cfg = Eagle3Config.for_target(
+        ModelConfig(  # the script's target
+            architecture="llama",
+            vocab_size=212,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+        )
+    )
     save_eagle3(tmp_path / "head", cfg, random_params(cfg, 1))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
 
     def go(tp, spec):
-        out = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(tp), json.dumps(spec)],
-                             capture_output=True, text=True, timeout=600, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", TP_SCRIPT, str(tp), json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -433,22 +560,50 @@ def test_train_draft_command_writes_a_head_the_engine_serves(tmp_path):
             for _ in range(n):
                 f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS, 6))}) + "\n")
     out = tmp_path / "head"
-    args = ["train-draft", "--model", str(path), "--data", str(tmp_path / "train.jsonl"),
-            "--held-out", str(tmp_path / "held.jsonl"), "--out", str(out), "--steps", "6",
-            "--max-tokens", "12", "--length", "48", "--draft-vocab", "64", "--eval-every", "3",
-            "--save-every", "3", "--batch-size", "4"]
+    args = [
+        "train-draft",
+        "--model",
+        str(path),
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--held-out",
+        str(tmp_path / "held.jsonl"),
+        "--out",
+        str(out),
+        "--steps",
+        "6",
+        "--max-tokens",
+        "12",
+        "--length",
+        "48",
+        "--draft-vocab",
+        "64",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "3",
+        "--batch-size",
+        "4",
+    ]
     assert main(args) == 0
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["steps"] == 6 and [h["step"] for h in summary["held_out"]] == [3, 6]
     assert json.loads((out / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLMEagle3"]
+        "LlamaForCausalLMEagle3"
+    ]
     # run again: it finds its checkpoint at the last step and trains no more
     assert main(args) == 0
     prompts = ["the cat sat", "a dog ran far away"]
     outs = []
     for spec in (None, _spec(out)):
-        eng = LLMEngine.from_pretrained(str(path), warmup=False, num_pages=32, page_size=8,
-                                        max_num_seqs=4, speculative_config=spec)
+        eng = LLMEngine.from_pretrained(
+            str(path),
+            warmup=False,
+            num_pages=32,
+            page_size=8,
+            max_num_seqs=4,
+            speculative_config=spec,
+        )
         ids = [eng.add_request(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in prompts]
         done = eng.run_to_completion()
         outs.append([done[i].outputs[0].token_ids for i in ids])

@@ -21,9 +21,18 @@ from jaxkv.model.llama import Llama
 from jaxkv.worker import verify
 from tests.helpers.compile_count import count_compiles
 
-CFG = ModelConfig(architecture="llama", vocab_size=211, hidden_size=64, intermediate_size=128,
-                  num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
-                  max_position_embeddings=512, eos_token_ids=())
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    eos_token_ids=(),
+)
 # adaptive off: every step with proposals verifies them (the strictest test).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
 
@@ -41,27 +50,30 @@ def _prompts(n, seed=0, vocab=211):
     out = []
     for i in range(n):
         motif = list(rng.integers(0, vocab, int(rng.integers(2, 7))))
-        body = motif * int(rng.integers(2, 6)) + list(rng.integers(0, vocab, int(rng.integers(0, 9))))
+        body = motif * int(rng.integers(2, 6)) + list(
+            rng.integers(0, vocab, int(rng.integers(0, 9)))
+        )
         out.append((shared if i % 3 == 0 else []) + body)
     return out
 
 
 def _params(i):
     """A mix of request options, all seeded where they sample."""
-    kinds = [dict(temperature=0.0),
-             dict(temperature=0.9, top_k=20, seed=i, logprobs=2),
-             dict(temperature=0.0, stop_token_ids=[7, 11], min_tokens=3),
-             dict(temperature=1.0, top_p=0.9, min_p=0.05, seed=100 + i),
-             dict(temperature=0.0, max_tokens=5),
-             dict(temperature=0.7, seed=i, logprobs=1)]
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.9, top_k=20, seed=i, logprobs=2),
+        dict(temperature=0.0, stop_token_ids=[7, 11], min_tokens=3),
+        dict(temperature=1.0, top_p=0.9, min_p=0.05, seed=100 + i),
+        dict(temperature=0.0, max_tokens=5),
+        dict(temperature=0.7, seed=i, logprobs=1),
+    ]
     kw = dict(max_tokens=20)
     kw.update(kinds[i % len(kinds)])
     return SamplingParams(**kw)
 
 
 def _run(model, prompts, spec, draft=None, **engine):
-    cfg = dict(warmup=False, num_pages=44, page_size=8, max_num_seqs=16,
-               max_num_batched_tokens=64)
+    cfg = dict(warmup=False, num_pages=44, page_size=8, max_num_seqs=16, max_num_batched_tokens=64)
     cfg.update(engine)
     eng = LLMEngine(model, None, EngineConfig(speculative_config=spec, **cfg), draft_model=draft)
     ids = [eng.add_request(p, _params(i)) for i, p in enumerate(prompts)]
@@ -75,8 +87,12 @@ def _same(a, b):
         assert x.token_ids == y.token_ids, f"request {i}: {x.token_ids} != {y.token_ids}"
         assert x.finish_reason == y.finish_reason, f"request {i}"
         if x.logprobs is not None:
-            np.testing.assert_allclose([p.logprob for p in x.logprobs],
-                                       [p.logprob for p in y.logprobs], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(
+                [p.logprob for p in x.logprobs],
+                [p.logprob for p in y.logprobs],
+                rtol=1e-4,
+                atol=1e-4,
+            )
             assert [list(p.top) for p in x.logprobs] == [list(p.top) for p in y.logprobs]
 
 
@@ -87,6 +103,7 @@ def _pressure(eng):
 
 
 # ----------------------------------------------------------------- hand cases
+
 
 def test_ngram_lookup_hand_cases():
     t = np.asarray
@@ -108,18 +125,20 @@ def test_acceptance_rule_hand_cases():
 
 def test_speculative_config_is_checked():
     assert SpeculativeConfig.from_dict({"method": "ngram"}).num_speculative_tokens == 4
-    for bad, name in (({"method": "eagle"}, "method"),
-                      ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-                      ({"method": "ngram", "k": 2}, "unknown"),
-                      ({"method": "draft_model"}, "model"),
-                      ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2},
-                       "prompt_lookup_min"),
-                      ({"method": "ngram", "adaptive": "yes"}, "adaptive")):
+    for bad, name in (
+        ({"method": "eagle"}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "k": 2}, "unknown"),
+        ({"method": "draft_model"}, "model"),
+        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "ngram", "adaptive": "yes"}, "adaptive"),
+    ):
         with pytest.raises(ValueError, match=name):
             EngineConfig(speculative_config=bad)
 
 
 # ----------------------------------------------------------------- lossless
+
 
 def test_ngram_outputs_equal_plain_decoding(model):
     prompts = _prompts(32)
@@ -137,11 +156,23 @@ def test_target_as_its_own_draft_accepts_everything(model):
     prompts = _prompts(32, seed=1)
     greedy = [dataclasses.replace(_params(0), max_tokens=24) for _ in prompts]
     outs = {}
-    for spec in (None, {"method": "draft_model", "model": "self", "num_speculative_tokens": 3,
-                                  "adaptive": False}):
-        eng = LLMEngine(model, None, EngineConfig(
-            warmup=False, num_pages=40, page_size=8, max_num_seqs=16, max_num_batched_tokens=64,
-            speculative_config=spec), draft_model=model if spec else None)
+    for spec in (
+        None,
+        {"method": "draft_model", "model": "self", "num_speculative_tokens": 3, "adaptive": False},
+    ):
+        eng = LLMEngine(
+            model,
+            None,
+            EngineConfig(
+                warmup=False,
+                num_pages=40,
+                page_size=8,
+                max_num_seqs=16,
+                max_num_batched_tokens=64,
+                speculative_config=spec,
+            ),
+            draft_model=model if spec else None,
+        )
         ids = [eng.add_request(p, g) for p, g in zip(prompts, greedy)]
         final = eng.run_to_completion()
         outs[spec is None] = [final[r].outputs[0].token_ids for r in ids]
@@ -149,18 +180,24 @@ def test_target_as_its_own_draft_accepts_everything(model):
             _pressure(eng)
             m = eng.speculative_metrics()
             assert m["proposed"] > 50 and m["accepted"] == m["proposed"], m
-            assert all(final[r].metrics["spec_accepted"] == final[r].metrics["spec_proposed"]
-                       for r in ids)
+            assert all(
+                final[r].metrics["spec_accepted"] == final[r].metrics["spec_proposed"] for r in ids
+            )
     assert outs[True] == outs[False]
 
 
 def test_random_draft_is_lossless_at_low_acceptance(model):
-    draft = Llama.random_init(dataclasses.replace(CFG, num_layers=1, hidden_size=32, num_heads=2,
-                                                  num_kv_heads=1), seed=7)
+    draft = Llama.random_init(
+        dataclasses.replace(CFG, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), seed=7
+    )
     prompts = _prompts(32, seed=2)
     _, plain = _run(model, prompts, None)
-    eng, spec = _run(model, prompts, {"method": "draft_model", "model": "tiny",
-                                      "num_speculative_tokens": 3, "adaptive": False}, draft=draft)
+    eng, spec = _run(
+        model,
+        prompts,
+        {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3, "adaptive": False},
+        draft=draft,
+    )
     _pressure(eng)
     m = eng.speculative_metrics()
     assert m["proposed"] > 50 and m["acceptance_rate"] < 0.3, m
@@ -171,15 +208,32 @@ def test_random_draft_is_lossless_at_low_acceptance(model):
 def test_draft_must_share_the_vocabulary(model):
     other = Llama.random_init(dataclasses.replace(CFG, vocab_size=100), seed=3)
     with pytest.raises(ValueError, match="vocabulary"):
-        LLMEngine(model, None, EngineConfig(warmup=False, num_pages=16, speculative_config={
-            "method": "draft_model", "model": "other"}), draft_model=other)
+        LLMEngine(
+            model,
+            None,
+            EngineConfig(
+                warmup=False,
+                num_pages=16,
+                speculative_config={"method": "draft_model", "model": "other"},
+            ),
+            draft_model=other,
+        )
 
 
 # ----------------------------------------------------------------- distribution
 
-SMALL = ModelConfig(architecture="llama", vocab_size=32, hidden_size=32, intermediate_size=64,
-                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                    max_position_embeddings=128, eos_token_ids=())
+SMALL = ModelConfig(
+    architecture="llama",
+    vocab_size=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position_embeddings=128,
+    eos_token_ids=(),
+)
 
 
 def _first_tokens(model, spec, seeds, monkeypatch=None, rule=None):
@@ -187,14 +241,26 @@ def _first_tokens(model, spec, seeds, monkeypatch=None, rule=None):
     are judged from the second on)."""
     if rule is not None:
         monkeypatch.setattr(verify, "num_accepted", rule)
-    eng = LLMEngine(model, None, EngineConfig(warmup=False, num_pages=200, page_size=8,
-                                              max_num_seqs=64, max_num_batched_tokens=256,
-                                              num_decode_steps=1, speculative_config=spec,
-                                              # a patched rule must be traced, not loaded
-                                              program_cache=rule is None))
+    eng = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            warmup=False,
+            num_pages=200,
+            page_size=8,
+            max_num_seqs=64,
+            max_num_batched_tokens=256,
+            num_decode_steps=1,
+            speculative_config=spec,
+            # a patched rule must be traced, not loaded
+            program_cache=rule is None,
+        ),
+    )
     prompt = list(range(32)) * 2  # every token has been seen: n-gram lookup always proposes
-    ids = [eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=int(s)))
-           for s in seeds]
+    ids = [
+        eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=int(s)))
+        for s in seeds
+    ]
     final = eng.run_to_completion()
     toks = np.asarray([final[r].outputs[0].token_ids for r in ids])
     return toks, eng.speculative_metrics()
@@ -204,9 +270,11 @@ def _homogeneous(a, b, V=32) -> float:
     """Smallest p-value of the two-sample chi-square tests on each token
     and on each step between consecutive tokens ((t[j+1] - t[j]) mod V, a
     function of their joint distribution)."""
+
     def features(t):
         return [t[:, j] for j in range(t.shape[1])] + [
-            (t[:, j + 1] - t[:, j]) % V for j in range(t.shape[1] - 1)]
+            (t[:, j + 1] - t[:, j]) % V for j in range(t.shape[1] - 1)
+        ]
 
     ps = []
     for fa, fb in zip(features(a), features(b)):
@@ -222,8 +290,12 @@ def test_sampled_tokens_follow_the_targets_distribution(monkeypatch):
     proposal through fails the same test."""
     model = Llama.random_init(SMALL, seed=4)
     N = 1200
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "adaptive": False}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "adaptive": False,
+    }
     off, _ = _first_tokens(model, None, range(N, 2 * N))
     on, m = _first_tokens(model, spec, range(N))
     assert m["proposed"] > N, m
@@ -242,13 +314,28 @@ def test_sampled_tokens_follow_the_targets_distribution(monkeypatch):
 
 # ----------------------------------------------------------------- compiles
 
+
 def test_after_warm_up_two_hundred_requests_with_speculation_compile_nothing(model):
     draft = Llama.random_init(dataclasses.replace(CFG, num_layers=1), seed=2)
-    for spec, dm in ((NGRAM, None), ({"method": "draft_model", "model": "d",
-                                      "num_speculative_tokens": 2, "adaptive": False}, draft)):
-        eng = LLMEngine(model, None, EngineConfig(num_pages=32, page_size=8, max_num_seqs=8,
-                                                  max_num_batched_tokens=32,
-                                                  speculative_config=spec), draft_model=dm)
+    for spec, dm in (
+        (NGRAM, None),
+        (
+            {"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "adaptive": False},
+            draft,
+        ),
+    ):
+        eng = LLMEngine(
+            model,
+            None,
+            EngineConfig(
+                num_pages=32,
+                page_size=8,
+                max_num_seqs=8,
+                max_num_batched_tokens=32,
+                speculative_config=spec,
+            ),
+            draft_model=dm,
+        )
         rng = np.random.default_rng(9)
         prompts = _prompts(200, seed=3)
         with count_compiles() as compiles:
@@ -297,9 +384,11 @@ def test_server_metrics_export_the_speculative_counters():
 
     m = ServerMetrics("tiny")
     stats = SpecStats(steps=3, drafts=5, proposed=17, accepted=9)
-    eng = NS(scheduler=NS(running=[], waiting=[], num_preemptions=0),
-             bm=NS(num_used_pages=0, num_pages=9, prefix_query_tokens=0, prefix_hit_tokens=0),
-             spec=NS(stats=stats))
+    eng = NS(
+        scheduler=NS(running=[], waiting=[], num_preemptions=0),
+        bm=NS(num_used_pages=0, num_pages=9, prefix_query_tokens=0, prefix_hit_tokens=0),
+        spec=NS(stats=stats),
+    )
     m.refresh(eng)
     stats.proposed, stats.accepted = 20, 11
     m.refresh(eng)  # counters move by the difference
@@ -342,8 +431,13 @@ def test_ngram_under_tensor_parallel_matches_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
 
     def run(tp, spec):
-        out = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(tp), json.dumps(spec)],
-                             capture_output=True, text=True, timeout=600, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", TP_SCRIPT, str(tp), json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -18,8 +18,9 @@ def server(tmp_path_factory):
     from scripts.probe.common import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("tools") / "model")
-    eng = LLMEngine.from_pretrained(str(path), num_pages=64, page_size=16, max_num_seqs=4,
-                                    warmup=False)
+    eng = LLMEngine.from_pretrained(
+        str(path), num_pages=64, page_size=16, max_num_seqs=4, warmup=False
+    )
     srv = ThreadServer(build_app(eng, ["tiny"], reasoning_parser="qwen3"))
     yield srv
     srv.stop()
@@ -28,4 +29,3 @@ def server(tmp_path_factory):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-

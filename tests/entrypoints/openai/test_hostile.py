@@ -23,8 +23,17 @@ import pytest
 from tests.helpers.model_utils import make_hf_model, save_tiny_tokenizer
 from tests.helpers.serve_utils import ThreadServer, get, openai_error, post
 
-ENGINE = dict(num_pages=32, page_size=8, max_num_seqs=2, max_model_len=64, warmup=False,
-              enable_lora=True, max_loras=1, max_lora_rank=64, max_cpu_loras=2)
+ENGINE = dict(
+    num_pages=32,
+    page_size=8,
+    max_num_seqs=2,
+    max_model_len=64,
+    warmup=False,
+    enable_lora=True,
+    max_loras=1,
+    max_lora_rank=64,
+    max_cpu_loras=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +46,31 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     # Wide enough that a rank-1 adapter kept at max_lora_rank 64 would cost
     # megabytes a load (the memory test's signal).
-    _, base = make_hf_model("llama", root / "base", hidden_size=512, intermediate_size=64,
-                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    _, base = make_hf_model(
+        "llama",
+        root / "base",
+        hidden_size=512,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     save_tiny_tokenizer(base)
     config = load_config(base)
     loras = root / "loras"
     good_adapter(loras, config, "good", rank=1)
     eng = LLMEngine.from_pretrained(str(base), **ENGINE)
-    srv = ThreadServer(build_app(eng, ["tiny"], enable_runtime_lora_loading=True,
-                                 lora_roots=[str(loras)], body_timeout=1.0,
-                                 allowed_hosts=["127.0.0.1", "localhost"]),
-                       header_timeout=1.0)
+    srv = ThreadServer(
+        build_app(
+            eng,
+            ["tiny"],
+            enable_runtime_lora_loading=True,
+            lora_roots=[str(loras)],
+            body_timeout=1.0,
+            allowed_hosts=["127.0.0.1", "localhost"],
+        ),
+        header_timeout=1.0,
+    )
     yield srv, root, config, eng
     srv.stop()
 
@@ -88,8 +111,9 @@ def test_hostile_adapter_folders_are_named_400s_and_health_answers_throughout(se
     with Health(srv.port) as h:
         for i, (case, (folder, words)) in enumerate(cases.items()):
             t0 = time.perf_counter()
-            code, body = post(srv.port, "/v1/load_lora_adapter",
-                              {"lora_name": f"h{i}", "lora_path": str(folder)})
+            code, body = post(
+                srv.port, "/v1/load_lora_adapter", {"lora_name": f"h{i}", "lora_path": str(folder)}
+            )
             took = time.perf_counter() - t0
             msg = openai_error(body, code)["message"]
             assert code == 400 and took < 1.0 and words in msg, (case, code, took, msg)
@@ -113,7 +137,9 @@ def test_forty_loads_keep_memory_bounded_and_unloads_free_it(served):
             conn.close()
 
     def load(name):
-        call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(root / "loras" / "good")})
+        call(
+            "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(root / "loras" / "good")}
+        )
 
     for name in ("w0", "w1"):  # the first reads import and allocate what every read reuses
         load(name)
@@ -137,8 +163,9 @@ def test_runtime_loading_is_off_unless_asked_and_stays_under_its_roots(served, t
 
     srv, root, config, _ = served
     outside = good_adapter(tmp_path, config, "outside")
-    code, body = post(srv.port, "/v1/load_lora_adapter",
-                      {"lora_name": "x", "lora_path": str(outside)})
+    code, body = post(
+        srv.port, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(outside)}
+    )
     assert code == 403 and "--lora-root" in openai_error(body, 403)["message"]
     link = root / "loras" / "link"
     link.symlink_to(outside)  # a link inside the root to a folder outside it
@@ -163,11 +190,13 @@ def test_stored_and_echoed_fields_are_bounded(served):
     code, body = post(srv.port, "/v1/responses", {**base, **huge})
     assert code == 400 and time.perf_counter() - t0 < 1.5
     assert "metadata" in openai_error(body, 400)["message"]
-    for extra, field in (({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
-                         ({"metadata": {"k" * 65: "v"}}, "metadata"),
-                         ({"text": {"format": {"type": "text", "junk": 1}}}, "text.format"),
-                         ({"previous_response_id": [1] * 300_000}, "previous_response_id"),
-                         ({"previous_response_id": "r" * 200}, "previous_response_id")):
+    for extra, field in (
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"text": {"format": {"type": "text", "junk": 1}}}, "text.format"),
+        ({"previous_response_id": [1] * 300_000}, "previous_response_id"),
+        ({"previous_response_id": "r" * 200}, "previous_response_id"),
+    ):
         code, body = post(srv.port, "/v1/responses", {**base, **extra})
         err = openai_error(body, 400)
         assert code == 400 and err["param"] == field and len(json.dumps(body)) < 1000, extra
@@ -175,8 +204,11 @@ def test_stored_and_echoed_fields_are_bounded(served):
     assert code == 200 and body["metadata"] == {"user": "a" * 512}
     code, text = get(srv.port, "/v1/responses/" + "x" * 300)
     assert code == 400 and len(text) < 1000
-    code, body = post(srv.port, "/v1/chat/completions", {
-        "model": "nope" * 50_000, "messages": [{"role": "user", "content": "hi"}]})
+    code, body = post(
+        srv.port,
+        "/v1/chat/completions",
+        {"model": "nope" * 50_000, "messages": [{"role": "user", "content": "hi"}]},
+    )
     msg = openai_error(body, 404)["message"]
     assert code == 404 and len(msg) < 700 and "good" not in msg and "tiny" in msg
 
@@ -196,8 +228,11 @@ def test_silent_sockets_slow_heads_and_slow_bodies(served):
         code, _ = get(srv.port, "/health", timeout=5)
         assert code == 200 and time.perf_counter() - t0 < 1.0
         head = _raw(srv.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never ends
-        body = _raw(srv.port, b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                              b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        body = _raw(
+            srv.port,
+            b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+        )
         answer = head.recv(4096)
         assert answer.startswith(b"HTTP/1.1 408"), answer
         answer = body.recv(4096)

@@ -21,18 +21,23 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-                           "--disable-dev-shm-usage", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
-                                            "(.ci/run installs it)")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"
+)
 def test_kv_page_draws_the_running_requests(tmp_path):
     _, path = make_hf_model("llama", tmp_path, max_position_embeddings=2048)
     save_tiny_tokenizer(path)
-    eng = LLMEngine.from_pretrained(str(path), num_pages=256, page_size=8, max_num_seqs=8,
-                                    warmup=False)
+    eng = LLMEngine.from_pretrained(
+        str(path), num_pages=256, page_size=8, max_num_seqs=8, warmup=False
+    )
     real = eng.runner.dispatch
 
     def slow(*a, **k):  # keep the requests running while the page is read
@@ -42,9 +47,11 @@ def test_kv_page_draws_the_running_requests(tmp_path):
     eng.runner.dispatch = slow
     srv = ThreadServer(build_app(eng, ["tiny"], enable_kv_map=True))
     system = " ".join(WORDS[:40])
-    bodies = [{"prompt": system + " one", "max_tokens": 1500, "ignore_eos": True},
-              {"prompt": system + " two", "max_tokens": 1500, "ignore_eos": True},
-              {"prompt": "hello world", "max_tokens": 1500, "ignore_eos": True, "n": 2}]
+    bodies = [
+        {"prompt": system + " one", "max_tokens": 1500, "ignore_eos": True},
+        {"prompt": system + " two", "max_tokens": 1500, "ignore_eos": True},
+        {"prompt": "hello world", "max_tokens": 1500, "ignore_eos": True, "n": 2},
+    ]
     streams = []
     try:
         for b in bodies:
@@ -60,8 +67,10 @@ def test_kv_page_draws_the_running_requests(tmp_path):
         for k, r in enumerate(m["requests"]):
             assert r["pages"] * m["page_size"] >= r["computed"]
             assert m["pages"].count(k) >= 1
-        assert m["free"] + m["cached"] + m["shared"] + 1 + sum(
-            m["pages"].count(k) for k in range(4)) == m["num_pages"]
+        assert (
+            m["free"] + m["cached"] + m["shared"] + 1 + sum(m["pages"].count(k) for k in range(4))
+            == m["num_pages"]
+        )
 
         page = _chromium("--virtual-time-budget=5000", "--dump-dom", srv.base_url + "/")
         dom = page.stdout
@@ -70,8 +79,12 @@ def test_kv_page_draws_the_running_requests(tmp_path):
         # one legend line per running request (the script's own template aside)
         assert dom.count('<li class="request" data-id="') - dom.count('data-id="${') == 4
         shot = tmp_path / "kv_page.png"
-        _chromium("--virtual-time-budget=5000", f"--screenshot={shot}", "--window-size=1300,900",
-                  srv.base_url + "/")
+        _chromium(
+            "--virtual-time-budget=5000",
+            f"--screenshot={shot}",
+            "--window-size=1300,900",
+            srv.base_url + "/",
+        )
         assert shot.is_file() and shot.stat().st_size > 5000
     finally:
         for s in streams:

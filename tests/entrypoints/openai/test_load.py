@@ -26,22 +26,35 @@ def _prompt(rng) -> str:
 def test_64_streams_with_random_disconnects_leave_nothing_behind(tmp_path):
     _, path = make_hf_model("llama", tmp_path, max_position_embeddings=4096)
     save_tiny_tokenizer(path)
-    eng = LLMEngine.from_pretrained(str(path), num_pages=1024, page_size=16, max_num_seqs=16,
-                                    warmup=False)
+    eng = LLMEngine.from_pretrained(
+        str(path), num_pages=1024, page_size=16, max_num_seqs=16, warmup=False
+    )
     srv = ThreadServer(build_app(eng, ["tiny"]))
     rng = random.Random(0)
     # A dropped stream asks for far more tokens than it reads: only an abort
     # ends it before the test's deadline.
-    jobs = [dict(prompt=_prompt(rng), drop=rng.random() < 0.3, after=rng.randint(1, 4), seed=i)
-            for i in range(64)]
+    jobs = [
+        dict(prompt=_prompt(rng), drop=rng.random() < 0.3, after=rng.randint(1, 4), seed=i)
+        for i in range(64)
+    ]
     for j in jobs:
         j["max_tokens"] = 3000 if j["drop"] else rng.randint(4, 48)
     results: dict[int, tuple] = {}
 
     def client(i, job):
-        s = SSEStream(srv.port, "/v1/completions", {
-            "model": "tiny", "prompt": job["prompt"], "max_tokens": job["max_tokens"],
-            "temperature": 1.0, "seed": job["seed"], "ignore_eos": True}, timeout=120)
+        s = SSEStream(
+            srv.port,
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": job["prompt"],
+                "max_tokens": job["max_tokens"],
+                "temperature": 1.0,
+                "seed": job["seed"],
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
         events = []
         for ev in s.events():
             events.append(ev)
@@ -50,8 +63,9 @@ def test_64_streams_with_random_disconnects_leave_nothing_behind(tmp_path):
         s.close()
         results[i] = (s.status, events)
 
-    threads = [threading.Thread(target=client, args=(i, j), daemon=True)
-               for i, j in enumerate(jobs)]
+    threads = [
+        threading.Thread(target=client, args=(i, j), daemon=True) for i, j in enumerate(jobs)
+    ]
     try:
         for t in threads:
             t.start()
@@ -68,9 +82,11 @@ def test_64_streams_with_random_disconnects_leave_nothing_behind(tmp_path):
         deadline = time.monotonic() + 20
         while True:
             text = get(srv.port, "/metrics")[1]
-            idle = (metric(text, f"jaxkv:num_requests_running{{{MODEL}}}") == 0
-                    and metric(text, f"jaxkv:num_requests_waiting{{{MODEL}}}") == 0
-                    and metric(text, f"jaxkv:kv_cache_usage_perc{{{MODEL}}}") == 0)
+            idle = (
+                metric(text, f"jaxkv:num_requests_running{{{MODEL}}}") == 0
+                and metric(text, f"jaxkv:num_requests_waiting{{{MODEL}}}") == 0
+                and metric(text, f"jaxkv:kv_cache_usage_perc{{{MODEL}}}") == 0
+            )
             if idle or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -78,12 +94,17 @@ def test_64_streams_with_random_disconnects_leave_nothing_behind(tmp_path):
         assert eng.bm.num_used_pages == 0 and not eng.has_unfinished_requests()
         assert srv.app.state.engine_loop.num_in_flight() == 0
         served = sum(1 for j in jobs if not j["drop"])
-        assert metric(text, f'jaxkv:request_success_total{{finished_reason="length",{MODEL}}}') \
+        assert (
+            metric(text, f'jaxkv:request_success_total{{finished_reason="length",{MODEL}}}')
             == served
-        assert metric(text, f'jaxkv:request_success_total{{finished_reason="abort",{MODEL}}}') \
+        )
+        assert (
+            metric(text, f'jaxkv:request_success_total{{finished_reason="abort",{MODEL}}}')
             == len(jobs) - served
+        )
         assert metric(text, f"jaxkv:generation_tokens_total{{{MODEL}}}") >= sum(
-            j["max_tokens"] for j in jobs if not j["drop"])
+            j["max_tokens"] for j in jobs if not j["drop"]
+        )
     finally:
         srv.stop()
 
@@ -95,29 +116,49 @@ def test_sigterm_finishes_the_streams_in_flight_and_exits_0(tmp_path):
     # decode steps, far more than 10 s on any CPU.
     _, path = make_hf_model("llama", tmp_path, max_position_embeddings=32768)
     save_tiny_tokenizer(path)
-    proc, port = start_cli_server(path, "--num-pages", "16384", "--page-size", "16",
-                                  "--max-num-seqs", "16", "--shutdown-timeout", "10",
-                                  "--no-warmup")
+    proc, port = start_cli_server(
+        path,
+        "--num-pages",
+        "16384",
+        "--page-size",
+        "16",
+        "--max-num-seqs",
+        "16",
+        "--shutdown-timeout",
+        "10",
+        "--no-warmup",
+    )
     try:
         rng = random.Random(1)
         # 8 short streams finish within the timeout; 8 long ones cannot.
-        jobs = [dict(prompt=_prompt(rng), max_tokens=16 if i % 2 == 0 else 30000)
-                for i in range(16)]
+        jobs = [
+            dict(prompt=_prompt(rng), max_tokens=16 if i % 2 == 0 else 30000) for i in range(16)
+        ]
         results: dict[int, list] = {}
         started = threading.Barrier(17, timeout=120)
 
         def client(i, job):
-            s = SSEStream(port, "/v1/completions", {
-                "model": str(path), "prompt": job["prompt"], "max_tokens": job["max_tokens"],
-                "temperature": 0, "ignore_eos": True}, timeout=120)
+            s = SSEStream(
+                port,
+                "/v1/completions",
+                {
+                    "model": str(path),
+                    "prompt": job["prompt"],
+                    "max_tokens": job["max_tokens"],
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                timeout=120,
+            )
             events = s.events()
             got = [next(events)]
             started.wait()
             got.extend(events)
             results[i] = got
 
-        threads = [threading.Thread(target=client, args=(i, j), daemon=True)
-                   for i, j in enumerate(jobs)]
+        threads = [
+            threading.Thread(target=client, args=(i, j), daemon=True) for i, j in enumerate(jobs)
+        ]
         for t in threads:
             t.start()
         started.wait()

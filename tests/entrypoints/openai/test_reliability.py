@@ -39,8 +39,13 @@ from tests.helpers.serve_utils import (
     slow_steps,
 )
 
-ENGINE = {"num_pages": 96, "page_size": 8, "max_num_seqs": 8, "num_decode_steps": 1,
-          "warmup": False}  # one token a step: a slowed step paces the stream
+ENGINE = {
+    "num_pages": 96,
+    "page_size": 8,
+    "max_num_seqs": 8,
+    "num_decode_steps": 1,
+    "warmup": False,
+}  # one token a step: a slowed step paces the stream
 MODEL = 'model_name="tiny"'
 PROMPT = "the cache is"
 
@@ -67,21 +72,26 @@ def test_a_wide_request_beside_streams_serves_every_one(engine):
         want.append(engine.run_to_completion([rid])[rid].outputs[0].text)
     with serving(engine) as srv, slow_steps(engine, 0.2):
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-        first = SSEStream(srv.port, "/v1/completions", {"model": "tiny", "prompt": prompts[0],
-                                                        "max_tokens": 8, "temperature": 0})
+        first = SSEStream(
+            srv.port,
+            "/v1/completions",
+            {"model": "tiny", "prompt": prompts[0], "max_tokens": 8, "temperature": 0},
+        )
         events = first.events()
         head = next(events)  # the first stream runs
         got = {}
 
         def wide():
-            got["wide"] = client.completions.create(model="tiny", prompt=prompts[1], n=7,
-                                                    max_tokens=8, temperature=0)
+            got["wide"] = client.completions.create(
+                model="tiny", prompt=prompts[1], n=7, max_tokens=8, temperature=0
+            )
 
         t = threading.Thread(target=wide)
         t.start()
         time.sleep(0.02)  # both arrive within one (slowed) step: admitted together
-        late = client.completions.create(model="tiny", prompt=prompts[2], max_tokens=8,
-                                         temperature=0, stream=True)
+        late = client.completions.create(
+            model="tiny", prompt=prompts[2], max_tokens=8, temperature=0, stream=True
+        )
         got["late"] = "".join(ch.choices[0].text for ch in late)
         t.join(timeout=120)
         rest = [e for e in events if e != "[DONE]"]
@@ -97,30 +107,33 @@ def test_a_wide_request_beside_streams_serves_every_one(engine):
 def test_a_body_over_the_bound_is_refused_with_413(engine):
     limit = 64 * 1024
     with serving(engine, max_request_bytes=limit) as srv:
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {limit + 1}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {limit + 1}\r\n\r\n"
+        ).encode()
         code, body = raw_exchange(srv.port, head)  # refused on the header, no body sent
         err = openai_error(body, 413)
-        assert code == 413 and str(limit) in err["message"] and "--max-request-bytes" in \
-            err["message"]
+        assert (
+            code == 413 and str(limit) in err["message"] and "--max-request-bytes" in err["message"]
+        )
         big = json.dumps({"prompt": "the " * limit}).encode()
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n")
-        parts = [big[i:i + 16384] for i in range(0, len(big), 16384)]
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        parts = [big[i : i + 16384] for i in range(0, len(big), 16384)]
         chunks = [b"%x\r\n%s\r\n" % (len(p), p) for p in parts] + [b"0\r\n\r\n"]
         code, body = raw_exchange(srv.port, head, chunks)  # no length given: counted as read
         assert code == 413 and openai_error(body, 413)
         ok = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
-        code, _, body = request(srv.port, "POST", "/v1/completions",
-                                ok + b" " * (limit - len(ok)))
+        code, _, body = request(srv.port, "POST", "/v1/completions", ok + b" " * (limit - len(ok)))
         assert code == 200 and body["usage"]["completion_tokens"] == 2
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model="tiny", prompt="the " * limit, max_tokens=1)
         assert e.value.status_code == 413
         text = metrics_text(srv.port)
-        assert metric(text, f'jaxkv:request_errors_total{{{MODEL},reason="invalid_request"}}') \
-            >= 3
+        assert metric(text, f'jaxkv:request_errors_total{{{MODEL},reason="invalid_request"}}') >= 3
 
 
 def _timed_post(port, body: bytes, poll) -> tuple[tuple, float, float]:
@@ -145,24 +158,31 @@ def _timed_post(port, body: bytes, poll) -> tuple[tuple, float, float]:
 def test_large_bodies_stall_neither_health_nor_a_running_stream(engine):
     # Handled on the event loop, each stalls it for seconds (a 9 MB token id
     # list checked in Python, a 5 MB text tokenized).
-    bodies = [json.dumps({"prompt": [5] * 3_000_000, "max_tokens": 1}).encode(),
-              json.dumps({"prompt": "the cache " * 500_000, "max_tokens": 1}).encode()]
+    bodies = [
+        json.dumps({"prompt": [5] * 3_000_000, "max_tokens": 1}).encode(),
+        json.dumps({"prompt": "the cache " * 500_000, "max_tokens": 1}).encode(),
+    ]
     # The engine runs without warm-up: the stream's programs are compiled
     # first, offline, so no compile mid-stream (a stall of its own, seconds
     # on a cold cache) lands in the windows measured here.
-    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=250, ignore_eos=True,
-                                                    temperature=0.0))
+    rid = engine.add_request(
+        PROMPT, SamplingParams(max_tokens=250, ignore_eos=True, temperature=0.0)
+    )
     engine.run_to_completion([rid])
     with serving(engine) as srv, slow_steps(engine, 0.05):
         arrivals: list[float] = []
-        s = SSEStream(srv.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 250,
-                                                    "ignore_eos": True, "temperature": 0})
+        s = SSEStream(
+            srv.port,
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 250, "ignore_eos": True, "temperature": 0},
+        )
         events = s.events()
         next(events)
 
         def read():
-            with contextlib.suppress(OSError, ValueError, AttributeError,
-                                     http.client.HTTPException):  # the test closes it
+            with contextlib.suppress(
+                OSError, ValueError, AttributeError, http.client.HTTPException
+            ):  # the test closes it
                 arrivals.extend(time.perf_counter() for _ in events)
 
         reader = threading.Thread(target=read, daemon=True)
@@ -199,8 +219,12 @@ def test_large_bodies_stall_neither_health_nor_a_running_stream(engine):
 
 def test_bad_json_and_unexpected_errors_answer_openai_json(engine, monkeypatch):
     with serving(engine) as srv:
-        for raw in (b"[" * 100_000, b'{"messages": ' + b"[" * 50_000,
-                    b'{"prompt": 1' + b"0" * 5000 + b"}", b"\xff\xfe"):
+        for raw in (
+            b"[" * 100_000,
+            b'{"messages": ' + b"[" * 50_000,
+            b'{"prompt": 1' + b"0" * 5000 + b"}",
+            b"\xff\xfe",
+        ):
             code, _, body = request(srv.port, "POST", "/v1/chat/completions", raw)
             err = openai_error(body, 400)
             assert code == 400 and "request body" in err["message"], err
@@ -209,8 +233,12 @@ def test_bad_json_and_unexpected_errors_answer_openai_json(engine, monkeypatch):
             raise RuntimeError("injected template failure")
 
         monkeypatch.setattr(engine.tokenizer, "apply_chat_template", boom)
-        code, _, body = request(srv.port, "POST", "/v1/chat/completions",
-                                {"messages": [{"role": "user", "content": "hi"}]})
+        code, _, body = request(
+            srv.port,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}]},
+        )
         assert code == 500 and openai_error(body, 500)["type"] == "InternalServerError"
         monkeypatch.undo()
         monkeypatch.setattr(Formatter, "completion_choice", boom)  # once the stream is open
@@ -223,9 +251,12 @@ def test_bad_json_and_unexpected_errors_answer_openai_json(engine, monkeypatch):
         for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)):
             code, _, body = request(srv.port, method, path)
             assert code == status and openai_error(body, status)
-        code, _, body = request(srv.port, "POST", "/v1/chat/completions",
-                                {"messages": [{"role": "user", "content": "hi"}],
-                                 "max_tokens": 3})
+        code, _, body = request(
+            srv.port,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert code == 200 and body["usage"]["completion_tokens"] == 3
         assert srv.app.state.engine_loop.alive
 
@@ -238,8 +269,9 @@ def test_sigterm_answers_503_while_the_streams_in_flight_finish(engine):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = DrainingServer(uvicorn.Config(app, log_level="warning"), app.state.engine_loop,
-                            shutdown_timeout=60)
+    server = DrainingServer(
+        uvicorn.Config(app, log_level="warning"), app.state.engine_loop, shutdown_timeout=60
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -247,14 +279,18 @@ def test_sigterm_answers_503_while_the_streams_in_flight_finish(engine):
         time.sleep(0.02)
     try:
         with slow_steps(engine, 0.05):
-            s = SSEStream(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
-                                                    "ignore_eos": True, "temperature": 0})
+            s = SSEStream(
+                port,
+                "/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 0},
+            )
             events = s.events()
             first = next(events)
             server.handle_exit(signal.SIGTERM, None)  # what the signal calls
             time.sleep(0.5)  # uvicorn acts on a signal within 0.1 s
-            code, _, body = request(port, "POST", "/v1/completions",
-                                    {"prompt": PROMPT, "max_tokens": 2})
+            code, _, body = request(
+                port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}
+            )
             err = openai_error(body, 503)
             assert code == 503 and "shutting down" in err["message"]
             assert get(port, "/health")[0] == 503  # load balancers take it out
@@ -270,15 +306,29 @@ def test_sigterm_answers_503_while_the_streams_in_flight_finish(engine):
         thread.join(30)
 
 
-CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  max_position_embeddings=256, eos_token_ids=())
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    eos_token_ids=(),
+)
 
 
 def test_a_model_without_tokenizer_streams_token_ids_as_they_come():
     model = Llama.random_init(CFG, seed=4)
-    opts = {"warmup": False, "num_pages": 64, "page_size": 8, "max_num_seqs": 8,
-            "num_decode_steps": 1}
+    opts = {
+        "warmup": False,
+        "num_pages": 64,
+        "page_size": 8,
+        "max_num_seqs": 8,
+        "num_decode_steps": 1,
+    }
     lone = LLMEngine(model, None, EngineConfig(**opts))
     rid = lone.add_request([3, 1, 4, 1, 5], SamplingParams(max_tokens=12, temperature=0))
     want = lone.run_to_completion()[rid].outputs[0].token_ids

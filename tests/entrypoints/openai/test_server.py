@@ -58,8 +58,11 @@ def test_completions_greedy_equal_offline_and_stream_joins_to_the_same(client, o
         assert c.finish_reason == ref.outputs[0].finish_reason
         assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
         assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
-        chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=12,
-                                                temperature=0, stream=True))
+        chunks = list(
+            client.completions.create(
+                model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True
+            )
+        )
         assert "".join(ch.choices[0].text for ch in chunks) == c.text
         assert chunks[-1].choices[0].finish_reason == c.finish_reason
         assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
@@ -70,28 +73,44 @@ def test_several_prompts_and_echo(client, oracle):
     assert [c.index for c in r.choices] == [0, 1, 2]
     for p, c in zip(PROMPTS, r.choices):
         assert c.text == _ref(oracle, p, max_tokens=6, temperature=0).outputs[0].text
-    e = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
-                                  echo=True)
-    assert e.choices[0].text == oracle.tokenizer.decode(
-        oracle.tokenizer.encode(PROMPTS[0]), skip_special_tokens=False) + r.choices[0].text
+    e = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True
+    )
+    assert (
+        e.choices[0].text
+        == oracle.tokenizer.decode(oracle.tokenizer.encode(PROMPTS[0]), skip_special_tokens=False)
+        + r.choices[0].text
+    )
 
 
 def test_chat_equals_offline_chat_streamed_or_not(client, oracle):
-    msgs = [{"role": "system", "content": "one two three"},
-            {"role": "user", "content": "what is the sky"}]
+    msgs = [
+        {"role": "system", "content": "one two three"},
+        {"role": "user", "content": "what is the sky"},
+    ]
     ref = oracle.chat(msgs, SamplingParams(max_tokens=10, temperature=0))[0]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref.outputs[0].text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=msgs, max_completion_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
-        ref.outputs[0].text
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
-        len(ref.outputs[0].token_ids)
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        == ref.outputs[0].text
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        ref.outputs[0].token_ids
+    )
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
@@ -99,24 +118,37 @@ def test_stop_strings_cut_the_text(client, oracle):
     full = _ref(oracle, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True)
     words = full.outputs[0].text.split()
     stop = words[len(words) // 2]
-    want = full.outputs[0].text[:full.outputs[0].text.index(stop)]
-    kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=[stop],
-              extra_body={"ignore_eos": True})
+    want = full.outputs[0].text[: full.outputs[0].text.index(stop)]
+    kw = dict(
+        model="tiny",
+        prompt=PROMPTS[1],
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     r = client.completions.create(**kw)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
-    assert "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True)) \
-        == want
+    assert (
+        "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True)) == want
+    )
 
 
 def test_seeded_sampling_is_reproducible_and_equals_offline(client, oracle):
-    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=1.0,
-              extra_body={"ignore_eos": True, "top_k": 50})
+    kw = dict(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=16,
+        temperature=1.0,
+        extra_body={"ignore_eos": True, "top_k": 50},
+    )
     a = client.completions.create(**kw, seed=5).choices[0].text
     b = client.completions.create(**kw, seed=5).choices[0].text
     c = client.completions.create(**kw, seed=6).choices[0].text
     assert a == b != c
-    ref = _ref(oracle, PROMPTS[0], max_tokens=16, temperature=1.0, ignore_eos=True, top_k=50,
-               seed=5)
+    ref = _ref(
+        oracle, PROMPTS[0], max_tokens=16, temperature=1.0, ignore_eos=True, top_k=50, seed=5
+    )
     assert a == ref.outputs[0].text
 
 
@@ -124,20 +156,34 @@ def test_logprobs_match_transformers(client, oracle, tiny):
     ref = _ref(oracle, PROMPTS[0], max_tokens=6, temperature=0, ignore_eos=True)
     prompt_ids, out_ids = ref.prompt_token_ids, ref.outputs[0].token_ids
     logits = hf_logits(tiny[0], prompt_ids + out_ids)
-    lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    lp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
-    rows = lp[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(out_ids)]
-    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
-                                  logprobs=3, extra_body={"ignore_eos": True})
+    )
+    rows = lp[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(out_ids)]
+    r = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     got = r.choices[0].logprobs
     assert len(got.token_logprobs) == len(out_ids)
     for k, t in enumerate(out_ids):
         assert got.token_logprobs[k] == pytest.approx(rows[k, t], abs=1e-4)
         top = sorted(got.top_logprobs[k].values(), reverse=True)
         assert top == pytest.approx(np.sort(rows[k])[::-1][:3], abs=1e-4)
-    ch = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                        max_tokens=4, temperature=0, logprobs=True,
-                                        top_logprobs=2)
+    ch = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = ch.choices[0].logprobs.content
     assert len(content) == ch.usage.completion_tokens
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
@@ -148,8 +194,12 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages", 400),
     ("/v1/completions", {"prompt": "hi", "top_p": 7}, "top_p", 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "max_completion_tokens": 0}, "max_completion_tokens", 400),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        "max_completion_tokens",
+        400,
+    ),
     ("/v1/completions", b'{"prompt": "hi",', None, 400),
     ("/v1/completions", [1, 2], None, 400),
     ("/v1/completions", {"prompt": 5}, "prompt", 400),
@@ -161,22 +211,48 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias", 400),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", 400),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 99}, "prompt_logprobs", 400),
-    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}},
-     "structured_outputs", 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_schema"}}, "response_format",
-     400),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}},
+        "structured_outputs",
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema"},
+        },
+        "response_format",
+        400,
+    ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, "prompt", 400),
     ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, "cache_salt", 400),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
-     "stream_options", 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
-     "messages[0].content", 400),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        "stream_options",
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": 5}]},
+        "messages[0].content",
+        400,
+    ),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role", 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                              "top_logprobs": 50}, "top_logprobs", 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, "tools[0].function", 400),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
+        "top_logprobs",
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        "tools[0].function",
+        400,
+    ),
     ("/detokenize", {"tokens": [-1]}, "tokens", 400),
     # Found by scripts/probe/__main__.py: once "tokens: must be a list of token ids" for a list body.
     ("/detokenize", [1, 2], None, 400),
@@ -185,9 +261,17 @@ BAD = [
 
 
 def test_each_bad_body_is_named_while_a_good_stream_completes(server, oracle):
-    good = SSEStream(server.port, "/v1/completions", {
-        "model": "tiny", "prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0,
-        "ignore_eos": True})
+    good = SSEStream(
+        server.port,
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": PROMPTS[2],
+            "max_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     events = good.events()
     first = next(events)
     for path, body, param, status in BAD:
@@ -200,8 +284,10 @@ def test_each_bad_body_is_named_while_a_good_stream_completes(server, oracle):
     assert rest[-1] == "[DONE]"
     text = first["choices"][0]["text"] + "".join(e["choices"][0]["text"] for e in rest[:-1])
     assert rest[-2]["choices"][0]["finish_reason"] == "length"
-    assert text == _ref(oracle, PROMPTS[2], max_tokens=40, temperature=0,
-                        ignore_eos=True).outputs[0].text
+    assert (
+        text
+        == _ref(oracle, PROMPTS[2], max_tokens=40, temperature=0, ignore_eos=True).outputs[0].text
+    )
 
 
 def test_a_failed_step_fails_its_request_not_the_server(server, oracle):
@@ -221,11 +307,14 @@ def test_a_failed_step_fails_its_request_not_the_server(server, oracle):
         assert code == 500 and "injected device failure" in body["error"]["message"]
     finally:
         del eng.runner.dispatch
-    code, body = post(server.port, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6,
-                                                       "temperature": 0})
+    code, body = post(
+        server.port, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    )
     assert code == 200
-    assert body["choices"][0]["text"] == _ref(oracle, PROMPTS[0], max_tokens=6,
-                                              temperature=0).outputs[0].text
+    assert (
+        body["choices"][0]["text"]
+        == _ref(oracle, PROMPTS[0], max_tokens=6, temperature=0).outputs[0].text
+    )
     text = get(server.port, "/metrics")[1]
     assert metric(text, 'jaxkv:request_errors_total{model_name="tiny",reason="engine_error"}') >= 1
 
@@ -234,8 +323,9 @@ def test_cache_salt_separates_tenants(client):
     prompt = " ".join(WORDS[:40])
 
     def cached(**extra):
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
-                                      extra_body=extra)
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=extra
+        )
         return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text
 
     first = cached(cache_salt="tenant-a")
@@ -258,7 +348,8 @@ def test_models_health_tokenize_detokenize(server, tiny):
     assert body["count"] == len(body["tokens"])
     code, body = post(server.port, "/detokenize", {"tokens": body["tokens"]})
     assert code == 200 and body["prompt"] == hf_tok.decode(
-        hf_tok.encode("the cache is red").ids, skip_special_tokens=False)
+        hf_tok.encode("the cache is red").ids, skip_special_tokens=False
+    )
 
 
 def test_queue_bound_answers_429_and_serves_the_rest(tiny):
@@ -268,8 +359,13 @@ def test_queue_bound_answers_429_and_serves_the_rest(tiny):
         results = []
 
         def one(i):
-            results.append(post(srv.port, "/v1/completions", {
-                "prompt": PROMPTS[i % 3], "max_tokens": 48, "ignore_eos": True, "seed": i}))
+            results.append(
+                post(
+                    srv.port,
+                    "/v1/completions",
+                    {"prompt": PROMPTS[i % 3], "max_tokens": 48, "ignore_eos": True, "seed": i},
+                )
+            )
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
         for t in threads:
@@ -295,24 +391,44 @@ def test_n_logit_bias_and_prompt_logprobs_over_http(server, client, oracle):
     from jaxkv.core.requests import child_seed
 
     kw = dict(max_tokens=8, temperature=1.0)
-    want = [_ref(oracle, PROMPTS[1], seed=child_seed(4, i), ignore_eos=True, **kw)
-            .outputs[0].text for i in range(3)]  # lone runs with each answer's seed
-    r = client.completions.create(model="tiny", prompt=PROMPTS[1], n=3, seed=4,
-                                  extra_body={"ignore_eos": True}, **kw)
+    want = [
+        _ref(oracle, PROMPTS[1], seed=child_seed(4, i), ignore_eos=True, **kw).outputs[0].text
+        for i in range(3)
+    ]  # lone runs with each answer's seed
+    r = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], n=3, seed=4, extra_body={"ignore_eos": True}, **kw
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.text for c in r.choices] == want
     assert r.usage.completion_tokens == 24
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], n=3, seed=4,
-                                            stream=True, extra_body={"ignore_eos": True}, **kw))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[1],
+            n=3,
+            seed=4,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **kw,
+        )
+    )
     for i in range(3):
-        assert "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) == \
-            want[i]
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) == want[i]
     tok = oracle.tokenizer.encode("sky", add_special_tokens=False)[0]
-    b = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0,
-                                  logit_bias={str(tok): 100}, extra_body={"ignore_eos": True})
+    b = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(tok): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert b.choices[0].text.split() == ["sky"] * 4
-    code, body = post(server.port, "/v1/completions",
-                      {"prompt": PROMPTS[0], "max_tokens": 1, "prompt_logprobs": 2})
+    code, body = post(
+        server.port,
+        "/v1/completions",
+        {"prompt": PROMPTS[0], "max_tokens": 1, "prompt_logprobs": 2},
+    )
     assert code == 200
     plp = body["prompt_logprobs"]
     ref = _ref(oracle, PROMPTS[0], max_tokens=1, prompt_logprobs=2)

@@ -21,8 +21,10 @@ from tests.helpers.serve_utils import ThreadServer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is a KV cache?"}],
-    [{"role": "system", "content": "You answer in one sentence."},
-     {"role": "user", "content": "Name a prime number bigger than ten."}],
+    [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": "Name a prime number bigger than ten."},
+    ],
 ]
 
 
@@ -32,10 +34,12 @@ def test_served_chat_equals_lone_offline_runs(smollm2):
     eng = LLMEngine(module, tok, EngineConfig(kv_cache_memory=SMOLLM2_KV_BYTES, warmup=False))
     want = []
     for msgs in CONVERSATIONS:  # one at a time, before the server owns the engine
-        ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True),
-                         add_special_tokens=False)
-        rid = eng.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=24,
-                                                                        temperature=0))
+        ids = tok.encode(
+            tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False
+        )
+        rid = eng.add_request(
+            {"prompt_token_ids": ids}, SamplingParams(max_tokens=24, temperature=0)
+        )
         want.append(eng.run_to_completion([rid])[rid].outputs[0].text)
     srv = ThreadServer(build_app(eng, ["smollm2-135m-instruct"]))
     try:
@@ -43,16 +47,23 @@ def test_served_chat_equals_lone_offline_runs(smollm2):
         got: dict = {}
 
         def ask(i, stream):
-            kw = dict(model="smollm2-135m-instruct", messages=CONVERSATIONS[i], max_tokens=24,
-                      temperature=0)
+            kw = dict(
+                model="smollm2-135m-instruct",
+                messages=CONVERSATIONS[i],
+                max_tokens=24,
+                temperature=0,
+            )
             if stream:
-                got[i, stream] = "".join(ch.choices[0].delta.content or "" for ch in
-                                         client.chat.completions.create(**kw, stream=True))
+                got[i, stream] = "".join(
+                    ch.choices[0].delta.content or ""
+                    for ch in client.chat.completions.create(**kw, stream=True)
+                )
             else:
                 got[i, stream] = client.chat.completions.create(**kw).choices[0].message.content
 
-        threads = [threading.Thread(target=ask, args=(i, s)) for i in range(2)
-                   for s in (False, True)]
+        threads = [
+            threading.Thread(target=ask, args=(i, s)) for i in range(2) for s in (False, True)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -61,15 +72,26 @@ def test_served_chat_equals_lone_offline_runs(smollm2):
             assert got[i, False] == want[i] and got[i, True] == want[i], (i, got, want)
         # Structured outputs through OpenAI's response_format and vLLM's guided_choice.
         r = client.chat.completions.create(
-            model="smollm2-135m-instruct", temperature=1.0, seed=1, max_tokens=160,
+            model="smollm2-135m-instruct",
+            temperature=1.0,
+            seed=1,
+            max_tokens=160,
             messages=[{"role": "user", "content": "Describe a person as JSON."}],
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "person", "schema": SCHEMA}})
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": SCHEMA},
+            },
+        )
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
         r = client.chat.completions.create(
-            model="smollm2-135m-instruct", temperature=1.0, seed=2, max_tokens=8, n=4,
+            model="smollm2-135m-instruct",
+            temperature=1.0,
+            seed=2,
+            max_tokens=8,
+            n=4,
             messages=[{"role": "user", "content": "Is the sky blue?"}],
-            extra_body={"guided_choice": ["yes", "no"]})
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
         assert len(r.choices) == 4 and {c.message.content for c in r.choices} <= {"yes", "no"}
     finally:
         srv.stop()

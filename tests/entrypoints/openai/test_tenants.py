@@ -23,8 +23,13 @@ from tests.helpers.serve_utils import (
     slow_steps,
 )
 
-ENGINE = {"num_pages": 96, "page_size": 8, "max_num_seqs": 8, "num_decode_steps": 1,
-          "warmup": False}  # one token a step: a slowed step paces the stream
+ENGINE = {
+    "num_pages": 96,
+    "page_size": 8,
+    "max_num_seqs": 8,
+    "num_decode_steps": 1,
+    "warmup": False,
+}  # one token a step: a slowed step paces the stream
 MODEL = 'model_name="tiny"'
 PROMPT = "the cache is"
 
@@ -48,9 +53,14 @@ def test_api_key_gates_the_api_and_the_operator_endpoints(engine):
             bad.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-        for method, path in [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                             ("GET", "/v1/kv_map"), ("GET", "/metrics"),
-                             ("POST", "/tokenize"), ("POST", "/detokenize")]:
+        for method, path in [
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/v1/models"),
+            ("GET", "/v1/kv_map"),
+            ("GET", "/metrics"),
+            ("POST", "/tokenize"),
+            ("POST", "/detokenize"),
+        ]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
                 code, hdrs, body = request(srv.port, method, path, {}, headers)
                 assert code == 401 and openai_error(body, 401), (path, headers)
@@ -86,16 +96,27 @@ def test_page_map_is_served_only_when_enabled(engine):
 def test_metrics_count_every_answer_of_n_and_one_running_request(engine):
     with serving(engine) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-        names = ("generation_tokens_total", "prompt_tokens_total",
-                 "inter_token_latency_seconds_count", "time_to_first_token_seconds_count")
+        names = (
+            "generation_tokens_total",
+            "prompt_tokens_total",
+            "inter_token_latency_seconds_count",
+            "time_to_first_token_seconds_count",
+        )
 
         def figures():
             text = metrics_text(srv.port)
             return {n: metric(text, f"jaxkv:{n}{{{MODEL}}}") for n in names}
 
         before = figures()
-        r = client.completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=10, seed=3,
-                                      temperature=1.0, extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            n=4,
+            max_tokens=10,
+            seed=3,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
         after = figures()
         assert r.usage.completion_tokens == 40
         delta = {n: after[n] - before[n] for n in names}
@@ -105,8 +126,11 @@ def test_metrics_count_every_answer_of_n_and_one_running_request(engine):
         assert delta["inter_token_latency_seconds_count"] == r.usage.completion_tokens - 4
         with slow_steps(engine):
             for prompt in (PROMPT, "one two three four five six seven eight nine ten"):
-                s = SSEStream(srv.port, "/v1/completions", {
-                    "prompt": prompt, "n": 4, "max_tokens": 200, "ignore_eos": True})
+                s = SSEStream(
+                    srv.port,
+                    "/v1/completions",
+                    {"prompt": prompt, "n": 4, "max_tokens": 200, "ignore_eos": True},
+                )
                 try:
                     events = s.events()
                     seen = set()
