@@ -42,6 +42,19 @@ GEMMA3_MODEL = "gemma3-270m"
 KNOWN_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
 
 
+def ships_as_gguf(model: str) -> bool:
+    """Whether `model` (a `--model` value) is a GGUF file or a known model
+    shipped as one: the sources whose weights may stay in their blocks."""
+    if model.lower() in KNOWN_MODELS:
+        return True
+    path = Path(model).expanduser()
+    try:
+        with open(path, "rb") as f:
+            return path.is_file() and f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def resolve_model_path(model: str, gguf: bool = False) -> Path:
     """A known model name -> its converted jaxkv checkpoint (fetching and
     converting it on first use), or with `gguf` its GGUF file (for weights

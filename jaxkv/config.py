@@ -123,12 +123,14 @@ class EngineConfig:
         "rows (faster batched decode on CPU), fp32 below",
         choices=("int8", "w8a8"),
     )
-    gguf_blocks: bool = _opt(
-        False,
+    gguf_blocks: bool | None = _opt(
+        None,
         "keep a GGUF file's weights in their blocks (the layers' Q4_0 / Q4_1 / Q5_0 / "
-        "Q8_0 matmuls, a tied Q8_0 embedding), read by native CPU matmuls (float32) or "
-        "Pallas kernels on TPU / GPU: the same products from a fraction of the bytes "
-        "(one device)",
+        "Q8_0 / K-quant matmuls, a tied Q8_0 embedding), read by native CPU matmuls "
+        "(float32) or Pallas kernels on TPU / GPU: the same products from a fraction of "
+        "the bytes (one device). Default: on where it is measured faster, a GGUF model "
+        "on one CPU device in float32 without other quantization or LoRA; off "
+        "(--no-gguf-blocks) dequantizes to float32",
     )
     verify_checksums: bool = _opt(True, "check a jaxkv checkpoint's tensor checksums on load")
     num_decode_steps: int = _opt(8, "decode steps per jitted call when only decodes run")

@@ -203,6 +203,7 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m-instruct", **config: Any) -> LLMEngine:
         """Load a model by name or path (HF folder, GGUF file, jaxkv checkpoint)."""
+        from checkpoints.known_models import ships_as_gguf
         from checkpoints.loader import load_model
         from jaxkv.model.blocks import keep_gguf_blocks
 
@@ -213,7 +214,7 @@ class LLMEngine:
             dtype=cfg.dtype,
             quantize=cfg.quantize,
             verify_checksums=cfg.verify_checksums,
-            gguf_blocks=keep_gguf_blocks(cfg),
+            gguf_blocks=keep_gguf_blocks(cfg, ships_as_gguf(model)),
         )
         return cls(module, tokenizer, cfg)
 

@@ -20,8 +20,9 @@ into planes of the same bytes and read by the Pallas kernels of
 `pallas_kernels.block_matmul`; K-quant parts are dequantized there (no
 Pallas kernel reads super-blocks yet).
 
-Where: `EngineConfig.gguf_blocks` (opt-in; one device: float32 on CPU,
-any dtype on TPU and GPU; the tied Q8_0 embedding is `jaxkv.model.q8`)."""
+Where: `EngineConfig.gguf_blocks` (by default a GGUF model on one CPU
+device in float32; asked for, on one device: float32 on CPU, any dtype on
+TPU and GPU; the tied Q8_0 embedding is `jaxkv.model.q8`)."""
 
 from __future__ import annotations
 
@@ -97,10 +98,25 @@ def backend() -> str:
     return jax.default_backend()
 
 
-def keep_gguf_blocks(cfg) -> bool:
+def keep_gguf_blocks(cfg, gguf_source: bool = True) -> bool:
     """Whether an engine of `cfg` (`EngineConfig`) loads a GGUF's weights in
-    their blocks (`gguf_blocks`); ValueError where no kernel can run them
-    (one device; on CPU float32 and the native matmul's build)."""
+    their blocks (`gguf_blocks`; `gguf_source`: the model is a GGUF file or
+    a known model shipped as one). Asked for (True): ValueError where no
+    kernel can run them (one device; on CPU float32 and the native matmul's
+    build). Left to the default (None): on where measured faster, a GGUF
+    source on one CPU device in float32, with no other quantization and no
+    LoRA, when the native matmul is built; off otherwise, silently."""
+    if cfg.gguf_blocks is None:
+        return bool(
+            gguf_source
+            and backend() not in PALLAS_BACKENDS
+            and cfg.tensor_parallel_size == 1
+            and (cfg.num_processes or 1) == 1
+            and cfg.dtype == "float32"
+            and cfg.quantize is None
+            and not cfg.enable_lora
+            and available()
+        )
     if not cfg.gguf_blocks:
         return False
     cpu = backend() not in PALLAS_BACKENDS

@@ -13,8 +13,8 @@ each of the 28 M weights to float32); `JAXKV_GGUF_ROUND_X=0` keeps h in
 float32 there too, and then the head forms the products a float32 matmul
 of the dequantized weight forms, differing only in the order of the sums.
 
-Where: `EngineConfig.gguf_blocks` (opt-in; float32 on one CPU device). A
-step compiled for another platform or under a mesh dequantizes the head in
+Where: `EngineConfig.gguf_blocks` (by default a GGUF model on one CPU
+device, float32). A step compiled for another platform or under a mesh dequantizes the head in
 XLA instead (`use_native`)."""
 
 from __future__ import annotations

@@ -239,10 +239,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantize",
-        choices=["int8", "w8a8", "gguf-blocks"],
+        choices=["int8", "w8a8", "float32", "gguf-blocks"],
         default=None,
-        help="jaxkv weight format (default: float32; gguf-blocks: a GGUF's weights "
-        "kept in their blocks; see jaxkv generate --help)",
+        help="jaxkv weight format (default: the engine's, a GGUF's weights kept in their "
+        "blocks on CPU; float32: every weight dequantized; see jaxkv generate --help)",
     )
     p.add_argument(
         "--also-quantize",

@@ -70,8 +70,9 @@ class JaxkvBench:
             sum(pages(p + o) for p, o in zip(e2e_p, e2e_o)),
             longest,
         )
-        # "gguf-blocks": a GGUF's weights kept in their blocks; "float32": every weight float32.
-        blocks = dict(gguf_blocks=quantize == "gguf-blocks")
+        # None: the engine's default (a GGUF's weights kept in their blocks on CPU);
+        # "gguf-blocks": kept, asked for; "float32": every weight dequantized.
+        blocks = dict(gguf_blocks={"gguf-blocks": True, "float32": False}.get(quantize))
         quantize = None if quantize in ("float32", "gguf-blocks") else quantize
         kw = dict(
             page_size=ps,

@@ -19,7 +19,7 @@
 # Usage: bash scripts/device/check.sh [--smoke] [--model GGUF] [--parts a,b]
 #        [bench_attention.py args]   (--parts: run only these; the rest are "skipped")
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/device_out}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"

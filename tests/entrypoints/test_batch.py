@@ -37,7 +37,7 @@ def _run(inp, out, model):
     return subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "batch_generate.py"),
+            str(ROOT / "scripts" / "tools" / "batch_generate.py"),
             str(inp),
             str(out),
             "--model",

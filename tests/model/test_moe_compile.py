@@ -47,7 +47,7 @@ def test_expert_parallel_decode_compiles_for_v5e_2x4():
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "bench_moe_compile.py"),
+            str(REPO / "scripts" / "bench" / "moe_compile.py"),
             "v5e:2x4",
             f"--ep={EP}",
             "--kind=decode",

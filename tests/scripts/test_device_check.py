@@ -24,7 +24,7 @@ def _smoke(tmp_path, selected: str) -> dict:
         CUDA_VISIBLE_DEVICES="",
     )
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "device_check.sh"), "--smoke", "--parts", selected],
+        ["bash", str(ROOT / "scripts" / "device" / "check.sh"), "--smoke", "--parts", selected],
         cwd=ROOT,
         env=env,
         capture_output=True,
