@@ -116,13 +116,18 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open(path: Path) -> GGUFReader:
+def _check_file(path: Path) -> None:
+    """A regular file (a FIFO would block the reader, a device never end)."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
         raise ValueError(f"{path}: cannot open ({e.strerror or e})") from None
-    if not stat.S_ISREG(mode):  # a FIFO would block the reader, a device never end
+    if not stat.S_ISREG(mode):
         raise ValueError(f"{path}: not a regular file; refusing to read it")
+
+
+def _open(path: Path) -> GGUFReader:
+    _check_file(path)
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -159,8 +164,23 @@ def read_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
 
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Only the key/values of a GGUF file (e.g. for its tokenizer)."""
-    path = Path(path)
-    return read_metadata(_open(path), path)
+    return _parsed(Path(path))[0]
+
+
+def _parsed(path: Path) -> tuple[dict[str, Any], list]:
+    """(the key/values, the tensors) of a GGUF file: from its index in the
+    cache when a start parsed it before (`checkpoints.gguf_index`), else
+    parsed by the gguf library's reader (and indexed for next time)."""
+    from checkpoints import gguf_index
+
+    _check_file(path)
+    indexed = gguf_index.load(path)
+    if indexed is not None:
+        return indexed
+    reader = _open(path)
+    meta = read_metadata(reader, path)
+    gguf_index.save(path, meta, reader.tensors)
+    return meta, list(reader.tensors)
 
 
 def load_gguf(
@@ -179,11 +199,10 @@ def load_gguf(
     tokenizer_info holds every ``tokenizer.*`` key of the file (tokens, merges,
     token types, bos/eos ids, add_bos_token, pre-tokenizer, chat_template)."""
     path = Path(path)
-    reader = _open(path)
-    meta = read_metadata(reader, path)
+    meta, found = _parsed(path)
     size = path.stat().st_size
     tensors = {}
-    for t in reader.tensors:
+    for t in found:
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(
                 f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} "

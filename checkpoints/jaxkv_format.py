@@ -37,7 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from checkpoints.dtypes import DTYPES, cast_params
 from checkpoints.limits import check_layer_count, check_tokenizer_fits
@@ -89,7 +88,7 @@ def save(
     try:
         # np.require, not ascontiguousarray: that makes a 0-d array (a KV scale) 1-d.
         arrays = {k: np.require(v, requirements="C") for k, v in params.items()}
-        with ocp.StandardCheckpointer() as ckpt:
+        with _checkpointer() as ckpt:
             ckpt.save(tmp / "params", arrays)
             ckpt.wait_until_finished()
         (tmp / "model_config.json").write_text(json.dumps(config.to_dict(), indent=2))
@@ -158,7 +157,7 @@ def restore(
                 f"{path}: tensor {k!r}: cannot allocate {dt} {list(shape)} ({e})"
             ) from None
     try:
-        with ocp.StandardCheckpointer() as ckpt:
+        with _checkpointer() as ckpt:
             params = {k: np.asarray(v) for k, v in ckpt.restore(path / "params", target).items()}
     except Exception as e:  # orbax/tensorstore raise many types for damaged data
         raise ValueError(
@@ -289,7 +288,7 @@ def _check_files(params: Path) -> None:
 def _stored_arrays(params: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype) of the arrays orbax stored (its metadata only)."""
     try:
-        with ocp.StandardCheckpointer() as ckpt:
+        with _checkpointer() as ckpt:
             meta = ckpt.metadata(params)
         tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
         return {
@@ -309,3 +308,11 @@ def _digests(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
     """sha256 of each array's bytes, hashed in threads (hashlib drops the GIL)."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         return dict(zip(arrays, pool.map(_digest, arrays.values())))
+
+
+def _checkpointer():
+    """orbax's checkpointer (imported here: half a second that a start from a
+    GGUF or Hugging Face checkpoint never needs)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()

@@ -1,7 +1,5 @@
 """`python -m jaxkv ...` is the `jaxkv` command."""
 
-import sys
+from jaxkv.entrypoints.cli import run
 
-from jaxkv.entrypoints.cli import main
-
-sys.exit(main())
+run()

@@ -161,8 +161,10 @@ def create_cache(model: ModelConfig, cache: CacheConfig, sharding=None) -> KVCac
     def zeros():
         return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
+    # One jitted call either way: op by op, each leaf's zeros would be its
+    # own dispatch (60 of them for a 30-layer pool: half a second of a start).
     if sharding is None:
-        return zeros()
+        return jax.jit(zeros)()
     return jax.jit(zeros, out_shardings=cache_shardings(shapes, sharding))()
 
 

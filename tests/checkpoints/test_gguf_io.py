@@ -1,5 +1,7 @@
 """load_gguf on small GGUF files written here with gguf.GGUFWriter."""
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -279,6 +281,40 @@ def test_garbage_gguf(tmp_path, prefix):
     path.write_bytes(prefix + np.random.default_rng(0).bytes(4096))
     with pytest.raises(ValueError, match=r"g\.gguf.*(truncated|corrupt)"):
         load_gguf(path)
+
+
+def test_a_second_load_reads_the_index_and_a_bad_index_is_parsed_again(
+    tmp_path, monkeypatch, caplog
+):
+    """The first load parses with the gguf library and keeps an index in the
+    cache; the next load of the same file never calls the reader and gives
+    the same config, tensors and tokenizer keys; a corrupt index is logged,
+    ignored and written again; a rewritten file is parsed anew."""
+    import logging
+
+    from checkpoints import gguf_io
+
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    c1, p1, i1 = load_gguf(path)
+    (index,) = (tmp_path / "cache" / "gguf").glob("*.json")
+
+    def no_reader(*a, **k):
+        raise AssertionError("the reader parsed a file its index holds")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_io, "GGUFReader", no_reader)
+        c2, p2, i2 = load_gguf(path)
+    assert c2 == c1 and i2 == i1 and sorted(p2) == sorted(p1)
+    assert all(np.array_equal(p1[k], p2[k]) for k in p1)
+    index.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        c3, _, _ = load_gguf(path)
+    assert c3 == c1 and "GGUF index" in caplog.text
+    json.loads(index.read_text())  # written again
+    write_gguf(path, "qwen2", True)  # the same path, another model
+    assert load_gguf(path)[0].architecture == "qwen2"
 
 
 def test_detect_by_magic(tmp_path):
