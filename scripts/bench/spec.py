@@ -302,9 +302,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quantize",
         default=None,
-        choices=("int8", "w8a8", "gguf-blocks"),
-        help="weights as the engine's --quantize (gguf-blocks: a GGUF's weights kept "
-        "in their blocks, as --gguf-blocks)",
+        choices=("int8", "w8a8", "float32", "gguf-blocks"),
+        help="weights as the engine's --quantize (default: the engine's, a GGUF's weights "
+        "kept in their blocks on CPU; float32: every weight dequantized)",
     )
     p.add_argument("--draft-sweep", action="store_true")
     p.add_argument("--draft-layers", type=int, nargs="+", default=[1, 4, 8, 30])
@@ -328,8 +328,15 @@ def main(argv=None) -> int:
     from jaxkv.paths import enable_compilation_cache
 
     enable_compilation_cache()
-    blocks = a.quantize == "gguf-blocks"
-    module, tok = load_model(a.model, quantize=None if blocks else a.quantize, gguf_blocks=blocks)
+    from checkpoints.known_models import ships_as_gguf
+    from jaxkv.config import EngineConfig
+    from jaxkv.model.blocks import keep_gguf_blocks
+
+    quantize = None if a.quantize in ("float32", "gguf-blocks") else a.quantize
+    blocks = {"gguf-blocks": True, "float32": False}.get(a.quantize)
+    if blocks is None:  # the engine's default for this model and machine
+        blocks = keep_gguf_blocks(EngineConfig(quantize=quantize), ships_as_gguf(a.model))
+    module, tok = load_model(a.model, quantize=quantize, gguf_blocks=blocks)
     res = dict(
         date=time.strftime("%Y-%m-%d"),
         cpu=_cpu_name(),
@@ -338,7 +345,7 @@ def main(argv=None) -> int:
         runs=a.runs,
         max_tokens=a.max_tokens,
         model=a.model,
-        quantize=a.quantize,
+        quantize=a.quantize or ("gguf-blocks" if blocks else "float32"),
     )
     if a.eagle:  # first: the head's figures are what this run is for
         from scripts.bench.spec_eagle import bench_eagle
