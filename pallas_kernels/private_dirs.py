@@ -78,3 +78,31 @@ def _others_write(st: os.stat_result) -> bool:
         return not (st.st_gid == os.getgid() and g.gr_name == user and set(g.gr_mem) <= {user})
     except (ImportError, KeyError):
         return True
+
+
+def secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
+    """The random key in the file at `path`, made on first use (mode 0600,
+    its folder 0700). ValueError naming the file when it cannot be made or
+    read, holds too few bytes, or another user owns it or may read it."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(nbytes))
+        bad = private_file(path)
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        if bad is None and mode & 0o077:
+            bad = f"{path} is readable by other users (mode {mode:o}); remove it to make a new one"
+        if bad:
+            raise ValueError(bad)
+        key = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be made or read ({e.strerror or e})") from None
+    if len(key) < 16:
+        raise ValueError(f"{path}: holds {len(key)} bytes, not a key")
+    return key

@@ -63,28 +63,7 @@ def secret_key(path: Path | None = None) -> bytes:
     """The key at `path` (default `key_path()`), made on first use: random,
     in a file only this user may read or write. ValueError naming the file
     when it cannot be made or is not private."""
-    path = path or key_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(os.urandom(KEY_BYTES))
-        bad = private_dirs.private_file(path)
-        st = os.stat(path)
-        if bad is None and stat.S_IMODE(st.st_mode) & 0o077:
-            bad = f"{path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-        if bad:
-            raise ValueError(bad)
-        key = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be made or read ({e.strerror or e})") from None
-    if len(key) < 16:
-        raise ValueError(f"{path}: holds {len(key)} bytes, not a key")
-    return key
+    return private_dirs.secret(path or key_path(), KEY_BYTES)
 
 
 @functools.lru_cache(maxsize=1)

@@ -84,32 +84,12 @@ def fingerprint(
 def folder_key(root: Path) -> bytes:
     """The folder's MAC key (made on first use, mode 0600). ValueError
     naming the file when another user owns it or others may read it."""
-    path = root / KEY_FILE
+    from pallas_kernels import private_dirs
+
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(32))
-    try:
-        st = os.lstat(path)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or st.st_uid not in (os.getuid(), 0)
-            or stat.S_IMODE(st.st_mode) & 0o077
-        ):
-            raise ValueError(
-                f"kv_offload_dir: {path} must be a file of this user's that no one "
-                f"else may read or write (mode {stat.S_IMODE(st.st_mode):o}, uid "
-                f"{st.st_uid}); remove it to make a new one"
-            )
-        key = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"kv_offload_dir: {path}: cannot be read ({e.strerror or e})") from None
-    if len(key) < 16:
-        raise ValueError(f"kv_offload_dir: {path}: holds {len(key)} bytes, not a key")
-    return key[:64]
+        return private_dirs.secret(root / KEY_FILE)[:64]
+    except ValueError as e:
+        raise ValueError(f"kv_offload_dir: {e}") from None
 
 
 class DiskTier:

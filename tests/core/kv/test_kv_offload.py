@@ -294,7 +294,7 @@ def test_the_disk_tier_trusts_no_file_in_its_folder(tmp_path, caplog):
         assert why in msgs, why
     assert not any(p.exists() or p.is_symlink() for p in path[1:])
     (tmp_path / KEY_FILE).chmod(0o644)
-    with pytest.raises(ValueError, match="no one else may read"):
+    with pytest.raises(ValueError, match="kv_offload_dir: .*readable by other users"):
         DiskTier(tmp_path, "fp", layout, max_bytes=64 * 1024)
 
 

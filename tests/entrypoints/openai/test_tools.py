@@ -16,11 +16,20 @@ from typing import Annotated, Literal  # noqa: F401 - the agent's tool signature
 import jsonschema
 import openai
 import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from pydantic import BaseModel, Field
 
 from jaxkv.entrypoints.openai import tools as T
 from jaxkv.entrypoints.openai.protocol import chat_messages
 from jaxkv.entrypoints.openai.tool_stream import StreamParser
+from scripts.probe.serve_hostile import CHAIN
 from tests.helpers.serve_utils import post
 from tests.helpers.tool_cases import ASK, SCHEMAS, TOOLS
 
@@ -236,15 +245,6 @@ def test_the_openai_agents_sdk_runs_its_loop_against_the_server(server):
     return value ends the run (deterministic: a forced choice, greedy)."""
     import asyncio
 
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
     set_tracing_disabled(True)  # nothing leaves this machine
     seen = []
 
@@ -288,14 +288,6 @@ def test_pydantic_defs_schemas_are_forced_and_their_arguments_validate(server, c
     itself ("$ref": "#") gives arguments of that schema."""
     import asyncio
 
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
     from agents.function_schema import function_schema
 
     set_tracing_disabled(True)
@@ -328,15 +320,7 @@ def test_pydantic_defs_schemas_are_forced_and_their_arguments_validate(server, c
         tools=[{"type": "function", "function": {"name": "place_order", "parameters": schema}}],
     )
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), schema)
-    chain = {
-        "type": "object",
-        "properties": {
-            "v": {"type": "integer", "minimum": 0, "maximum": 9},
-            "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
-        },
-        "required": ["v", "next"],
-        "additionalProperties": False,
-    }
+    chain = CHAIN  # the probe's self-referring schema
     done = 0
     for seed in range(4):
         r = client.chat.completions.create(
