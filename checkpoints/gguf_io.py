@@ -171,15 +171,16 @@ def _parsed(path: Path) -> tuple[dict[str, Any], list]:
     """(the key/values, the tensors) of a GGUF file: from its index in the
     cache when a start parsed it before (`checkpoints.gguf_index`), else
     parsed by the gguf library's reader (and indexed for next time)."""
-    from checkpoints import gguf_index
+    from checkpoints.gguf_index import load as load_index
+    from checkpoints.gguf_index import save as save_index
 
     _check_file(path)
-    indexed = gguf_index.load(path)
+    indexed = load_index(path)
     if indexed is not None:
         return indexed
     reader = _open(path)
     meta = read_metadata(reader, path)
-    gguf_index.save(path, meta, reader.tensors)
+    save_index(path, meta, reader.tensors)
     return meta, list(reader.tensors)
 
 

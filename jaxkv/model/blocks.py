@@ -142,9 +142,13 @@ INT_ROWS = 64
 
 
 def round_x_default() -> bool:
-    """JAXKV_GGUF_ROUND_X (default 1): whether layer matmuls take the integer
-    path of `matmul` (read when a step program is traced)."""
-    return os.environ.get("JAXKV_GGUF_ROUND_X", "1") not in ("0", "false", "no", "off")
+    """JAXKV_GGUF_ROUND_X=1: layer matmuls take the integer path of `matmul`
+    (read when a step program is traced). Off by default: rounding x to
+    int8 changed SmolLM2's greedy answer to "What is the capital of
+    France?" from "The capital of France is Paris." to French words without
+    the answer, where the float path reads the same blocks exactly (batch-1
+    decode 152 against 99 tok/s on the AMD EPYC VM; float32 weights 46)."""
+    return os.environ.get("JAXKV_GGUF_ROUND_X", "0") not in ("0", "false", "no", "off", "")
 
 
 def matmul(x, raw, qtype: int, round_x: bool | None = None):

@@ -6,12 +6,13 @@ Why: a batch-1 decode step is bound by the bytes of weight it reads, and a
 tied embedding used as the head is the largest of them (Gemma 3 270M:
 262,144 x 640, 671 MB as float32 against 178 MB of blocks; SmolLM2: 113
 against 30). Every weight is q * d, exact in float32. At up to 64 rows (a
-decode step; `blocks.INT_ROWS`) the head takes the layers' integer path (`blocks.matmul`: h
-rounded to int8 blocks of 32, as llama.cpp rounds its activations; batch-1
-decode of SmolLM2 1.2x faster than the head's float path, which widened
-each of the 28 M weights to float32); `JAXKV_GGUF_ROUND_X=0` keeps h in
-float32 there too, and then the head forms the products a float32 matmul
-of the dequantized weight forms, differing only in the order of the sums.
+decode step; `blocks.INT_ROWS`) the head follows the layers' choice of
+path (`blocks.matmul`): by default h stays float32, and the head forms the
+products a float32 matmul of the dequantized weight forms would, differing
+only in the order of the sums; with `JAXKV_GGUF_ROUND_X=1` it takes the
+integer path, h rounded to int8 blocks of 32 as llama.cpp rounds its
+activations (batch-1 decode of SmolLM2 1.2x faster than the float path,
+at a cost in quality: `blocks.round_x_default`).
 
 Where: `EngineConfig.gguf_blocks` (by default a GGUF model on one CPU
 device, float32). A step compiled for another platform or under a mesh dequantizes the head in

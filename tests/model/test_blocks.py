@@ -7,6 +7,8 @@ blocks; K-quant super-blocks) against the same engine on float32 weights."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -63,11 +65,13 @@ def test_native_block_matmul_matches_a_float64_product(qtype):
         assert np.abs(bw.dequantize() - w).max() < 0.2 * np.abs(w).max()  # the blocks hold w
     ref = bw.dequantize().astype(np.float64)
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0
-    fn = jax.jit(lambda x, raw: blocks.matmul(x, raw, int(qtype)))
     raw = jnp.asarray(bw.raw)
-    for t in (1, 3, 8, 17, 32, 33, 64, 65, 300):  # groups of 8, ragged, the sgemm path
+    # both paths: x as given (the default), and the integer path (JAXKV_GGUF_ROUND_X=1)
+    for t, round_x in itertools.product((1, 3, 8, 17, 32, 33, 64, 65, 300), (False, True)):
+        fn = jax.jit(lambda x, raw, r=round_x: blocks.matmul(x, raw, int(qtype), round_x=r))
         x = rng.standard_normal((t, cols)).astype(np.float32)
-        rounded = t <= blocks.INT_ROWS and qtype in INT_PATH  # x rounded to int8 blocks of 32 first
+        # x rounded to int8 blocks of 32 first
+        rounded = round_x and t <= blocks.INT_ROWS and qtype in INT_PATH
         want = (q8_rows(x) if rounded else x.astype(np.float64)) @ ref.T
         got = np.asarray(fn(jnp.asarray(x), raw))
         np.testing.assert_allclose(
@@ -192,7 +196,11 @@ def test_an_engine_on_k_quant_blocks_gives_the_float32_engines_tokens(tmp_path):
 def test_blocks_are_refused_by_name_where_the_native_matmul_cannot_run_them():
     from jaxkv.config import EngineConfig
 
-    assert blocks.keep_gguf_blocks(EngineConfig()) is False  # opt-in
+    # the default: kept for a GGUF source where the native matmul runs, else not
+    assert blocks.keep_gguf_blocks(EngineConfig(), gguf_source=False) is False
+    assert blocks.keep_gguf_blocks(EngineConfig(), gguf_source=True) is blocks.available()
+    assert blocks.keep_gguf_blocks(EngineConfig(gguf_blocks=False)) is False
+    assert blocks.keep_gguf_blocks(EngineConfig(dtype="bfloat16")) is False  # silently
     assert blocks.keep_gguf_blocks(EngineConfig(gguf_blocks=True)) is True
     with pytest.raises(ValueError, match="gguf_blocks: .* need dtype float32"):
         blocks.keep_gguf_blocks(EngineConfig(gguf_blocks=True, dtype="bfloat16"))
