@@ -337,6 +337,12 @@ class LLMEngine:
             **(self.evictor.metrics() if self.evictor else {}),
         }
 
+    def flush_cache(self) -> dict:
+        """Forget the cached pages no request holds, and the host tier's
+        pages (not the disk tier's): {"device_pages": n, "host_pages": m}."""
+        host = self.tier.clear() if self.tier is not None else 0
+        return {"device_pages": self.bm.flush(), "host_pages": host}
+
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Run a planned step now and read it (no overlap)."""
         self.executor.apply_copies(sched)

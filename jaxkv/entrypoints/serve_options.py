@@ -107,6 +107,15 @@ def add_serve_options(s) -> None:
         help="runtime loading reads adapter folders under this folder only "
         "(repeatable; default: anywhere the server can read)",
     )
+    s.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV events (pages stored in and removed from the prefix cache) "
+        "over ZMQ in vLLM's format, for KV-aware routers: vLLM's config object, "
+        'e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557"}\'; GET /kv_event_sources says where',
+    )
 
 
 def serve_kwargs(a) -> dict:
@@ -128,5 +137,7 @@ def serve_kwargs(a) -> dict:
         reasoning_parser=a.reasoning_parser,
         enable_runtime_lora_loading=a.enable_runtime_lora_loading,
         lora_roots=a.lora_root,
+        kv_events_config=a.kv_events_config,
+        model_path=a.model,
         log_level="info" if a.verbose else "warning",
     )

@@ -154,6 +154,15 @@ class HostTier:
         elif len(self._pages) > self.capacity:
             self._trim()
 
+    def clear(self) -> int:
+        """Drop every host page that is neither pinned nor on its way (not to
+        the disk tier: a flush means to forget); returns how many."""
+        self.settle()
+        drop = [h for h, d in self._pages.items() if d is not None and h not in self._pins]
+        for h in drop:
+            del self._pages[h]
+        return len(drop)
+
     def _trim(self) -> None:
         """Drop least recently used pages past `capacity` (to the disk tier,
         when there is one), never a pinned page or one whose data is still

@@ -179,8 +179,10 @@ class BlockManager(PagePool):
         for p in hit_pages:
             self._hold(p)
         new = [self._take_page() for _ in range(need)]
-        for p, (h, where) in zip(new, tier_hits):  # loaded from the host / disk tier
-            self._load(p, h, where)
+        ps, parent = self.page_size, hit_hashes[-1] if hit_hashes else root
+        for i, (p, (h, where)) in enumerate(zip(new, tier_hits), len(hit_pages)):
+            self._load(p, h, where, parent, token_ids[i * ps : (i + 1) * ps])  # from a tier
+            parent = h
         self._seqs[seq_id] = Progress(
             hit_pages + new,
             num_reserved,
@@ -255,7 +257,7 @@ class BlockManager(PagePool):
                 h = hash_page(parent, token_ids[i * ps : (i + 1) * ps])
                 # Pages past s.hashes are this sequence's own (prefix hits and
                 # fork-shared pages arrive with their hashes), so unregistered.
-                self._register(int(s.pages[i]), h)
+                self._register(int(s.pages[i]), h, parent, token_ids[i * ps : (i + 1) * ps])
                 s.hashes.append(h)
         s.num_computed = num_computed_tokens
 

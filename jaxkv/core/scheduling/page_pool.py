@@ -18,6 +18,11 @@ With a host tier (`tier`, `jaxkv.core.kv.tiers`) an evicted cached page is
 queued to be copied out (`transfers.outs`) before it is handed out again,
 and prefixes go on into the tier (`_tier_hits`; their loads queued in
 `transfers.ins`).
+
+With `events` set to a list, the pool records what enters and leaves the
+prefix cache, for KV events (`jaxkv.entrypoints.openai.kv_events`):
+("stored", hash, parent hash, token ids), ("removed", hash) and
+("cleared",).
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class PagePool:
         self.tier = None  # a kv_tiers.HostTier, set by the engine
         self.transfers = TierTransfers()
         self._loading: dict[int, bytes] = {}  # page -> hash of its queued load
+        self.events: list | None = None  # KV events recorded, when someone listens
 
     # ------------------------------------------------------------------ queries
 
@@ -161,12 +167,31 @@ class PagePool:
             parent = h
         return pages, hashes
 
-    def _register(self, page: int, h: bytes) -> None:
-        """Name ``page`` by ``h``, unless another page already caches that
-        prefix (then this one stays private)."""
+    def _register(self, page: int, h: bytes, parent: bytes, token_ids: Sequence[int]) -> None:
+        """Name ``page`` by ``h`` (the page after ``parent`` holding
+        ``token_ids``), unless another page already caches that prefix (then
+        this one stays private)."""
         if h not in self._hash_to_page:
             self._page_hash[page] = h
             self._hash_to_page[h] = page
+            if self.events is not None:
+                self.events.append(("stored", h, parent, list(token_ids)))
+
+    def flush(self) -> int:
+        """Drop every cached page no sequence holds (they become free) and
+        return how many; held pages stay cached."""
+        dropped = list(self._evictable)
+        hashes = [self._page_hash.pop(page) for page in dropped]
+        for h in hashes:
+            del self._hash_to_page[h]
+        self._evictable.clear()
+        self._free.extend(dropped)
+        if self.events is not None:
+            if not self._page_hash:
+                self.events.append(("cleared",))
+            else:
+                self.events.extend(("removed", h) for h in hashes)
+        return len(dropped)
 
     # ------------------------------------------------------------ page moves
 
@@ -186,6 +211,8 @@ class PagePool:
             h = self._page_hash.pop(page)
             del self._hash_to_page[h]
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.append(("removed", h))
             if self.tier is not None:
                 self._offload(page, h)
         self._refcount[page] = 1
@@ -224,13 +251,14 @@ class PagePool:
             parent = h
         return out
 
-    def _load(self, page: int, h: bytes, where: str) -> None:
-        """Page `page` takes cached page `h` from the tier (queued load)."""
+    def _load(self, page: int, h: bytes, where: str, parent: bytes, token_ids) -> None:
+        """Page `page` takes cached page `h` (after `parent`, holding
+        `token_ids`) from the tier (queued load)."""
         if where == "host":
             self.tier.stats.host_hit_pages += 1
         else:
             self.tier.stats.disk_hit_pages += 1
-        self._register(page, h)
+        self._register(page, h, parent, token_ids)
         self._loading[page] = h
         self.transfers.ins.append((page, h))
 

@@ -64,6 +64,8 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._pending = 0  # submitted, not yet handed to the engine
         self._waiting = 0  # requests in the scheduler's waiting queue after the last step
+        self._running = 0  # requests running after the last step
+        self.publisher = None  # a kv_events.Publisher: the pool's events go to it
         self._multi = 0  # requests of n > 1 in self._streams (engine thread only)
         self._lock = threading.Lock()
         self._deadline: float | None = None  # abort what is left after this (shutdown)
@@ -73,6 +75,8 @@ class EngineLoop:
     # ------------------------------------------------------------ handler side
 
     def start(self) -> None:
+        if self.publisher is not None:
+            self.engine.bm.events = []
         self._thread.start()
 
     @property
@@ -132,6 +136,12 @@ class EngineLoop:
 
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests: as after the last step, with the
+        requests submitted since counted as waiting."""
+        with self._lock:
+            return self._running, self._waiting + self._pending
 
     # ------------------------------------------------------------ engine thread
 
@@ -202,6 +212,7 @@ class EngineLoop:
             loop.call_soon_threadsafe(
                 lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res))
             )
+            self._count()
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -243,7 +254,11 @@ class EngineLoop:
         counts = request_counts(self.engine.scheduler, exact=self._multi > 0)
         self.metrics.refresh(self.engine, counts)
         with self._lock:
-            self._waiting = counts[1]
+            self._running, self._waiting = counts
+        events = self.engine.bm.events
+        if events:
+            self.publisher.publish(list(events))
+            events.clear()
 
     def _fail_all(self, reason: str, error: str | None) -> None:
         """End every request in flight with `reason` (the engine's state for

@@ -14,6 +14,7 @@ costs a core, not the whole process."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 from jaxkv.core.requests import parse_prompt
 from jaxkv.core.sampling_params import SamplingParams, is_unicode
@@ -41,6 +42,8 @@ class Context:
     created: int = dataclasses.field(default_factory=now)
     tool_parser: str | None = None  # None: by the model's family (`tool_parser`)
     reasoning_parser: str | None = None  # jaxkv.entrypoints.openai.reasoning (None: off)
+    model_path: str | None = None  # what the model was loaded from (router info)
+    instance_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
     def parser(self) -> str:
         """The tool-call format: as configured, else Llama 3's JSON for a

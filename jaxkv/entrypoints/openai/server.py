@@ -7,6 +7,9 @@
     POST /tokenize, /detokenize
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter (`lora_routes`; a
          request's `model` may name a LoRA adapter)
+    the endpoints routers call (`router_routes`): server and model info,
+         load, cache flush, a generating health check, render, KV event
+         sources (events published with `kv_events_config`, `kv_events`)
 
 One engine thread owns the LLMEngine (`engine_loop.EngineLoop`); handlers
 read the body (at most `max_request_bytes`, else 413), make it into engine
@@ -32,7 +35,15 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from jaxkv.entrypoints.openai import generate, kv_map, lora_routes, prepare, responses_api
+from jaxkv.entrypoints.openai import (
+    generate,
+    kv_events,
+    kv_map,
+    lora_routes,
+    prepare,
+    responses_api,
+    router_routes,
+)
 from jaxkv.entrypoints.openai.connections import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -72,6 +83,9 @@ def build_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     enable_runtime_lora_loading: bool = False,
     lora_roots: list[str] | None = None,
+    kv_events_config: str | dict | None = None,
+    model_path: str | None = None,
+    data_parallel_rank: int = 0,
 ) -> FastAPI:
     """The app and its engine loop (`app.state.engine_loop`); the loop starts
     and stops with the app's lifespan. `max_request_bytes`: the largest body
@@ -83,7 +97,10 @@ def build_app(
     every running request's length and progress to whoever may read it.
     `enable_runtime_lora_loading` (or $JAXKV_ALLOW_RUNTIME_LORA_UPDATING=1):
     the LoRA load / unload endpoints, reading only under `lora_roots` when
-    given (`lora_routes`)."""
+    given (`lora_routes`). `kv_events_config`: vLLM's KV-events config
+    (`kv_events.parse_config`); `model_path`: what the model was loaded
+    from, and `data_parallel_rank`: this engine's rank, for the router
+    endpoints and the events."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes: must be at least 1, got {max_request_bytes}")
     if not body_timeout > 0:
@@ -97,6 +114,7 @@ def build_app(
         raise ValueError(
             f"lora_modules: {clash} are served model names too; name the adapters apart"
         )
+    events_cfg = kv_events.parse_config(kv_events_config)
     metrics = ServerMetrics(served_model_names[0])
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -114,15 +132,22 @@ def build_app(
         list(served_model_names),
         tool_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        model_path=model_path,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if events_cfg is not None:
+            loop.publisher = kv_events.Publisher(
+                events_cfg, engine.config.page_size, data_parallel_rank
+            )
         loop.start()
         try:
             yield
         finally:
             loop.stop()
+            if loop.publisher is not None:
+                loop.publisher.close()
 
     app = FastAPI(title="jaxkv", lifespan=lifespan)
     app.state.engine_loop = loop
@@ -137,6 +162,7 @@ def build_app(
     install_error_handlers(app, metrics)
 
     async def body(request: Request):
+        router_routes.check_rank_header(request)
         return await read_json(request, max_request_bytes, body_timeout)
 
     @app.post("/v1/completions")
@@ -197,6 +223,14 @@ def build_app(
         runtime=lora_routes.runtime_loading_allowed(enable_runtime_lora_loading),
     )
 
+    router_routes.install(
+        app,
+        ctx,
+        body,
+        data_parallel_rank=data_parallel_rank,
+        kv_events=_Sources(loop),
+    )
+
     if enable_kv_map:
 
         @app.get("/", response_class=HTMLResponse)
@@ -228,6 +262,18 @@ def build_app(
         return await asyncio.to_thread(prepare.detokenize, ctx, await body(request))
 
     return app
+
+
+class _Sources:
+    """The engine loop's publisher as `/kv_event_sources` reads it (made at
+    start, so looked up per call)."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+
+    def sources(self) -> list[dict]:
+        pub = self.loop.publisher
+        return pub.sources() if pub is not None else []
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
