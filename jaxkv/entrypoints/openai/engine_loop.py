@@ -65,6 +65,7 @@ class EngineLoop:
         self._pending = 0  # submitted, not yet handed to the engine
         self._waiting = 0  # requests in the scheduler's waiting queue after the last step
         self._running = 0  # requests running after the last step
+        self._kv_tokens = 0  # KV slots held by requests after the last step
         self.publisher = None  # a kv_events.Publisher: the pool's events go to it
         self._multi = 0  # requests of n > 1 in self._streams (engine thread only)
         self._lock = threading.Lock()
@@ -137,11 +138,12 @@ class EngineLoop:
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending
 
-    def counts(self) -> tuple[int, int]:
-        """(running, waiting) requests: as after the last step, with the
-        requests submitted since counted as waiting."""
+    def counts(self) -> tuple[int, int, int]:
+        """(running, waiting) requests and the KV token slots they hold: as
+        after the last step, with the requests submitted since counted as
+        waiting."""
         with self._lock:
-            return self._running, self._waiting + self._pending
+            return self._running, self._waiting + self._pending, self._kv_tokens
 
     # ------------------------------------------------------------ engine thread
 
@@ -253,8 +255,10 @@ class EngineLoop:
         """Refresh the gauges and the waiting count the queue bound reads."""
         counts = request_counts(self.engine.scheduler, exact=self._multi > 0)
         self.metrics.refresh(self.engine, counts)
+        bm = self.engine.bm
         with self._lock:
             self._running, self._waiting = counts
+            self._kv_tokens = bm.num_used_pages * bm.page_size
         events = self.engine.bm.events
         if events:
             self.publisher.publish(list(events))

@@ -128,6 +128,17 @@ def sampling_params(body: dict, *, chat: bool, default_max_tokens: int | None) -
     return SamplingParams(**kw)
 
 
+# Fields sglang-router adds to every request it forwards, at values that ask
+# for what jaxkv does anyway: ignored without a warning.
+ROUTER_DEFAULTS = {
+    "continue_final_message": False,
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+}
+
+
 def check_common(
     body: Any, *, chat: bool, served: list[str], listed: list[str] | None = None
 ) -> None:
@@ -137,7 +148,7 @@ def check_common(
     if not isinstance(body, dict):
         raise APIError("request body: must be a JSON object", None)
     known = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | SAMPLING_FIELDS
-    ignored = set(body) - known
+    ignored = {k for k in set(body) - known if ROUTER_DEFAULTS.get(k, ...) != body[k]}
     if ignored:  # at most 20 names: a body may hold a million
         log.warning(
             "jaxkv serve: ignoring %d unknown request fields %s",

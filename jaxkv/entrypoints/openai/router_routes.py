@@ -5,7 +5,11 @@ SGLang Model Gateway) and vllm-router read:
          kv_block_size (the page size), max_model_len, instance id,
          version, disaggregation mode
     GET  /get_model_info, /model_info
-    GET  /get_load: {"load": running + waiting, ...}
+    GET  /get_load: a list with one entry per data-parallel rank,
+         {"dp_rank", "load": running + waiting requests, "num_reqs",
+         "num_waiting_reqs", "num_tokens": KV slots held}; sglang-router
+         reads the list and sums `num_tokens` (a bare object reads as
+         "unknown load" there)
     POST /flush_cache: forget the cached pages no request holds, and the
          host tier's
     GET  /health_generate: 200 once one real token came out (503 else)
@@ -83,9 +87,15 @@ def model_info(ctx) -> dict:
     }
 
 
-def load(loop) -> dict:
-    running, waiting = loop.counts()
-    return {"load": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting}
+def load(loop, rank: int = 0) -> dict:
+    running, waiting, tokens = loop.counts()
+    return {
+        "dp_rank": rank,
+        "load": running + waiting,
+        "num_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_tokens": tokens,
+    }
 
 
 async def health_generate(ctx) -> JSONResponse:
@@ -158,7 +168,7 @@ def install(app, ctx, body, *, data_parallel_rank: int = 0, kv_events=None) -> N
 
     @app.get("/get_load")
     async def get_load():
-        return load(ctx.loop)
+        return [load(ctx.loop, data_parallel_rank)]
 
     @app.post("/flush_cache")
     async def flush_cache():

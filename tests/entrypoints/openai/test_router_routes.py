@@ -182,7 +182,9 @@ def test_kv_event_sources_load_and_health_generate(srv):
         }
     ]
     st, load = get_json(srv.port, "/get_load")
-    assert st == 200 and load["load"] == 0
+    assert st == 200 and load == [
+        {"dp_rank": 0, "load": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    ]
     st, h = get_json(srv.port, "/health_generate")
     assert st == 200 and h == {"status": "ok"}
 
