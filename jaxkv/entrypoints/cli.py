@@ -205,9 +205,40 @@ def cmd_serve(a) -> int:
         check_api_key(a.api_key)  # before minutes of loading
     except ValueError as e:
         raise ValueError(f"--api-key: {str(e).split(': ', 1)[1]}") from None
-    engine = _make_engine(a)
     names = a.served_model_name or [a.model]
+    if a.data_parallel_size > 1:
+        return _serve_data_parallel(a, names)
+    engine = _make_engine(a)
     return serve(engine, names, **serve_kwargs(a))
+
+
+def _serve_data_parallel(a, names) -> int:
+    from jaxkv.config import EngineConfig
+    from jaxkv.entrypoints.openai.dp_front import serve_dp
+    from jaxkv.entrypoints.openai.dp_replicas import Replicas
+    from jaxkv.entrypoints.openai.kv_events import parse_config
+
+    kw = values(a, EngineConfig, prefix=ENGINE)
+    replicas = Replicas(
+        a.argv[1:],
+        a.data_parallel_size,
+        tp=kw.get("tensor_parallel_size") or 1,
+        page_size=kw.get("page_size") or EngineConfig().page_size,
+        events_cfg=parse_config(a.kv_events_config),
+    )
+    return serve_dp(
+        replicas,
+        names,
+        host=a.host,
+        port=a.port,
+        shutdown_timeout=a.shutdown_timeout,
+        api_key=a.api_key,
+        allowed_hosts=a.allowed_hosts,
+        header_timeout=a.header_timeout,
+        max_connections=a.max_connections,
+        max_request_bytes=a.max_request_bytes,
+        log_level="info" if a.verbose else "warning",
+    )
 
 
 def cmd_convert(a) -> int:
@@ -304,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = build_parser().parse_args(argv)
+    a.argv = argv
     logging.basicConfig(
         level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
         format="%(message)s",

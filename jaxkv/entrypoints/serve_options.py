@@ -3,6 +3,8 @@ what the server answers, to whom, and what a client may hold of it."""
 
 from __future__ import annotations
 
+import argparse
+
 from jaxkv.entrypoints.cli_options import parse_size
 
 
@@ -108,6 +110,21 @@ def add_serve_options(s) -> None:
         "(repeatable; default: anywhere the server can read)",
     )
     s.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, each its own process with its own devices (a CPU "
+        "core each on a CPU; --tensor-parallel-size GPUs each), scheduler and "
+        "page pool; requests go to the replica holding the longest cached "
+        "prefix, by load on a tie (default: %(default)s)",
+    )
+    s.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        help=argparse.SUPPRESS,  # set by the front for each replica it starts
+    )
+    s.add_argument(
         "--kv-events-config",
         default=None,
         metavar="JSON",
@@ -139,5 +156,6 @@ def serve_kwargs(a) -> dict:
         lora_roots=a.lora_root,
         kv_events_config=a.kv_events_config,
         model_path=a.model,
+        data_parallel_rank=a.data_parallel_rank,
         log_level="info" if a.verbose else "warning",
     )

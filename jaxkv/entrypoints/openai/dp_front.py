@@ -1,0 +1,421 @@
+"""The front of `jaxkv serve --data-parallel-size N`: one HTTP server that
+owns no engine and hands each request to a replica (`dp_replicas`).
+
+- Generation (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`):
+  the prompt is rendered by a replica (`/…/render`: the exact ids, every
+  check a real request passes; a bad body gets that replica's 400 as is),
+  hashed page by page as the pools name pages, and sent to the replica
+  holding the longest run of them (`Replicas.pick`). `X-data-parallel-rank`
+  picks the replica instead. A Responses request that continues
+  `previous_response_id` goes where that response is stored.
+- The answer streams back as the replica writes it, with
+  `X-data-parallel-rank` saying who answered. A client that leaves closes
+  the replica's connection, which aborts the request there.
+- A replica that dies: its requests in flight end with a named error (a 503
+  before the answer started, an `error` event in a stream), the others
+  carry on, and the replica is started again.
+- `/metrics` joins the replicas' with an `engine="i"` label on each series;
+  `/get_load`, `/flush_cache`, `/health_generate`, LoRA loading, stored
+  responses and `/kv_event_sources` cover every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxkv.entrypoints.openai.dp_replicas import NoReplica, Replica, Replicas
+from jaxkv.entrypoints.openai.guard import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    Guard,
+    install_error_handlers,
+)
+from jaxkv.entrypoints.openai.router_routes import check_rank_header
+
+PASS_HEADERS = {"content-type", "accept", "x-request-id", "user-agent"}
+BACK_HEADERS = {"content-type", "cache-control", "x-request-id"}
+GENERATE = {
+    "/v1/completions": "/v1/completions/render",
+    "/v1/chat/completions": "/v1/chat/completions/render",
+    "/v1/responses": None,
+}
+BROADCAST = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache"}
+
+
+class FrontErrors:
+    """What the `Guard` counts (refused requests), shown in /metrics."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def error(self, reason: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+
+def _error(message: str, status: int, type_: str = "ServiceUnavailable") -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
+
+
+def merge_metrics(texts: list[tuple[str, str]]) -> str:
+    """Prometheus texts of (engine label, text) as one text: each family's
+    HELP / TYPE once, then every engine's samples, labelled."""
+    families: dict[str, list] = {}
+    for engine, text in texts:
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# "):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    meta, _ = families.setdefault(family, ([], []))
+                    if line not in meta:
+                        meta.append(line)
+                continue
+            m = _SAMPLE.match(line)
+            if not m or family is None:
+                continue
+            name, labels, rest = m.groups()
+            label = f'engine="{engine}"'
+            labels = "{" + (labels[1:-1] + "," if labels and labels != "{}" else "") + label + "}"
+            families[family][1].append(f"{name}{labels}{rest}")
+    out = []
+    for meta, samples in families.values():
+        out += meta + samples
+    return "\n".join(out) + "\n"
+
+
+class Front:
+    def __init__(self, replicas: Replicas, served: list[str]):
+        self.r = replicas
+        self.served = served
+        self.accepting = True
+
+    def auth(self) -> dict:
+        return {"authorization": f"Bearer {self.r.key}"}
+
+    async def call(self, rep: Replica, method: str, path: str, body=None) -> httpx.Response:
+        try:
+            return await self.r.client.request(
+                method, rep.url + path, content=body, headers=self.auth(), timeout=60.0
+            )
+        except httpx.ConnectError:
+            rep.healthy = False  # it just died; `watch` starts it again
+            raise
+
+    async def call_any(self, method: str, path: str, body=None) -> httpx.Response:
+        """`call` on the least loaded replica, the next one if it just died."""
+        for _ in range(self.r.n):
+            try:
+                return await self.call(self.r.least_loaded(), method, path, body)
+            except httpx.ConnectError:
+                continue
+        raise NoReplica("no data-parallel replica answered; retry")
+
+    async def everyone(self, method: str, path: str, body=None) -> list:
+        """(replica, response or the error) from every healthy replica."""
+        reps = self.r.healthy()
+        got = await asyncio.gather(
+            *(self.call(x, method, path, body) for x in reps), return_exceptions=True
+        )
+        return list(zip(reps, got))
+
+    async def broadcast(self, path: str, body: bytes) -> Response:
+        """POST to every replica (LoRA loading, cache flush): the first
+        refusal is the answer, else their answers with the counts summed."""
+        got = await self.everyone("POST", path, body)
+        if len(got) < self.r.n:
+            return _error("a data-parallel replica is restarting; retry", 503)
+        merged: dict = {}
+        for rep, g in got:
+            if not isinstance(g, httpx.Response):
+                return _error(f"data-parallel replica {rep.rank} failed ({type(g).__name__})", 503)
+            if g.status_code != 200:
+                return Response(
+                    g.content, status_code=g.status_code, media_type=g.headers.get("content-type")
+                )
+            for k, v in (g.json() if g.content else {}).items():
+                summed = isinstance(v, int) and not isinstance(v, bool)
+                merged[k] = merged.get(k, 0) + v if summed else v
+        return JSONResponse(merged)
+
+    def num_in_flight(self) -> int:
+        return sum(r.in_flight for r in self.r.replicas)
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Refuse new generation requests (the replicas drain their own when
+        they are stopped)."""
+        self.accepting = False
+
+    async def forward(
+        self, rep: Replica, request: Request, body: bytes, path: str, pinned: bool = False
+    ) -> Response:
+        """Send the request to `rep` and stream its answer back. A replica
+        that refuses the connection (it just died: nothing was sent) is
+        marked down and, unless `pinned`, the least loaded other takes it."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+        query = f"?{request.url.query}" if request.url.query else ""
+        for _ in range(self.r.n):
+            rep.in_flight += 1
+            try:
+                req = self.r.client.build_request(
+                    request.method,
+                    rep.url + path + query,
+                    content=body,
+                    headers={**headers, **self.auth()},
+                )
+                resp = await self.r.client.send(req, stream=True)
+                break
+            except httpx.ConnectError:
+                rep.in_flight -= 1
+                rep.healthy = False
+                if pinned:
+                    return _error(f"data-parallel replica {rep.rank} is restarting; retry", 503)
+                rep = self.r.least_loaded()
+            except httpx.HTTPError as e:
+                rep.in_flight -= 1
+                return _error(
+                    f"data-parallel replica {rep.rank} failed before answering "
+                    f"({type(e).__name__}); retry",
+                    503,
+                )
+        else:
+            return _error("no data-parallel replica answered; retry", 503)
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def relay():
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                msg = (
+                    f"data-parallel replica {rep.rank} stopped mid-answer "
+                    f"({type(e).__name__}); the request ended"
+                )
+                if sse:
+                    err = {"error": {"message": msg, "type": "ReplicaFailed", "code": 503}}
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                rep.in_flight -= 1
+                await resp.aclose()
+
+        back = {k: v for k, v in resp.headers.items() if k.lower() in BACK_HEADERS}
+        back["x-data-parallel-rank"] = str(rep.rank)
+        return StreamingResponse(relay(), status_code=resp.status_code, headers=back)
+
+    async def route(self, request: Request, path: str, body: bytes) -> Response:
+        """The replica for a generation request (see the module's text)."""
+        rank = check_rank_header(request, self.r.n)
+        if rank is not None:
+            rep = self.r.replicas[rank]
+            if not rep.healthy:
+                return _error(f"data-parallel replica {rank} is restarting; retry", 503)
+            return await self.forward(rep, request, body, path, pinned=True)
+        try:
+            parsed = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            parsed = None
+        if not isinstance(parsed, dict):  # the replica's own 400
+            return await self.forward(self.r.least_loaded(), request, body, path)
+        if path == "/v1/responses":
+            prev = parsed.get("previous_response_id")
+            if isinstance(prev, str):
+                for rep, got in await self.everyone("GET", f"/v1/responses/{prev}"):
+                    if isinstance(got, httpx.Response) and got.status_code == 200:
+                        return await self.forward(rep, request, body, path)
+            return await self.forward(self.r.least_loaded(), request, body, path)
+        ids = None
+        if parsed.get("model") in (None, *self.served):  # an adapter's pages differ: by load
+            rendered = await self.call_any("POST", GENERATE[path], body)
+            if rendered.status_code != 200:
+                return Response(
+                    rendered.content,
+                    status_code=rendered.status_code,
+                    media_type="application/json",
+                )
+            ids = rendered.json()["requests"][0]["prompt_token_ids"]
+        salt = parsed.get("cache_salt")
+        hashes = self.r.page_hashes(ids, salt if isinstance(salt, str) else None) if ids else []
+        rep, _ = self.r.pick(hashes)
+        return await self.forward(rep, request, body, path)
+
+
+def build_front(
+    replicas: Replicas,
+    served: list[str],
+    *,
+    api_key: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    front = Front(replicas, served)
+    errors = FrontErrors()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(replicas.watch())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await replicas.client.aclose()
+
+    app = FastAPI(title="jaxkv (data parallel)", lifespan=lifespan)
+    app.state.front = front
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        metrics=errors,
+        allowed_hosts=allowed_hosts,
+    )
+    install_error_handlers(app, errors)
+
+    @app.get("/health")
+    async def health():
+        if not front.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        if not replicas.healthy():
+            return JSONResponse({"status": "no replica up"}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        texts = []
+        for rep, got in await front.everyone("GET", "/metrics"):
+            if isinstance(got, httpx.Response) and got.status_code == 200:
+                texts.append((str(rep.rank), got.text))
+        own = "# HELP jaxkv:front_request_errors Requests the front refused, by reason.\n"
+        own += "# TYPE jaxkv:front_request_errors counter\n" + "".join(
+            f'jaxkv:front_request_errors_total{{reason="{k}"}} {v}\n'
+            for k, v in errors.counts.items()
+        )
+        return Response(merge_metrics(texts) + own, media_type="text/plain; version=0.0.4")
+
+    async def server_info():
+        got = await front.call_any("GET", "/get_server_info")
+        info = got.json()
+        info.update(
+            dp_size=replicas.n,
+            data_parallel_rank=None,
+            replicas=[x.describe() for x in replicas.replicas],
+        )
+        return info
+
+    for path in ("/get_server_info", "/server_info"):
+        app.get(path)(server_info)
+
+    @app.get("/get_load")
+    async def get_load():
+        out = []
+        for _rep, got in await front.everyone("GET", "/get_load"):
+            if isinstance(got, httpx.Response) and got.status_code == 200:
+                out += got.json()
+        return sorted(out, key=lambda x: x["dp_rank"])
+
+    @app.get("/health_generate")
+    async def health_generate():
+        got = await front.everyone("GET", "/health_generate")
+        bad = [
+            rep.rank for rep, g in got if not isinstance(g, httpx.Response) or g.status_code != 200
+        ]
+        if bad or len(got) < replicas.n:
+            return _error(f"data-parallel replicas not generating: {bad or 'restarting'}", 503)
+        return {"status": "ok"}
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources():
+        if not replicas.user_events:
+            return []
+        out = []
+        for _rep, got in await front.everyone("GET", "/kv_event_sources"):
+            if isinstance(got, httpx.Response) and got.status_code == 200:
+                out += got.json()
+        return out
+
+    @app.api_route("/v1/responses/{rid}", methods=["GET", "DELETE"])
+    async def stored_response(rid: str, request: Request):
+        last = None
+        for _rep, got in await front.everyone(request.method, f"/v1/responses/{rid}"):
+            if isinstance(got, httpx.Response):
+                last = got
+                if got.status_code != 404:
+                    break
+        if last is None:
+            return _error("no data-parallel replica is up; retry", 503)
+        return Response(last.content, status_code=last.status_code, media_type="application/json")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def anything(path: str, request: Request):
+        path = "/" + path
+        body = await request.body()
+        try:
+            if request.method == "POST" and path in GENERATE:
+                if not front.accepting:
+                    return _error("the server is shutting down and accepts no new requests", 503)
+                return await front.route(request, path, body)
+            if request.method == "POST" and path in BROADCAST:
+                return await front.broadcast(path, body)
+            return await front.forward(replicas.least_loaded(), request, body, path)
+        except NoReplica as e:
+            return _error(str(e), 503)
+
+    return app
+
+
+def serve_dp(
+    replicas: Replicas,
+    served: list[str],
+    *,
+    host: str,
+    port: int,
+    shutdown_timeout: float,
+    api_key: str | None,
+    allowed_hosts: list[str] | None,
+    header_timeout: float,
+    max_connections: int | None,
+    max_request_bytes: int,
+    log_level: str = "warning",
+) -> int:
+    """Start the replicas, serve the front until SIGTERM / SIGINT (draining
+    as one server does), then stop the replicas (each drains its own)."""
+    import signal
+
+    from jaxkv.entrypoints.openai.connections import uvicorn_config
+    from jaxkv.entrypoints.openai.guard import default_allowed_hosts
+    from jaxkv.entrypoints.openai.server import DrainingServer, resolve_api_key
+
+    replicas.start()
+    try:
+        app = build_front(
+            replicas,
+            served,
+            api_key=resolve_api_key(api_key),
+            allowed_hosts=allowed_hosts or default_allowed_hosts(host),
+            max_request_bytes=max_request_bytes,
+        )
+        config = uvicorn_config(
+            app,
+            host=host,
+            port=port,
+            header_timeout=header_timeout,
+            max_connections=max_connections,
+            log_level=log_level,
+            timeout_graceful_shutdown=int(shutdown_timeout) + 5,
+        )
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        DrainingServer(config, app.state.front, shutdown_timeout).run()
+    finally:
+        replicas.close(shutdown_timeout + 10)
+    return 0
