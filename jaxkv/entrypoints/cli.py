@@ -80,6 +80,11 @@ def _make_engine(a):
     loras = lora_requests(getattr(a, "lora_modules", None))
     if loras and not kw.get("enable_lora"):
         raise ValueError("--lora-modules: LoRA is off; add --enable-lora")
+    if (
+        getattr(a, "disaggregation_mode", "null") == "decode"
+        and kw.get("kv_offload_memory") is None
+    ):
+        kw["kv_offload_memory"] = 512 * 2**20  # where the prefill server's pages land
     engine = LLMEngine.from_pretrained(a.model, **kw)
     if engine.follow():  # process 1..n-1 of a multi-process job: it ran process 0's steps
         raise SystemExit(0)
@@ -207,6 +212,11 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--api-key: {str(e).split(': ', 1)[1]}") from None
     names = a.served_model_name or [a.model]
     if a.data_parallel_size > 1:
+        if a.disaggregation_mode != "null":
+            raise ValueError(
+                "--data-parallel-size: not with --disaggregation-mode yet; run one "
+                "prefill and one decode server per replica behind the router"
+            )
         return _serve_data_parallel(a, names)
     engine = _make_engine(a)
     return serve(engine, names, **serve_kwargs(a))

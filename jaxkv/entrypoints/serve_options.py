@@ -125,6 +125,34 @@ def add_serve_options(s) -> None:
         help=argparse.SUPPRESS,  # set by the front for each replica it starts
     )
     s.add_argument(
+        "--disaggregation-mode",
+        choices=("null", "prefill", "decode"),
+        default="null",
+        help="this server's side of a prefill/decode split, as sglang-router's "
+        "--pd-disaggregation drives it: prefill runs prompts and hands their KV "
+        "pages over; decode takes them and generates (default: %(default)s, both)",
+    )
+    s.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        help="prefill side: the TCP port decode servers fetch pages from (default: %(default)s)",
+    )
+    s.add_argument(
+        "--disaggregation-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a decode server waits for a prompt's pages before the request "
+        "ends with an error (default: %(default)s)",
+    )
+    s.add_argument(
+        "--disaggregation-room-timeout",
+        type=float,
+        default=60.0,
+        help="prefill side: seconds a prompt's pages wait to be collected before they "
+        "are dropped (default: %(default)s)",
+    )
+    s.add_argument(
         "--kv-events-config",
         default=None,
         metavar="JSON",
@@ -157,5 +185,10 @@ def serve_kwargs(a) -> dict:
         kv_events_config=a.kv_events_config,
         model_path=a.model,
         data_parallel_rank=a.data_parallel_rank,
+        disaggregation_mode=a.disaggregation_mode,
+        disaggregation_bootstrap_host=a.host,
+        disaggregation_bootstrap_port=a.disaggregation_bootstrap_port,
+        disaggregation_transfer_timeout=a.disaggregation_transfer_timeout,
+        disaggregation_room_timeout=a.disaggregation_room_timeout,
         log_level="info" if a.verbose else "warning",
     )

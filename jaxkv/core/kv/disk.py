@@ -81,6 +81,47 @@ def fingerprint(
     return h.hexdigest()
 
 
+def encode_page(data, layout, fp: bytes, key: bytes) -> bytes:
+    """One page in the checksummed page format (the disk tier's files, the
+    prefill/decode handoff's frames): header (magic, fingerprint, payload
+    length), the arrays' raw bytes, and a blake2b MAC of both under `key`
+    (an empty key: a plain checksum)."""
+    if len(data) != len(layout):
+        raise ValueError(f"a page has {len(layout)} arrays, got {len(data)}")
+    body = b"".join(np.ascontiguousarray(x, d).tobytes() for x, (_, d) in zip(data, layout))
+    head = MAGIC + fp + len(body).to_bytes(8, "little")
+    return head + body + _mac(key, head + body)
+
+
+def page_bytes(layout, fp: bytes) -> int:
+    """The size of one encoded page."""
+    return len(MAGIC) + len(fp) + 8 + sum(int(np.prod(s)) * d.itemsize for s, d in layout) + _DIGEST
+
+
+def decode_page(raw: bytes, layout, fp: bytes, key: bytes):
+    """The arrays of an encoded page; ValueError naming what is wrong
+    (size, another model or layout, a MAC that does not match)."""
+    if len(raw) != page_bytes(layout, fp):
+        raise ValueError(f"{len(raw)} bytes, a page has {page_bytes(layout, fp)}")
+    head = len(MAGIC) + len(fp) + 8
+    if raw[: len(MAGIC)] != MAGIC or raw[len(MAGIC) : len(MAGIC) + len(fp)] != fp:
+        raise ValueError("written for another model or layout")
+    if not hmac.compare_digest(_mac(key, raw[:-_DIGEST]), raw[-_DIGEST:]):
+        raise ValueError(
+            "its MAC does not match the key (corrupt, or not written by a holder of the key)"
+        )
+    out, at = [], head
+    for shape, dt in layout:
+        n = int(np.prod(shape))
+        out.append(np.frombuffer(raw, dt, count=n, offset=at).reshape(shape).copy())
+        at += n * dt.itemsize
+    return out
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST, key=key).digest()
+
+
 def folder_key(root: Path) -> bytes:
     """The folder's MAC key (made on first use, mode 0600). ValueError
     naming the file when another user owns it or others may read it."""
@@ -110,8 +151,7 @@ class DiskTier:
         self.key = folder_key(self.root)
         self.fp = fp.encode()
         self.layout = [(tuple(s), np.dtype(d)) for s, d in layout]
-        self.payload = sum(int(np.prod(s)) * d.itemsize for s, d in self.layout)
-        self.file_bytes = len(MAGIC) + len(self.fp) + 8 + self.payload + _DIGEST
+        self.file_bytes = page_bytes(self.layout, self.fp)
         self.max_bytes = max_bytes
         if self.file_bytes > max_bytes:
             raise ValueError(
@@ -139,23 +179,15 @@ class DiskTier:
     def _path(self, name: str) -> Path:
         return self.dir / (name + SUFFIX)
 
-    def _mac(self, data: bytes) -> bytes:
-        return hashlib.blake2b(data, digest_size=_DIGEST, key=self.key).digest()
-
     def write(self, h: bytes, data) -> bool:
         """Store one page (`layout`'s arrays); False (logged) when the
         file system refuses."""
-        if len(data) != len(self.layout):
-            raise ValueError(f"a page has {len(self.layout)} arrays, got {len(data)}")
-        body = b"".join(
-            np.ascontiguousarray(x, d).tobytes() for x, (_, d) in zip(data, self.layout)
-        )
-        head = MAGIC + self.fp + len(body).to_bytes(8, "little")
+        raw = encode_page(data, self.layout, self.fp, self.key)
         name, tmp = h.hex(), None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
-                f.write(head + body + self._mac(head + body))
+                f.write(raw)
             os.replace(tmp, self._path(name))
             _touch(self._path(name))
         except OSError as e:
@@ -180,22 +212,10 @@ class DiskTier:
                 name,
                 str(e) if isinstance(e, ValueError) else f"unreadable ({type(e).__name__}: {e})",
             )
-        head = len(MAGIC) + len(self.fp) + 8
-        if raw[: len(MAGIC)] != MAGIC or raw[len(MAGIC) : len(MAGIC) + len(self.fp)] != self.fp:
-            return self._skip(name, "written for another model or layout")
-        if not hmac.compare_digest(self._mac(raw[:-_DIGEST]), raw[-_DIGEST:]):
-            return self._skip(
-                name,
-                "its MAC does not match the folder's key (corrupt, or "
-                "not written by an engine holding the key)",
-            )
-        out, at = [], head
-        for shape, dt in self.layout:
-            n = int(np.prod(shape)) * dt.itemsize
-            out.append(
-                np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=at).reshape(shape).copy()
-            )
-            at += n
+        try:
+            out = decode_page(raw, self.layout, self.fp, self.key)
+        except ValueError as e:
+            return self._skip(name, str(e))
         try:
             _touch(path)  # most recently used, for every engine on the folder
         except OSError:

@@ -154,6 +154,14 @@ class HostTier:
         elif len(self._pages) > self.capacity:
             self._trim()
 
+    def receive(self, pages: list[tuple[bytes, PageData]]) -> None:
+        """Take pages computed elsewhere (a prefill server's handoff), most
+        recently used: the prompt that follows finds them as host hits."""
+        for h, data in pages:
+            self._pages[h] = data
+            self._pages.move_to_end(h)
+        self._trim()
+
     def clear(self) -> int:
         """Drop every host page that is neither pinned nor on its way (not to
         the disk tier: a flush means to forget); returns how many."""

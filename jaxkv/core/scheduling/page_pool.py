@@ -131,6 +131,10 @@ class PagePool:
         """The prefix-cache hash registered for ``page``, or None."""
         return self._page_hash.get(page)
 
+    def page_of(self, h: bytes) -> int | None:
+        """The page caching hash `h`, or None."""
+        return self._hash_to_page.get(h)
+
     def cached_pages(self) -> list[tuple[int, bytes]]:
         """(page, hash) of every page in the prefix cache, held or evictable."""
         return list(self._page_hash.items())

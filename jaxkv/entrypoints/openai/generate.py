@@ -29,12 +29,12 @@ log = logging.getLogger("jaxkv.serve")
 
 async def completions(ctx: Context, request: Request, body) -> Response | dict:
     items, echo = await asyncio.to_thread(completion_items, ctx, body)
-    return await _run(ctx, request, body, items, chat=False, echo=echo)
+    return await run_items(ctx, request, body, items, chat=False, echo=echo)
 
 
 async def chat(ctx: Context, request: Request, body) -> Response | dict:
     items = await asyncio.to_thread(chat_items, ctx, body)
-    return await _run(ctx, request, body, items, chat=True, echo=False)
+    return await run_items(ctx, request, body, items, chat=True, echo=False)
 
 
 def _with_ids(ctx: Context, body: dict) -> bool:
@@ -67,9 +67,10 @@ def submit_items(ctx: Context, items: list[Item], body: dict, q: asyncio.Queue) 
     return streams
 
 
-async def _run(
+async def run_items(
     ctx: Context, request: Request, body: dict, items: list[Item], *, chat: bool, echo: bool
 ):
+    """Run prepared `items` and answer as the body asks (JSON or a stream)."""
     q: asyncio.Queue = asyncio.Queue()
     streams = submit_items(ctx, items, body, q)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

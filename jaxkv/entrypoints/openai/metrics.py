@@ -155,6 +155,18 @@ class ServerMetrics:
             "kv_evicted_tokens",
             "Tokens dropped from requests' KV by importance eviction (kv_eviction).",
         )
+        self.kv_transfer_pages = Counter(
+            "jaxkv:kv_transfer_pages",
+            "KV pages handed from a prefill server to a decode server (direction: sent or "
+            "received).",
+            m + ["direction"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = hist(
+            "kv_transfer_seconds",
+            "Decode side: asking the prefill server for a prompt's pages until all arrived.",
+            _LATENCY,
+        )
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", _LATENCY)
         self.itl = hist(
             "inter_token_latency_seconds",

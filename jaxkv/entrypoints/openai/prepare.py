@@ -43,6 +43,7 @@ class Context:
     tool_parser: str | None = None  # None: by the model's family (`tool_parser`)
     reasoning_parser: str | None = None  # jaxkv.entrypoints.openai.reasoning (None: off)
     model_path: str | None = None  # what the model was loaded from (router info)
+    disaggregation_mode: str = "null"  # this server's side of a prefill/decode split
     instance_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
     def parser(self) -> str:

@@ -62,7 +62,7 @@ def server_info(ctx, *, data_parallel_rank: int = 0, data_parallel_size: int = 1
         "num_pages": eng.bm.num_pages,
         "max_total_num_tokens": (eng.bm.num_pages - 1) * cfg.page_size,
         "enable_prefix_caching": cfg.enable_prefix_caching,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": ctx.disaggregation_mode,
         "instance_id": ctx.instance_id,
         "version": version(),
         "engine": "jaxkv",

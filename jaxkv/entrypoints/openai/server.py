@@ -40,6 +40,7 @@ from jaxkv.entrypoints.openai import (
     kv_events,
     kv_map,
     lora_routes,
+    pd,
     prepare,
     responses_api,
     router_routes,
@@ -86,6 +87,11 @@ def build_app(
     kv_events_config: str | dict | None = None,
     model_path: str | None = None,
     data_parallel_rank: int = 0,
+    disaggregation_mode: str = "null",
+    disaggregation_bootstrap_host: str = "127.0.0.1",
+    disaggregation_bootstrap_port: int = 8998,
+    disaggregation_transfer_timeout: float = 30.0,
+    disaggregation_room_timeout: float = 60.0,
 ) -> FastAPI:
     """The app and its engine loop (`app.state.engine_loop`); the loop starts
     and stops with the app's lifespan. `max_request_bytes`: the largest body
@@ -100,7 +106,8 @@ def build_app(
     given (`lora_routes`). `kv_events_config`: vLLM's KV-events config
     (`kv_events.parse_config`); `model_path`: what the model was loaded
     from, and `data_parallel_rank`: this engine's rank, for the router
-    endpoints and the events."""
+    endpoints and the events. `disaggregation_*`: this server's side of a
+    prefill/decode split (`pd`)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes: must be at least 1, got {max_request_bytes}")
     if not body_timeout > 0:
@@ -116,6 +123,21 @@ def build_app(
         )
     events_cfg = kv_events.parse_config(kv_events_config)
     metrics = ServerMetrics(served_model_names[0])
+    handoff = None
+    if disaggregation_mode not in pd.MODES:
+        raise ValueError(
+            f"disaggregation_mode: one of {', '.join(pd.MODES)}, got {short(disaggregation_mode)}"
+        )
+    if disaggregation_mode != "null":
+        handoff = pd.Handoff(
+            engine,
+            disaggregation_mode,
+            metrics,
+            host=disaggregation_bootstrap_host,
+            bootstrap_port=disaggregation_bootstrap_port,
+            transfer_timeout=disaggregation_transfer_timeout,
+            room_timeout=disaggregation_room_timeout,
+        )
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(
@@ -133,6 +155,7 @@ def build_app(
         tool_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         model_path=model_path,
+        disaggregation_mode=disaggregation_mode,
     )
 
     @contextlib.asynccontextmanager
@@ -142,15 +165,20 @@ def build_app(
                 events_cfg, engine.config.page_size, data_parallel_rank
             )
         loop.start()
+        if handoff is not None:
+            handoff.start()
         try:
             yield
         finally:
+            if handoff is not None:
+                handoff.stop()
             loop.stop()
             if loop.publisher is not None:
                 loop.publisher.close()
 
     app = FastAPI(title="jaxkv", lifespan=lifespan)
     app.state.engine_loop = loop
+    app.state.handoff = handoff
     app.state.metrics = metrics
     app.add_middleware(
         Guard,
@@ -167,11 +195,17 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate.completions(ctx, request, await body(request))
+        b = await body(request)
+        if handoff is not None and handoff.wants(b):
+            return await handoff.handle(ctx, request, b, chat=False)
+        return await generate.completions(ctx, request, b)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate.chat(ctx, request, await body(request))
+        b = await body(request)
+        if handoff is not None and handoff.wants(b):
+            return await handoff.handle(ctx, request, b, chat=True)
+        return await generate.chat(ctx, request, b)
 
     store = app.state.responses = Store()
 
