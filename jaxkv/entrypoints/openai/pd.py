@@ -134,6 +134,9 @@ class Rooms:
     def __len__(self) -> int:
         return len(self._rooms)
 
+    def __contains__(self, room: int) -> bool:
+        return room in self._rooms
+
 
 def fetch(host: str, port: int, room: int, hashes: list[bytes], fmt: PageFormat, timeout: float):
     """The pages of `hashes` (a leading run) from the prefill side of `room`:
@@ -160,7 +163,10 @@ def fetch(host: str, port: int, room: int, hashes: list[bytes], fmt: PageFormat,
             raise HandoffError(f"prefill side: {head['error']}")
         n, size = int(head["pages"]), int(head["page_bytes"])
         if size != fmt.size or n > len(hashes):
-            raise HandoffError(f"prefill side sends {n} pages of {size} bytes, not {fmt.size}")
+            raise HandoffError(
+                f"prefill side sends {n} pages of {size} bytes; asked for at most "
+                f"{len(hashes)} of {fmt.size}"
+            )
         out = []
         for i in range(n):
             try:
@@ -257,6 +263,7 @@ class Handoff:
             return answer({"error": "the transfer key differs ($JAXKV_KV_TRANSFER_KEY)"})
         r = self.rooms.get(room)
         if not r.ready.wait(self.transfer_timeout):
+            self.rooms.take(room)
             return answer({"error": f"no prefill of room {room} within {self.transfer_timeout} s"})
         self.rooms.take(room)
         if r.error:
