@@ -162,9 +162,16 @@ class ServerMetrics:
             m + ["direction"],
             registry=r,
         )
+        self.kv_transfer_bytes = Counter(
+            "jaxkv:kv_transfer_bytes",
+            "Bytes of those pages, as framed on the wire.",
+            m + ["direction"],
+            registry=r,
+        )
         self.kv_transfer_seconds = hist(
             "kv_transfer_seconds",
-            "Decode side: asking the prefill server for a prompt's pages until all arrived.",
+            "Decode side: a prompt's pages on the wire, from the prefill server's first "
+            "answer byte (its prefill done) to the last page checked.",
             _LATENCY,
         )
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", _LATENCY)

@@ -140,7 +140,7 @@ class Rooms:
 
 def fetch(host: str, port: int, room: int, hashes: list[bytes], fmt: PageFormat, timeout: float):
     """The pages of `hashes` (a leading run) from the prefill side of `room`:
-    [(hash, arrays)]. HandoffError naming what failed."""
+    ([(hash, arrays)], seconds on the wire). HandoffError naming what failed."""
     ask = {"room": room, "fingerprint": fmt.fp.decode(), "hashes": [h.hex() for h in hashes]}
     ask["mac"] = fmt.mac(room)
     try:
@@ -155,6 +155,7 @@ def fetch(host: str, port: int, room: int, hashes: list[bytes], fmt: PageFormat,
             raise HandoffError(f"prefill side {host}:{port} did not answer ({e})") from None
         if not head:
             raise HandoffError(f"prefill side {host}:{port} closed before answering")
+        t0 = time.perf_counter()
         try:
             head = json.loads(head)
         except json.JSONDecodeError:
@@ -181,7 +182,7 @@ def fetch(host: str, port: int, room: int, hashes: list[bytes], fmt: PageFormat,
                 out.append((hashes[i], decode_page(blob[HASH:], fmt.layout, fmt.fp, fmt.key)))
             except ValueError as e:
                 raise HandoffError(f"page {i} refused: {e}") from None
-    return out
+    return out, time.perf_counter() - t0
 
 
 class _Bootstrap(socketserver.ThreadingTCPServer):
@@ -276,7 +277,9 @@ class Handoff:
         answer({"pages": len(run), "page_bytes": self.fmt.size})
         for h, raw in run:
             wfile.write(h + raw)
-        self.metrics.kv_transfer_pages.labels(self.metrics.model_name, "sent").inc(len(run))
+        m = self.metrics
+        m.kv_transfer_pages.labels(m.model_name, "sent").inc(len(run))
+        m.kv_transfer_bytes.labels(m.model_name, "sent").inc(len(run) * (HASH + self.fmt.size))
 
     def copy_pages(self, eng, ids: list[int], salt: str | None) -> dict:
         """(engine thread) The prompt's cached full pages, encoded, by hash."""
@@ -331,9 +334,8 @@ class Handoff:
         for i in range((len(ids) - 1) // ps):
             parent = hash_page(parent, ids[i * ps : (i + 1) * ps])
             hashes.append(parent)
-        t0 = time.perf_counter()
         try:
-            got = await asyncio.to_thread(
+            got, secs = await asyncio.to_thread(
                 fetch, host, port, room, hashes, self.fmt, self.transfer_timeout
             )
         except HandoffError as e:
@@ -341,8 +343,10 @@ class Handoff:
             raise APIError(
                 f"kv transfer of room {room}: {e}", None, 503, "KVTransferError"
             ) from None
-        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - t0)
-        self.metrics.kv_transfer_pages.labels(self.metrics.model_name, "received").inc(len(got))
+        m = self.metrics
+        m.kv_transfer_seconds.observe(secs)
+        m.kv_transfer_pages.labels(m.model_name, "received").inc(len(got))
+        m.kv_transfer_bytes.labels(m.model_name, "received").inc(len(got) * (HASH + self.fmt.size))
         if got:
             await ctx.loop.call(lambda eng: eng.tier.receive(got))
         return await generate.run_items(ctx, request, body, items, chat=chat, echo=echo)
