@@ -247,6 +247,7 @@ def _serve_data_parallel(a, names) -> int:
         header_timeout=a.header_timeout,
         max_connections=a.max_connections,
         max_request_bytes=a.max_request_bytes,
+        body_timeout=a.body_timeout,
         log_level="info" if a.verbose else "warning",
     )
 

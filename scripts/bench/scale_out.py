@@ -41,8 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.read().decode()
+    return urllib.request.urlopen(url, timeout=30).read().decode()
 
 
 def _post(url: str, body: dict) -> dict:
@@ -389,8 +388,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=64, help="dp: requests per run")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
-    res = {"routing": routing, "pd": pd, "dp": dp}[a.what](a)
-    res["args"] = vars(a)
+    res = {**{"routing": routing, "pd": pd, "dp": dp}[a.what](a), "args": vars(a)}
     text = json.dumps(res, indent=1, default=str)
     print(text)
     if a.json:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 
 import httpx
 from fastapi import FastAPI, Request
@@ -35,7 +34,9 @@ from jaxkv.entrypoints.openai.guard import (
     DEFAULT_MAX_REQUEST_BYTES,
     Guard,
     install_error_handlers,
+    read_body,
 )
+from jaxkv.entrypoints.openai.metrics import merge_metrics
 from jaxkv.entrypoints.openai.router_routes import check_rank_header
 
 PASS_HEADERS = {"content-type", "accept", "x-request-id", "user-agent"}
@@ -63,37 +64,6 @@ def _error(message: str, status: int, type_: str = "ServiceUnavailable") -> JSON
         {"error": {"message": message, "type": type_, "param": None, "code": status}},
         status_code=status,
     )
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
-
-
-def merge_metrics(texts: list[tuple[str, str]]) -> str:
-    """Prometheus texts of (engine label, text) as one text: each family's
-    HELP / TYPE once, then every engine's samples, labelled."""
-    families: dict[str, list] = {}
-    for engine, text in texts:
-        family = None
-        for line in text.splitlines():
-            if line.startswith("# "):
-                parts = line.split(" ", 3)
-                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                    family = parts[2]
-                    meta, _ = families.setdefault(family, ([], []))
-                    if line not in meta:
-                        meta.append(line)
-                continue
-            m = _SAMPLE.match(line)
-            if not m or family is None:
-                continue
-            name, labels, rest = m.groups()
-            label = f'engine="{engine}"'
-            labels = "{" + (labels[1:-1] + "," if labels and labels != "{}" else "") + label + "}"
-            families[family][1].append(f"{name}{labels}{rest}")
-    out = []
-    for meta, samples in families.values():
-        out += meta + samples
-    return "\n".join(out) + "\n"
 
 
 class Front:
@@ -223,8 +193,8 @@ class Front:
                 return _error(f"data-parallel replica {rank} is restarting; retry", 503)
             return await self.forward(rep, request, body, path, pinned=True)
         try:
-            parsed = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            parsed = await asyncio.to_thread(json.loads, body)
+        except (ValueError, RecursionError):
             parsed = None
         if not isinstance(parsed, dict):  # the replica's own 400
             return await self.forward(self.r.least_loaded(), request, body, path)
@@ -258,6 +228,7 @@ def build_front(
     api_key: str | None = None,
     allowed_hosts: list[str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_timeout: float = 60.0,
 ) -> FastAPI:
     front = Front(replicas, served)
     errors = FrontErrors()
@@ -359,7 +330,7 @@ def build_front(
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def anything(path: str, request: Request):
         path = "/" + path
-        body = await request.body()
+        body = await read_body(request, max_request_bytes, body_timeout)
         try:
             if request.method == "POST" and path in GENERATE:
                 if not front.accepting:
@@ -386,6 +357,7 @@ def serve_dp(
     header_timeout: float,
     max_connections: int | None,
     max_request_bytes: int,
+    body_timeout: float = 60.0,
     log_level: str = "warning",
 ) -> int:
     """Start the replicas, serve the front until SIGTERM / SIGINT (draining
@@ -404,6 +376,7 @@ def serve_dp(
             api_key=resolve_api_key(api_key),
             allowed_hosts=allowed_hosts or default_allowed_hosts(host),
             max_request_bytes=max_request_bytes,
+            body_timeout=body_timeout,
         )
         config = uvicorn_config(
             app,

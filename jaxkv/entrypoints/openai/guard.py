@@ -147,9 +147,14 @@ async def _send(send, e: APIError, headers: dict | None = None) -> None:
 
 
 async def read_json(request: Request, limit: int, timeout: float | None = None):
-    """The body parsed as JSON; 413 once more than `limit` bytes came, 408
-    when it has not all come within `timeout` seconds, a named 400 if it is
-    not JSON. The parse runs in a worker thread."""
+    """The body parsed as JSON (`read_body`), a named 400 if it is not JSON.
+    The parse runs in a worker thread."""
+    return await asyncio.to_thread(parse_json, await read_body(request, limit, timeout))
+
+
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The body; 413 once more than `limit` bytes came, 408 when it has not
+    all come within `timeout` seconds."""
     parts: list[bytes] = []
 
     async def receive():
@@ -168,7 +173,7 @@ async def read_json(request: Request, limit: int, timeout: float | None = None):
         raise APIError(
             f"request body: did not arrive within {timeout:g} s", None, 408, "RequestTimeoutError"
         ) from None
-    return await asyncio.to_thread(parse_json, b"".join(parts))
+    return b"".join(parts)
 
 
 def parse_json(raw: bytes):

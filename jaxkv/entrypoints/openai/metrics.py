@@ -8,6 +8,8 @@ layer refuses a request (handler side)."""
 
 from __future__ import annotations
 
+import re
+
 import prometheus_client
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401 - the /metrics content type
@@ -288,3 +290,34 @@ def request_counts(sched, *, exact: bool) -> tuple[int, int]:
         return len(sched.running), len(sched.waiting)
     running = {s.parent.request_id for s in sched.running}
     return len(running), len({s.parent.request_id for s in sched.waiting} - running)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
+
+
+def merge_metrics(texts: list[tuple[str, str]]) -> str:
+    """Prometheus texts of (engine label, text) as one text: each family's
+    HELP / TYPE once, then every engine's samples, labelled."""
+    families: dict[str, list] = {}
+    for engine, text in texts:
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# "):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    meta, _ = families.setdefault(family, ([], []))
+                    if line not in meta:
+                        meta.append(line)
+                continue
+            m = _SAMPLE.match(line)
+            if not m or family is None:
+                continue
+            name, labels, rest = m.groups()
+            label = f'engine="{engine}"'
+            labels = "{" + (labels[1:-1] + "," if labels and labels != "{}" else "") + label + "}"
+            families[family][1].append(f"{name}{labels}{rest}")
+    out = []
+    for meta, samples in families.values():
+        out += meta + samples
+    return "\n".join(out) + "\n"
