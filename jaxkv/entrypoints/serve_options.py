@@ -139,6 +139,14 @@ def add_serve_options(s) -> None:
         help="prefill side: the TCP port decode servers fetch pages from (default: %(default)s)",
     )
     s.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=("auto", "jax", "tcp"),
+        default="auto",
+        help="how pages travel: JAX's transfer server (jax.experimental.transfer), or "
+        "checksummed frames on the bootstrap socket; auto: JAX's where both sides run "
+        "it (default: %(default)s)",
+    )
+    s.add_argument(
         "--disaggregation-transfer-timeout",
         type=float,
         default=30.0,
@@ -190,5 +198,6 @@ def serve_kwargs(a) -> dict:
         disaggregation_bootstrap_port=a.disaggregation_bootstrap_port,
         disaggregation_transfer_timeout=a.disaggregation_transfer_timeout,
         disaggregation_room_timeout=a.disaggregation_room_timeout,
+        disaggregation_transfer_backend=a.disaggregation_transfer_backend,
         log_level="info" if a.verbose else "warning",
     )

@@ -69,7 +69,7 @@ def workload(n: int, seed: int) -> list[dict]:
 
 async def one(client, model: str, req: dict) -> dict:
     t0 = time.perf_counter()
-    times, tokens, reason = [], None, None
+    times, tokens, reason, text = [], None, None, []
     stream = await client.chat.completions.create(
         model=model, stream=True, stream_options={"include_usage": True}, **req
     )
@@ -78,6 +78,7 @@ async def one(client, model: str, req: dict) -> dict:
             c = ch.choices[0]
             if c.delta.content:
                 times.append(time.perf_counter())
+                text.append(c.delta.content)
             reason = c.finish_reason or reason
         if getattr(ch, "usage", None) is not None:
             tokens = ch.usage.completion_tokens
@@ -87,6 +88,7 @@ async def one(client, model: str, req: dict) -> dict:
         "end": time.perf_counter(),
         "tokens": tokens if tokens is not None else len(times),
         "finish_reason": reason,
+        "text": "".join(text),
     }
 
 

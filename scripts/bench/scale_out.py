@@ -7,15 +7,14 @@ its own core(s) with `taskset`, so configurations compare like with like.
     python scripts/bench/scale_out.py dp        # throughput at dp 1 and dp 2
 
 routing: 48 multi-turn chats (3-5 turns, 4 shared system prompts), 8 at a
-time, through sglang-router over 2 workers with `cache_aware`, then
-`round_robin`, and against one worker holding both workers' pages on both
-cores. Reported: prompt tokens computed (prompt tokens less prefix-cache
-hits, from the workers' /metrics), TTFT p50 / p99, output tok/s.
+time, through sglang-router over 2 workers (`cache_aware`, `round_robin`)
+and on one worker with both pools and cores. Reported: prompt tokens
+computed (less prefix hits, from /metrics), TTFT p50 / p99, output tok/s.
 
 pd: 16 streams of 256 tokens while a long prompt (--long-tokens) arrives
 every --every s, through the router: 2 colocated workers against 1 prefill
-+ 1 decode server. Reported: the streams' ITL p50 / p99 and, split, the
-handoff's pages, MB/s and ms per 1,000 prompt tokens.
++ 1 decode server. Reported: the streams' ITL p50 / p99, the handoff's
+MB/s and ms per 1,000 prompt tokens.
 
 Every figure is the median of --runs runs (caches flushed before each).
 """
@@ -37,19 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from scripts.bench.common import TEXT  # noqa: E402
 from scripts.bench.load_test import _free_port, _pct, one, start, stop  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _get(url: str) -> str:
     return urllib.request.urlopen(url, timeout=30).read().decode()
 
 
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read() or b"{}")
+    head = {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, json.dumps(body).encode(), head, method="POST")
+    return json.loads(urllib.request.urlopen(req, timeout=60).read() or b"{}")
 
 
 def counter(text: str, name: str) -> float:
@@ -101,7 +96,8 @@ def router(urls_or_pd: list[str], policy: str) -> tuple[subprocess.Popen, int]:
 
 
 def chats(n: int, seed: int) -> list[list[dict]]:
-    """n conversations of 3-5 user turns over 4 shared system prompts."""
+    """n conversations of 3-5 user turns (each a question on a 40-80 word
+    excerpt) over 4 shared system prompts."""
     rng = random.Random(seed)
     words = TEXT.split()
     systems = [
@@ -109,12 +105,15 @@ def chats(n: int, seed: int) -> list[list[dict]]:
         + " ".join(words[k * 40 : k * 40 + 150])
         for k in range(4)
     ]
+
+    def turn(i, t):  # a question about a 40-80 word excerpt
+        k = rng.randrange(len(words) - 80)
+        excerpt = " ".join(words[k : k + rng.randint(40, 80)])
+        return {"role": "user", "content": f"Chat {i}, turn {t}: what does this say? {excerpt}"}
+
     return [
         [{"role": "system", "content": systems[i % 4]}]
-        + [
-            {"role": "user", "content": f"Question {t} of chat {i}: {rng.choice(words)}?"}
-            for t in range(rng.randint(3, 5))
-        ]
+        + [turn(i, t) for t in range(rng.randint(3, 5))]
         for i in range(n)
     ]
 
@@ -134,7 +133,7 @@ async def run_chats(url: str, convs: list[list[dict]], clients: int, max_tokens:
                 req = {"messages": list(msgs), "max_tokens": max_tokens, "temperature": 0}
                 r = await one(c, "m", req)
                 results.append(r)
-                msgs.append({"role": "assistant", "content": "ok"})
+                msgs.append({"role": "assistant", "content": r["text"]})
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))

@@ -160,8 +160,8 @@ class ServerMetrics:
         self.kv_transfer_pages = Counter(
             "jaxkv:kv_transfer_pages",
             "KV pages handed from a prefill server to a decode server (direction: sent or "
-            "received).",
-            m + ["direction"],
+            "received; transport: jax, JAX's transfer server, or tcp, the bootstrap socket).",
+            m + ["direction", "transport"],
             registry=r,
         )
         self.kv_transfer_bytes = Counter(

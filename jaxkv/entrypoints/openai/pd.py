@@ -17,85 +17,56 @@ router sends each request to both servers with `bootstrap_host`,
   side that goes away mid-transfer, end the request with a named error;
   nothing is put in the pool before the whole transfer checked out.
 
-Frames are the disk tier's checksummed page format (`disk.encode_page`):
-the engine's fingerprint (model, weights digest, KV layout) must match on
-both sides, and the MAC is keyed by $JAXKV_KV_TRANSFER_KEY when set (the
-same on both sides; unset: a plain checksum, for trusted networks). JAX's
-own transfer server (`jax.experimental.transfer`) is not used yet: it needs
-an accelerator, and none was at hand to test it.
+Pages travel through JAX's own transfer server (`jax.experimental.transfer`)
+where both sides run one, offered only once a decode side asked (an offer
+cannot be withdrawn), else as frames on the bootstrap socket in the disk
+tier's checksummed page format (`disk.encode_page`). The engine's
+fingerprint (model, weights digest, KV layout) must match on both sides,
+and the handshake and frames are keyed by $JAXKV_KV_TRANSFER_KEY when set
+(the same on both sides; unset: a plain checksum, for trusted networks).
 
 Wire protocol on the bootstrap port: the decode side sends one JSON line
-{"room", "fingerprint", "hashes": [hex, ...], "mac"}; the prefill side
-answers one JSON line, {"pages": n, "page_bytes": b} or {"error": text},
-then n frames of (16-byte page hash, encoded page).
+{"room", "fingerprint", "hashes": [hex, ...], "mac", "jax"}; the prefill
+side answers one JSON line, {"pages": n, "page_bytes": b} or {"error":
+text}, then n frames of (16-byte page hash, encoded page), or, with "jax"
+on both sides, {"pages", "page_bytes", "jax": {"address", "uuid"}} to pull.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import hmac
 import json
 import logging
-import os
-import socket
+import secrets
 import socketserver
 import threading
 import time
 
 import numpy as np
 
-from jaxkv.core.kv.disk import decode_page, encode_page, page_bytes
+from jaxkv.core.kv.disk import encode_page
 from jaxkv.core.scheduling.page_pool import hash_page, salted_root
+from jaxkv.entrypoints.openai.pd_transfer import (
+    HASH,
+    HandoffError,
+    PageFormat,
+    fetch,
+    start_jax_transfer,
+)
 from jaxkv.entrypoints.openai.protocol import APIError
 
 log = logging.getLogger("jaxkv.serve")
 
 MODES = ("null", "prefill", "decode")
 FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-HASH = 16  # bytes of a page hash
-
-
-class HandoffError(RuntimeError):
-    """A transfer that did not complete; the message says why."""
-
-
-def transfer_key() -> bytes:
-    return os.environ.get("JAXKV_KV_TRANSFER_KEY", "").encode()[:64]
-
-
-class PageFormat:
-    """The engine's pages as frames: its paged leaves' layout and fingerprint."""
-
-    def __init__(self, engine):
-        from flax import nnx
-
-        from jaxkv.core.kv.disk import fingerprint
-        from jaxkv.model.kv_cache import paged_leaves
-
-        r = engine.runner
-        leaves = paged_leaves(r.cache)
-        self.layout = [((x.shape[0],) + tuple(x.shape[2:]), np.dtype(x.dtype)) for x in leaves]
-        scales = [np.asarray(x) for x in r.cache.k_scale + r.cache.v_scale] if r.cache.fp8 else None
-        self.fp = fingerprint(
-            nnx.merge(r.graphdef, r.state),
-            [(s, str(d)) for s, d in self.layout],
-            engine.cache_config.kv_dtype,
-            engine.config.page_size,
-            scales,
-        ).encode()
-        self.key = transfer_key()
-        self.size = page_bytes(self.layout, self.fp)
-
-    def mac(self, room: int) -> str:
-        return hmac.new(self.key or b"-", b"%d:" % room + self.fp, hashlib.sha256).hexdigest()
 
 
 @dataclasses.dataclass
 class Room:
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
-    pages: dict | None = None  # hash -> encoded page
+    pages: tuple | None = None  # ([hash], [leaf array [n, ...]]): the prompt's full pages
     error: str | None = None
     born: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -113,7 +84,7 @@ class Rooms:
         with self._lock:
             return self._rooms.setdefault(room, Room())
 
-    def put(self, room: int, pages: dict | None, error: str | None = None) -> None:
+    def put(self, room: int, pages: tuple | None, error: str | None = None) -> None:
         r = self.get(room)
         r.pages, r.error = pages, error
         r.ready.set()
@@ -138,53 +109,6 @@ class Rooms:
         return room in self._rooms
 
 
-def fetch(host: str, port: int, room: int, hashes: list[bytes], fmt: PageFormat, timeout: float):
-    """The pages of `hashes` (a leading run) from the prefill side of `room`:
-    ([(hash, arrays)], seconds on the wire). HandoffError naming what failed."""
-    ask = {"room": room, "fingerprint": fmt.fp.decode(), "hashes": [h.hex() for h in hashes]}
-    ask["mac"] = fmt.mac(room)
-    try:
-        s = socket.create_connection((host, port), timeout=timeout)
-    except OSError as e:
-        raise HandoffError(f"prefill side {host}:{port} not reachable ({e})") from None
-    with s, s.makefile("rb") as f:
-        try:
-            s.sendall(json.dumps(ask).encode() + b"\n")
-            head = f.readline(65536)
-        except OSError as e:  # a timeout too
-            raise HandoffError(f"prefill side {host}:{port} did not answer ({e})") from None
-        if not head:
-            raise HandoffError(f"prefill side {host}:{port} closed before answering")
-        t0 = time.perf_counter()
-        try:
-            head = json.loads(head)
-        except json.JSONDecodeError:
-            raise HandoffError("prefill side answered something that is not JSON") from None
-        if "error" in head:
-            raise HandoffError(f"prefill side: {head['error']}")
-        n, size = int(head["pages"]), int(head["page_bytes"])
-        if size != fmt.size or n > len(hashes):
-            raise HandoffError(
-                f"prefill side sends {n} pages of {size} bytes; asked for at most "
-                f"{len(hashes)} of {fmt.size}"
-            )
-        out = []
-        for i in range(n):
-            try:
-                blob = f.read(HASH + size)
-            except OSError:
-                blob = b""
-            if len(blob) != HASH + size:
-                raise HandoffError(f"prefill side closed the transfer after {i} of {n} pages")
-            if blob[:HASH] != hashes[i]:
-                raise HandoffError(f"prefill side sent page {i} for another prompt")
-            try:
-                out.append((hashes[i], decode_page(blob[HASH:], fmt.layout, fmt.fp, fmt.key)))
-            except ValueError as e:
-                raise HandoffError(f"page {i} refused: {e}") from None
-    return out, time.perf_counter() - t0
-
-
 class _Bootstrap(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -203,7 +127,12 @@ class Handoff:
         bootstrap_port: int = 8998,
         transfer_timeout: float = 30.0,
         room_timeout: float = 60.0,
+        transfer_backend: str = "auto",
     ):
+        if transfer_backend not in ("auto", "jax", "tcp"):
+            raise ValueError(
+                f"disaggregation_transfer_backend: auto, jax or tcp, got {transfer_backend!r}"
+            )
         if mode not in ("prefill", "decode"):
             raise ValueError(f"disaggregation_mode: one of {', '.join(MODES)}, got {mode!r}")
         if mode == "decode" and engine.tier is None:
@@ -216,6 +145,11 @@ class Handoff:
         self.transfer_timeout = transfer_timeout
         self.fmt = PageFormat(engine)
         self.rooms = Rooms(room_timeout)
+        self.jax = start_jax_transfer(host) if transfer_backend != "tcp" else None
+        if transfer_backend == "jax" and self.jax is None:
+            raise ValueError(
+                "disaggregation_transfer_backend jax: JAX's transfer server does not start here"
+            )
         self._server = None
         self._stop = threading.Event()
 
@@ -269,20 +203,32 @@ class Handoff:
         self.rooms.take(room)
         if r.error:
             return answer({"error": r.error})
-        run = []
-        for h in want:
-            if h not in r.pages:
-                break
-            run.append((h, r.pages[h]))
-        answer({"pages": len(run), "page_bytes": self.fmt.size})
-        for h, raw in run:
-            wfile.write(h + raw)
-        m = self.metrics
-        m.kv_transfer_pages.labels(m.model_name, "sent").inc(len(run))
-        m.kv_transfer_bytes.labels(m.model_name, "sent").inc(len(run) * (HASH + self.fmt.size))
+        hashes, leaves = r.pages
+        k = 0
+        while k < min(len(want), len(hashes)) and want[k] == hashes[k]:
+            k += 1
+        head = {"pages": k, "page_bytes": self.fmt.size}
+        transport = "jax" if ask.get("jax") and self.jax is not None and k else "tcp"
+        if transport == "jax":
+            import jax
 
-    def copy_pages(self, eng, ids: list[int], salt: str | None) -> dict:
-        """(engine thread) The prompt's cached full pages, encoded, by hash."""
+            uuid = secrets.randbits(62)
+            self.jax.await_pull(uuid, [jax.device_put(x[:k]) for x in leaves])
+            answer({**head, "jax": {"address": self.jax.address(), "uuid": uuid}})
+        else:
+            answer(head)
+            for i in range(k):
+                page = [x[i] for x in leaves]
+                wfile.write(
+                    hashes[i] + encode_page(page, self.fmt.layout, self.fmt.fp, self.fmt.key)
+                )
+        m = self.metrics
+        m.kv_transfer_pages.labels(m.model_name, "sent", transport).inc(k)
+        m.kv_transfer_bytes.labels(m.model_name, "sent").inc(k * (HASH + self.fmt.size))
+
+    def copy_pages(self, eng, ids: list[int], salt: str | None) -> tuple:
+        """(engine thread) The prompt's cached full pages: ([hash], [leaf
+        array [n, ...]])."""
         from jaxkv.worker import page_io
 
         ps, parent, pages, hashes = eng.config.page_size, salted_root(salt), [], []
@@ -295,12 +241,8 @@ class Handoff:
             hashes.append(h)
             parent = h
         if not pages:
-            return {}
-        data = page_io.page_out(eng.runner, pages)
-        return {
-            h: encode_page([x[j] for x in data], self.fmt.layout, self.fmt.fp, self.fmt.key)
-            for j, h in enumerate(hashes)
-        }
+            return [], [np.zeros((0,) + shape, dt) for shape, dt in self.fmt.layout]
+        return hashes, page_io.page_out(eng.runner, pages)
 
     # ------------------------------------------------------------ requests
 
@@ -335,8 +277,8 @@ class Handoff:
             parent = hash_page(parent, ids[i * ps : (i + 1) * ps])
             hashes.append(parent)
         try:
-            got, secs = await asyncio.to_thread(
-                fetch, host, port, room, hashes, self.fmt, self.transfer_timeout
+            got, secs, transport = await asyncio.to_thread(
+                fetch, host, port, room, hashes, self.fmt, self.transfer_timeout, self.jax
             )
         except HandoffError as e:
             self.metrics.error("kv_transfer")
@@ -345,7 +287,7 @@ class Handoff:
             ) from None
         m = self.metrics
         m.kv_transfer_seconds.observe(secs)
-        m.kv_transfer_pages.labels(m.model_name, "received").inc(len(got))
+        m.kv_transfer_pages.labels(m.model_name, "received", transport).inc(len(got))
         m.kv_transfer_bytes.labels(m.model_name, "received").inc(len(got) * (HASH + self.fmt.size))
         if got:
             await ctx.loop.call(lambda eng: eng.tier.receive(got))

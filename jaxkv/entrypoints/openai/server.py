@@ -92,6 +92,7 @@ def build_app(
     disaggregation_bootstrap_port: int = 8998,
     disaggregation_transfer_timeout: float = 30.0,
     disaggregation_room_timeout: float = 60.0,
+    disaggregation_transfer_backend: str = "auto",
 ) -> FastAPI:
     """The app and its engine loop (`app.state.engine_loop`); the loop starts
     and stops with the app's lifespan. `max_request_bytes`: the largest body
@@ -137,6 +138,7 @@ def build_app(
             bootstrap_port=disaggregation_bootstrap_port,
             transfer_timeout=disaggregation_transfer_timeout,
             room_timeout=disaggregation_room_timeout,
+            transfer_backend=disaggregation_transfer_backend,
         )
     loop = EngineLoop(engine, metrics, max_queued_requests=max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
