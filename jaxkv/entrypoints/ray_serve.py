@@ -26,8 +26,6 @@ or from Python: `serve.run(build_app("smollm2-135m-instruct", num_replicas=2))`.
 Tensor parallel across hosts stays on `jax.distributed` (see the docs).
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os
@@ -35,6 +33,8 @@ import socket
 import threading
 import time
 
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
@@ -130,9 +130,9 @@ class JaxkvEngine:
 
 
 def _ingress_class():
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
-
+    # No `from __future__ import annotations` in this module: Ray ships the
+    # class to its replicas by value, and a string annotation would not find
+    # `Request` there, so FastAPI would read it as a query parameter.
     api = FastAPI(title="jaxkv (Ray Serve)")
 
     @serve.deployment
