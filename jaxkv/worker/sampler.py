@@ -44,10 +44,13 @@ def argmax(x):
     backend runs argmax's paired-value reduce 5x slower (a [64, 49152]
     batch of logits 7.1 against 1.5 ms, ~5% of a batch-64 decode step of
     SmolLM2). A row with a NaN gets an id in range but not numpy's first
-    NaN: the engine fails such a row whatever its token (StepOutput.finite)."""
+    NaN: the engine fails such a row whatever its token (StepOutput.finite).
+    XLA's CPU max does not always carry a NaN through (a [6, 1000] batch on
+    an AMD EPYC gave -inf for a row ending in NaN), so the id is clamped."""
     m = jnp.max(x, axis=-1, keepdims=True)
     ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where((x == m) | jnp.isnan(m), ids, x.shape[-1]), axis=-1)
+    first = jnp.min(jnp.where((x == m) | jnp.isnan(m), ids, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)
 
 
 def apply_penalties(logits, sb: SamplingBatch, pen: PenaltyBatch):

@@ -132,7 +132,7 @@ def _split_equals_lone(p, d, router, model, transport):
     oracle = LLM(model, **{**ENGINE, "max_num_seqs": 1})
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key="x", max_retries=0)
     pages = 'jaxkv:kv_transfer_pages_total{direction="received",model_name="tiny",transport="%s"}'
-    before = metric(get(d.port, "/metrics")[1], pages % transport)
+    before = _metric_or_0(get(d.port, "/metrics")[1], pages % transport)
     for n in (5, 9):  # two prompt lengths: a different partial last page each
         prompt = f"The page pool of a {transport} cache " * n
         for kw in (dict(temperature=0), dict(temperature=0.8, seed=5)):
@@ -150,6 +150,14 @@ def _split_equals_lone(p, d, router, model, transport):
     text = get(d.port, "/metrics")[1]
     assert metric(text, pages % transport) > before
     assert metric(text, 'jaxkv:kv_offload_hit_tokens_total{model_name="tiny",tier="host"}') > 0
+
+
+def _metric_or_0(text: str, name: str) -> float:
+    """A labelled counter's value; 0 before its label set first counted."""
+    try:
+        return metric(text, name)
+    except KeyError:
+        return 0.0
 
 
 def _decode_ask(d, port: int, room: int, prompt: str):
