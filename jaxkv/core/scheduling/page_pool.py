@@ -50,6 +50,17 @@ def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def prompt_page_hashes(token_ids: Sequence[int], page_size: int, root: bytes = ROOT_HASH) -> list:
+    """The chained hashes of a prompt's full pages that a prefix hit may
+    cover (never the last token's page: its logits must be computed), as a
+    pool starting from `root` names them."""
+    out, parent = [], root
+    for i in range((len(token_ids) - 1) // page_size):
+        parent = hash_page(parent, token_ids[i * page_size : (i + 1) * page_size])
+        out.append(parent)
+    return out
+
+
 def salted_root(cache_salt: str | None, adapter: bytes | None = None) -> bytes:
     """The parent hash of a sequence's first page. A request's `cache_salt`
     (a tenant's secret) changes it, so the whole hash chain differs: pages

@@ -18,6 +18,13 @@ out a request that has not finished arriving).
 from __future__ import annotations
 
 import json
+import logging
+import signal
+import time
+
+import uvicorn
+
+log = logging.getLogger("jaxkv.serve")
 
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 60.0
@@ -137,3 +144,69 @@ def uvicorn_config(
     return uvicorn.Config(
         app, host=host, port=port, http=protocol_class(header_timeout, max_connections), **kw
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on the first SIGTERM / SIGINT, goes on listening (new
+    requests get 503, /health 503, so a load balancer moves on) until the
+    engine loop holds no request or the shutdown timeout (plus 5 s) passed,
+    and only then stops as uvicorn does: closes the listener and waits for
+    the open responses to be written. Plain uvicorn closes the listener at
+    once, so a request sent during the drain would find the port refused.
+    A second signal stops at once (uvicorn's own handling)."""
+
+    def __init__(self, config, engine_loop, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_until: float | None = None
+
+    def handle_exit(self, sig, frame):
+        if self.drain_until is not None or self.should_exit:
+            return super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).append(sig)  # uvicorn re-raises it at the end
+        log.warning(
+            "jaxkv serve: signal %d, finishing %d requests (at most %.0f s)",
+            sig,
+            self.engine_loop.num_in_flight(),
+            self.shutdown_timeout,
+        )
+        self.engine_loop.begin_shutdown(self.shutdown_timeout)
+        self.drain_until = time.monotonic() + self.shutdown_timeout + 5
+
+    async def on_tick(self, counter: int) -> bool:
+        if (
+            self.drain_until is not None
+            and not self.should_exit
+            and (self.engine_loop.num_in_flight() == 0 or time.monotonic() > self.drain_until)
+        ):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def run_draining(
+    app,
+    in_flight,
+    *,
+    host,
+    port,
+    header_timeout,
+    max_connections,
+    log_level,
+    shutdown_timeout: float,
+) -> None:
+    """Serve `app` with uvicorn until SIGTERM / SIGINT, draining
+    `in_flight` (`DrainingServer`'s engine loop) first."""
+    config = uvicorn_config(
+        app,
+        host=host,
+        port=port,
+        header_timeout=header_timeout,
+        max_connections=max_connections,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(shutdown_timeout) + 5,
+    )
+    # uvicorn re-raises the signal it stopped on once it is done; with this
+    # handler in place that ends the process normally (exit 0).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    DrainingServer(config, in_flight, shutdown_timeout).run()

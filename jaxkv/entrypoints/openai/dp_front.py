@@ -362,11 +362,9 @@ def serve_dp(
 ) -> int:
     """Start the replicas, serve the front until SIGTERM / SIGINT (draining
     as one server does), then stop the replicas (each drains its own)."""
-    import signal
-
-    from jaxkv.entrypoints.openai.connections import uvicorn_config
+    from jaxkv.entrypoints.openai.connections import run_draining
     from jaxkv.entrypoints.openai.guard import default_allowed_hosts
-    from jaxkv.entrypoints.openai.server import DrainingServer, resolve_api_key
+    from jaxkv.entrypoints.openai.server import resolve_api_key
 
     replicas.start()
     try:
@@ -378,17 +376,16 @@ def serve_dp(
             max_request_bytes=max_request_bytes,
             body_timeout=body_timeout,
         )
-        config = uvicorn_config(
+        run_draining(
             app,
+            app.state.front,
             host=host,
             port=port,
             header_timeout=header_timeout,
             max_connections=max_connections,
             log_level=log_level,
-            timeout_graceful_shutdown=int(shutdown_timeout) + 5,
+            shutdown_timeout=shutdown_timeout,
         )
-        signal.signal(signal.SIGTERM, lambda *_: None)
-        DrainingServer(config, app.state.front, shutdown_timeout).run()
     finally:
         replicas.close(shutdown_timeout + 10)
     return 0

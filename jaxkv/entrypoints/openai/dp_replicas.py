@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from jaxkv.core.scheduling.page_pool import hash_page, salted_root
+from jaxkv.core.scheduling.page_pool import prompt_page_hashes, salted_root
 from jaxkv.entrypoints.openai.kv_events import block_hash
 
 log = logging.getLogger("jaxkv.serve")
@@ -300,11 +300,9 @@ class Replicas:
     def page_hashes(self, ids: list[int], cache_salt: str | None = None) -> list[int]:
         """The event hashes of the prompt's full pages that a prefix hit
         may cover (never the last token's), as the replicas' pools name them."""
-        ps, parent, out = self.page_size, salted_root(cache_salt), []
-        for i in range((len(ids) - 1) // ps):
-            parent = hash_page(parent, ids[i * ps : (i + 1) * ps])
-            out.append(block_hash(parent))
-        return out
+        return [
+            block_hash(h) for h in prompt_page_hashes(ids, self.page_size, salted_root(cache_salt))
+        ]
 
     def pick(self, hashes: list[int]) -> tuple[Replica, int]:
         """(the replica for a prompt with these page hashes, the pages it

@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 from jaxkv.core.kv.disk import encode_page
-from jaxkv.core.scheduling.page_pool import hash_page, salted_root
+from jaxkv.core.scheduling.page_pool import prompt_page_hashes, salted_root
 from jaxkv.entrypoints.openai.pd_transfer import (
     HASH,
     HandoffError,
@@ -231,15 +231,13 @@ class Handoff:
         array [n, ...]])."""
         from jaxkv.worker import page_io
 
-        ps, parent, pages, hashes = eng.config.page_size, salted_root(salt), [], []
-        for i in range((len(ids) - 1) // ps):
-            h = hash_page(parent, ids[i * ps : (i + 1) * ps])
+        pages, hashes = [], []
+        for h in prompt_page_hashes(ids, eng.config.page_size, salted_root(salt)):
             page = eng.bm.page_of(h)
             if page is None:
                 break
             pages.append(page)
             hashes.append(h)
-            parent = h
         if not pages:
             return [], [np.zeros((0,) + shape, dt) for shape, dt in self.fmt.layout]
         return hashes, page_io.page_out(eng.runner, pages)
@@ -271,11 +269,7 @@ class Handoff:
             raise APIError(
                 "bootstrap_host, bootstrap_port: the prefill side's address", "bootstrap_host"
             )
-        ps, parent, hashes = self.engine.config.page_size, salted_root(salt), []
-        ids = items[0].ids
-        for i in range((len(ids) - 1) // ps):
-            parent = hash_page(parent, ids[i * ps : (i + 1) * ps])
-            hashes.append(parent)
+        hashes = prompt_page_hashes(items[0].ids, self.engine.config.page_size, salted_root(salt))
         try:
             got, secs, transport = await asyncio.to_thread(
                 fetch, host, port, room, hashes, self.fmt, self.transfer_timeout, self.jax

@@ -28,10 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
-import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
@@ -45,10 +42,11 @@ from jaxkv.entrypoints.openai import (
     responses_api,
     router_routes,
 )
-from jaxkv.entrypoints.openai.connections import (
+from jaxkv.entrypoints.openai.connections import (  # noqa: F401 - DrainingServer: the API
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
-    uvicorn_config,
+    DrainingServer,
+    run_draining,
 )
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
 from jaxkv.entrypoints.openai.guard import (
@@ -320,44 +318,6 @@ def resolve_api_key(api_key: str | None) -> str | None:
     return os.environ.get("JAXKV_API_KEY") or None
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn that, on the first SIGTERM / SIGINT, goes on listening (new
-    requests get 503, /health 503, so a load balancer moves on) until the
-    engine loop holds no request or the shutdown timeout (plus 5 s) passed,
-    and only then stops as uvicorn does: closes the listener and waits for
-    the open responses to be written. Plain uvicorn closes the listener at
-    once, so a request sent during the drain would find the port refused.
-    A second signal stops at once (uvicorn's own handling)."""
-
-    def __init__(self, config, engine_loop: EngineLoop, shutdown_timeout: float):
-        super().__init__(config)
-        self.engine_loop = engine_loop
-        self.shutdown_timeout = shutdown_timeout
-        self.drain_until: float | None = None
-
-    def handle_exit(self, sig, frame):
-        if self.drain_until is not None or self.should_exit:
-            return super().handle_exit(sig, frame)
-        getattr(self, "_captured_signals", []).append(sig)  # uvicorn re-raises it at the end
-        log.warning(
-            "jaxkv serve: signal %d, finishing %d requests (at most %.0f s)",
-            sig,
-            self.engine_loop.num_in_flight(),
-            self.shutdown_timeout,
-        )
-        self.engine_loop.begin_shutdown(self.shutdown_timeout)
-        self.drain_until = time.monotonic() + self.shutdown_timeout + 5
-
-    async def on_tick(self, counter: int) -> bool:
-        if (
-            self.drain_until is not None
-            and not self.should_exit
-            and (self.engine_loop.num_in_flight() == 0 or time.monotonic() > self.drain_until)
-        ):
-            self.should_exit = True
-        return await super().on_tick(counter)
-
-
 def serve(
     engine,
     served_model_names: list[str],
@@ -384,17 +344,14 @@ def serve(
         allowed_hosts=hosts,
         **app_options,
     )
-    config = uvicorn_config(
+    run_draining(
         app,
+        app.state.engine_loop,
         host=host,
         port=port,
         header_timeout=header_timeout,
         max_connections=max_connections,
         log_level=log_level,
-        timeout_graceful_shutdown=int(shutdown_timeout) + 5,
+        shutdown_timeout=shutdown_timeout,
     )
-    # uvicorn re-raises the signal it stopped on once it is done; with this
-    # handler in place that ends the process normally (exit 0).
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    DrainingServer(config, app.state.engine_loop, shutdown_timeout).run()
     return 0
