@@ -224,7 +224,7 @@ def cmd_serve(a) -> int:
 
 def _serve_data_parallel(a, names) -> int:
     from jaxkv.config import EngineConfig
-    from jaxkv.entrypoints.openai.dp_front import serve_dp
+    from jaxkv.entrypoints.openai.dp_app import serve_dp
     from jaxkv.entrypoints.openai.dp_replicas import Replicas
     from jaxkv.entrypoints.openai.kv_events import parse_config
 

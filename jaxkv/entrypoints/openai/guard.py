@@ -185,6 +185,19 @@ def parse_json(raw: bytes):
         raise APIError(f"request body: not valid JSON ({e})", None) from None
 
 
+def protect(app: FastAPI, metrics, api_key, max_request_bytes: int, allowed_hosts) -> None:
+    """The `Guard` in front of `app` and its error answers
+    (`install_error_handlers`); `metrics` counts the refusals."""
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        metrics=metrics,
+        allowed_hosts=allowed_hosts,
+    )
+    install_error_handlers(app, metrics)
+
+
 def install_error_handlers(app: FastAPI, metrics) -> None:
     """Every refusal and failure as {"error": {"message", "type", "param",
     "code"}}: APIError as raised, Starlette's own 404 / 405, and any other

@@ -51,10 +51,9 @@ from jaxkv.entrypoints.openai.connections import (  # noqa: F401 - DrainingServe
 from jaxkv.entrypoints.openai.engine_loop import EngineLoop
 from jaxkv.entrypoints.openai.guard import (
     DEFAULT_MAX_REQUEST_BYTES,
-    Guard,
     check_api_key,
     default_allowed_hosts,
-    install_error_handlers,
+    protect,
     read_json,
 )
 from jaxkv.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -180,14 +179,7 @@ def build_app(
     app.state.engine_loop = loop
     app.state.handoff = handoff
     app.state.metrics = metrics
-    app.add_middleware(
-        Guard,
-        api_key=api_key,
-        max_request_bytes=max_request_bytes,
-        metrics=metrics,
-        allowed_hosts=allowed_hosts,
-    )
-    install_error_handlers(app, metrics)
+    protect(app, metrics, api_key, max_request_bytes, allowed_hosts)
 
     async def body(request: Request):
         router_routes.check_rank_header(request)
